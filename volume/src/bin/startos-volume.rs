@@ -1,0 +1,256 @@
+//! `startos-volume`: package volumes by hand, for operators and tests.
+//!
+//! Exit 0 on success. On any error, one line on stderr naming the package,
+//! path and cause, exit 1, and nothing changed on disk beyond what recovery of
+//! an earlier crash had to finish.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "startos-volume",
+    version,
+    about = "StartOS package volumes on btrfs subvolumes"
+)]
+struct Cli {
+    /// The package volumes directory.
+    #[arg(long, global = true, default_value_os_t = volume::default_root())]
+    root: PathBuf,
+    /// Print machine-readable JSON on stdout.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create PKG's volume (a subvolume on btrfs) with the given volume dirs.
+    Create {
+        /// Package id.
+        pkg: String,
+        /// Volume ids to create under data/.
+        volumes: Vec<String>,
+    },
+    /// Take PKG's install backup (a read-only snapshot).
+    Snapshot {
+        /// Package id.
+        pkg: String,
+    },
+    /// Roll PKG back to its install backup, atomically.
+    Restore {
+        /// Package id.
+        pkg: String,
+    },
+    /// Drop PKG's install backup.
+    Drop {
+        /// Package id.
+        pkg: String,
+    },
+    /// Delete PKG's volume and backup (uninstall).
+    Delete {
+        /// Package id.
+        pkg: String,
+    },
+    /// List package volumes and backups.
+    List,
+    /// Finish or undo operations interrupted by a crash (all packages, or PKG).
+    Recover {
+        /// Package id.
+        pkg: Option<String>,
+    },
+}
+
+#[cfg(target_os = "linux")]
+mod run {
+    use serde_json::json;
+    use volume::{Error, PackageId, SnapshotOutcome, VolumeId, VolumeKind, VolumeStore};
+
+    use super::*;
+
+    fn pkg(s: &str) -> Result<PackageId, Error> {
+        Ok(s.parse::<PackageId>()?)
+    }
+
+    fn kind(k: Option<VolumeKind>) -> &'static str {
+        match k {
+            Some(VolumeKind::Subvolume) => "subvolume",
+            Some(VolumeKind::Directory) => "directory",
+            None => "-",
+        }
+    }
+
+    fn emit(json: bool, value: serde_json::Value, human: String) {
+        if json {
+            println!("{value}");
+        } else {
+            println!("{human}");
+        }
+    }
+
+    /// A command whose arguments have all been validated.
+    enum Op {
+        Create(PackageId, Vec<VolumeId>),
+        Snapshot(PackageId),
+        Restore(PackageId),
+        Drop(PackageId),
+        Delete(PackageId),
+        List,
+        Recover(Option<PackageId>),
+    }
+
+    /// Checks every argument before anything touches the disk.
+    fn validate(command: Command) -> Result<Op, Error> {
+        Ok(match command {
+            Command::Create { pkg: p, volumes } => Op::Create(
+                pkg(&p)?,
+                volumes
+                    .iter()
+                    .map(|v| v.parse::<VolumeId>())
+                    .collect::<Result<_, _>>()?,
+            ),
+            Command::Snapshot { pkg: p } => Op::Snapshot(pkg(&p)?),
+            Command::Restore { pkg: p } => Op::Restore(pkg(&p)?),
+            Command::Drop { pkg: p } => Op::Drop(pkg(&p)?),
+            Command::Delete { pkg: p } => Op::Delete(pkg(&p)?),
+            Command::List => Op::List,
+            Command::Recover { pkg: p } => Op::Recover(p.as_deref().map(pkg).transpose()?),
+        })
+    }
+
+    pub fn run(cli: Cli) -> Result<(), Error> {
+        let op = validate(cli.command)?;
+        let json = cli.json;
+        // Only `list` (and a full `recover`, through recover_all below) waits
+        // on every package's lock; an operation on one package recovers just
+        // that package. `recover` must not recover while opening, or it would
+        // have nothing left to report.
+        let store = match op {
+            Op::List => VolumeStore::open(&cli.root)?,
+            _ => VolumeStore::open_without_recovery(&cli.root)?,
+        };
+        match op {
+            Op::Create(p, volumes) => {
+                let k = store.create(&p, &volumes)?;
+                let path = store.volume_path(&p);
+                emit(
+                    json,
+                    json!({"package": p, "volume": k, "path": path}),
+                    format!("created {} ({})", path.display(), kind(Some(k))),
+                );
+            }
+            Op::Snapshot(p) => {
+                let outcome = store.snapshot(&p)?;
+                let human = match &outcome {
+                    SnapshotOutcome::Snapshot => {
+                        format!("snapshot {}", store.backup_path(&p).display())
+                    }
+                    SnapshotOutcome::ReflinkCopy { extents } => format!(
+                        "reflink copy {} ({extents} extents)",
+                        store.backup_path(&p).display()
+                    ),
+                    SnapshotOutcome::Skipped { reason } => format!("no backup for {p}: {reason}"),
+                    SnapshotOutcome::NoVolume => format!("no volume for {p}: nothing to back up"),
+                };
+                emit(
+                    json,
+                    json!({"package": p, "backup": outcome, "created": outcome.created()}),
+                    human,
+                );
+            }
+            Op::Restore(p) => {
+                let restored = store.restore(&p)?;
+                let human = if restored {
+                    format!(
+                        "restored {} from its install backup",
+                        store.volume_path(&p).display()
+                    )
+                } else {
+                    format!("no install backup for {p}: nothing restored")
+                };
+                emit(json, json!({"package": p, "restored": restored}), human);
+            }
+            Op::Drop(p) => {
+                let dropped = store.drop_backup(&p)?;
+                let human = if dropped {
+                    format!("dropped the install backup of {p}")
+                } else {
+                    format!("no install backup for {p}")
+                };
+                emit(json, json!({"package": p, "dropped": dropped}), human);
+            }
+            Op::Delete(p) => {
+                let deleted = store.delete(&p)?;
+                let human = if deleted {
+                    format!("deleted the volume of {p}")
+                } else {
+                    format!("no volume for {p}")
+                };
+                emit(json, json!({"package": p, "deleted": deleted}), human);
+            }
+            Op::List => {
+                let list = store.list()?;
+                if json {
+                    println!("{}", json!(list));
+                } else {
+                    println!("{:<32} {:<10} {:<10}", "PACKAGE", "VOLUME", "BACKUP");
+                    for v in list {
+                        println!(
+                            "{:<32} {:<10} {:<10}",
+                            v.package.as_str(),
+                            kind(v.volume),
+                            kind(v.backup)
+                        );
+                    }
+                }
+            }
+            Op::Recover(target) => {
+                let done = match &target {
+                    Some(p) => vec![store.recover(p)?],
+                    None => store.recover_all()?,
+                };
+                if json {
+                    println!("{}", json!(done));
+                } else {
+                    for r in &done {
+                        for a in &r.actions {
+                            println!("{}: {a}", r.package);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .without_time()
+        .with_target(false)
+        .init();
+    let cli = Cli::parse();
+    #[cfg(target_os = "linux")]
+    match run::run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("startos-volume: {e}");
+            ExitCode::FAILURE
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = cli;
+        eprintln!("startos-volume: package volumes are only supported on Linux");
+        ExitCode::FAILURE
+    }
+}

@@ -1,0 +1,396 @@
+//! The `startos-volume` binary, end to end, on loop-mounted filesystems.
+//!
+//! Every subcommand in text and `--json` form, and the promise for failures: exit
+//! non-zero, exactly one line on stderr naming the problem, nothing changed on disk.
+
+use std::ffi::OsStr;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use integration::{LoopFs, TreeDigest, fs_or_skip, run, tree_digest};
+use serde_json::{Value, json};
+
+const BIN: &str = env!("CARGO_BIN_EXE_startos-volume");
+
+fn startos_volume(root: &OsStr, args: &[&str]) -> Output {
+    Command::new(BIN)
+        .arg("--root")
+        .arg(root)
+        .args(args)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .output()
+        .expect("running startos-volume")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Runs a command that must succeed quietly and returns its stdout.
+#[track_caller]
+fn ok(root: &Path, args: &[&str]) -> String {
+    let out = startos_volume(root.as_os_str(), args);
+    assert!(
+        out.status.success(),
+        "startos-volume {args:?} failed ({}): {}",
+        out.status,
+        text(&out.stderr)
+    );
+    assert_eq!(
+        text(&out.stderr),
+        "",
+        "startos-volume {args:?} wrote to stderr"
+    );
+    text(&out.stdout)
+}
+
+/// Runs a command with `--json` that must succeed and print one JSON document.
+#[track_caller]
+fn ok_json(root: &Path, args: &[&str]) -> Value {
+    let mut with_json = vec!["--json"];
+    with_json.extend_from_slice(args);
+    let stdout = ok(root, &with_json);
+    assert_eq!(stdout.lines().count(), 1, "one line of JSON: {stdout:?}");
+    serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{args:?}: bad JSON {stdout:?}: {e}"))
+}
+
+/// Runs a command that must fail with exactly one line on stderr containing
+/// `needle`, and print nothing on stdout.
+#[track_caller]
+fn fails(root: &OsStr, args: &[&str], needle: &str) -> String {
+    let out = startos_volume(root, args);
+    let stderr = text(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "startos-volume {args:?} must fail; stdout: {}",
+        text(&out.stdout)
+    );
+    assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+    assert_eq!(text(&out.stdout), "", "{args:?}: nothing on stdout");
+    assert_eq!(
+        stderr.lines().count(),
+        1,
+        "{args:?}: exactly one line on stderr, got {stderr:?}"
+    );
+    assert!(
+        stderr.starts_with("startos-volume: "),
+        "{args:?}: {stderr:?}"
+    );
+    assert!(
+        stderr.contains(needle),
+        "{args:?}: stderr must name {needle:?}: {stderr:?}"
+    );
+    stderr
+}
+
+fn volumes_root(fs: &LoopFs) -> PathBuf {
+    let root = fs.path("volumes");
+    fs::create_dir(&root).expect("mkdir volumes");
+    root
+}
+
+fn digest(path: &Path) -> TreeDigest {
+    tree_digest(path).unwrap_or_else(|e| panic!("digest of {}: {e}", path.display()))
+}
+
+#[track_caller]
+fn assert_unchanged(before: &TreeDigest, root: &Path, what: &str) {
+    let diff = before.diff(&digest(root));
+    assert!(
+        diff.is_empty(),
+        "{what} changed the root:\n  {}",
+        diff.join("\n  ")
+    );
+}
+
+#[test]
+fn every_subcommand_in_text_and_json() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
+    let root = volumes_root(&fs);
+    let canon = root.canonicalize().unwrap();
+
+    // create
+    let out = ok(&root, &["create", "app", "main", "extra"]);
+    assert_eq!(
+        out,
+        format!("created {} (subvolume)\n", canon.join("app").display())
+    );
+    assert!(root.join("app/data/main").is_dir() && root.join("app/data/extra").is_dir());
+    let v = ok_json(&root, &["create", "db", "main"]);
+    assert_eq!(
+        v,
+        json!({"package": "db", "volume": "subvolume", "path": canon.join("db")})
+    );
+    fs::write(root.join("app/data/main/state"), b"v1").unwrap();
+    fs::write(root.join("db/data/main/state"), b"v1").unwrap();
+
+    // snapshot
+    let out = ok(&root, &["snapshot", "app"]);
+    assert_eq!(
+        out,
+        format!("snapshot {}\n", canon.join("app.install-backup").display())
+    );
+    let v = ok_json(&root, &["snapshot", "db"]);
+    assert_eq!(
+        v,
+        json!({"package": "db", "backup": {"outcome": "snapshot"}, "created": true})
+    );
+    let v = ok_json(&root, &["snapshot", "fresh"]);
+    assert_eq!(
+        v,
+        json!({"package": "fresh", "backup": {"outcome": "no-volume"}, "created": false})
+    );
+    assert_eq!(
+        ok(&root, &["snapshot", "fresh"]),
+        "no volume for fresh: nothing to back up\n"
+    );
+
+    // list, --json after the subcommand too (a global flag)
+    let out = ok(&root, &["list"]);
+    let lines: Vec<Vec<&str>> = out
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(
+        lines,
+        [
+            vec!["PACKAGE", "VOLUME", "BACKUP"],
+            vec!["app", "subvolume", "subvolume"],
+            vec!["db", "subvolume", "subvolume"],
+        ],
+        "{out}"
+    );
+    let out = ok(&root, &["list", "--json"]);
+    let v: Value = serde_json::from_str(&out).expect("list --json");
+    assert_eq!(
+        v,
+        json!([
+            {"package": "app", "volume": "subvolume", "backup": "subvolume"},
+            {"package": "db", "volume": "subvolume", "backup": "subvolume"},
+        ])
+    );
+
+    // restore
+    fs::write(root.join("app/data/main/state"), b"v2").unwrap();
+    fs::write(root.join("db/data/main/state"), b"v2").unwrap();
+    let out = ok(&root, &["restore", "app"]);
+    assert_eq!(
+        out,
+        format!(
+            "restored {} from its install backup\n",
+            canon.join("app").display()
+        )
+    );
+    assert_eq!(fs::read(root.join("app/data/main/state")).unwrap(), b"v1");
+    assert_eq!(
+        ok_json(&root, &["restore", "db"]),
+        json!({"package": "db", "restored": true})
+    );
+    assert_eq!(fs::read(root.join("db/data/main/state")).unwrap(), b"v1");
+    assert_eq!(
+        ok_json(&root, &["restore", "db"]),
+        json!({"package": "db", "restored": false})
+    );
+    assert_eq!(
+        ok(&root, &["restore", "db"]),
+        "no install backup for db: nothing restored\n"
+    );
+    assert!(!root.join("app.install-backup").exists());
+
+    // drop
+    ok(&root, &["snapshot", "app"]);
+    ok(&root, &["snapshot", "db"]);
+    assert_eq!(
+        ok(&root, &["drop", "app"]),
+        "dropped the install backup of app\n"
+    );
+    assert_eq!(ok(&root, &["drop", "app"]), "no install backup for app\n");
+    assert_eq!(
+        ok_json(&root, &["drop", "db"]),
+        json!({"package": "db", "dropped": true})
+    );
+    assert_eq!(
+        ok_json(&root, &["drop", "db"]),
+        json!({"package": "db", "dropped": false})
+    );
+    assert!(!root.join("app.install-backup").exists() && !root.join("db.install-backup").exists());
+
+    // recover: nothing to do, then something
+    assert_eq!(ok(&root, &["recover"]), "");
+    assert_eq!(ok_json(&root, &["recover"]), json!([]));
+    assert_eq!(
+        ok_json(&root, &["recover", "app"]),
+        json!([{"package": "app", "actions": []}])
+    );
+    fs::create_dir(root.join("app.install-backup.tmp")).unwrap();
+    fs::write(root.join("app.install-backup.tmp/partial"), b"x").unwrap();
+    // Recovery logs what it did as a warning on stderr, so not `ok`.
+    let mut cmd = Command::new(BIN);
+    let out = run(cmd.args(["--json", "--root"]).arg(&root).arg("recover")).expect("recover");
+    let v: Value = serde_json::from_slice(&out.stdout).expect("recover --json");
+    assert_eq!(
+        v,
+        json!([{"package": "app", "actions": ["deleted an incomplete install backup"]}])
+    );
+    assert!(!root.join("app.install-backup.tmp").exists());
+    fs::create_dir(root.join("db.install-backup.tmp")).unwrap();
+    let out = run(Command::new(BIN)
+        .arg("--root")
+        .arg(&root)
+        .args(["recover", "db"]))
+    .expect("recover db");
+    assert_eq!(
+        text(&out.stdout),
+        "db: deleted an incomplete install backup\n"
+    );
+    assert!(!root.join("db.install-backup.tmp").exists());
+
+    // delete
+    ok(&root, &["snapshot", "app"]);
+    assert_eq!(ok(&root, &["delete", "app"]), "deleted the volume of app\n");
+    assert_eq!(ok(&root, &["delete", "app"]), "no volume for app\n");
+    assert_eq!(
+        ok_json(&root, &["delete", "db"]),
+        json!({"package": "db", "deleted": true})
+    );
+    assert_eq!(
+        ok_json(&root, &["delete", "db"]),
+        json!({"package": "db", "deleted": false})
+    );
+    assert_eq!(ok_json(&root, &["list"]), json!([]));
+    assert_eq!(ok(&root, &["list"]).lines().count(), 1, "just the header");
+    let left: Vec<_> = fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.ends_with(".lock"))
+        .collect();
+    assert!(left.is_empty(), "left in the root: {left:?}");
+}
+
+#[test]
+fn snapshot_on_ext4_reports_the_skip() {
+    let fs = fs_or_skip!(LoopFs::ext4(64 << 20));
+    let root = volumes_root(&fs);
+    assert_eq!(
+        ok_json(&root, &["create", "app", "main"])["volume"],
+        json!("directory")
+    );
+    let out = startos_volume(root.as_os_str(), &["--json", "snapshot", "app"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).expect("snapshot --json");
+    assert_eq!(v["created"], json!(false), "{v}");
+    assert_eq!(v["backup"]["outcome"], json!("skipped"), "{v}");
+    assert!(
+        v["backup"]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("not on btrfs")),
+        "{v}"
+    );
+    // The skip is also a warning on stderr, naming the package.
+    assert!(text(&out.stderr).contains("app"), "{}", text(&out.stderr));
+    assert!(!root.join("app.install-backup").exists());
+}
+
+#[test]
+fn bad_input_fails_with_one_line_and_changes_nothing() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
+    let root = volumes_root(&fs);
+    ok(&root, &["create", "app", "main"]);
+    fs::write(root.join("app/data/main/state"), b"v1").unwrap();
+    ok(&root, &["snapshot", "app"]);
+    let before = digest(&root);
+
+    let r = root.as_os_str();
+    for (args, needle) in [
+        (&["create", "Bad.Id", "main"][..], "\"Bad.Id\""),
+        (&["snapshot", "Bad.Id"], "\"Bad.Id\""),
+        (&["restore", "../x"], "\"../x\""),
+        (&["drop", "../x"], "\"../x\""),
+        (&["delete", ""], "invalid id \"\""),
+        (&["recover", "app.install-backup"], "\"app.install-backup\""),
+        (&["create", "app", "main", "Bad_Vol"], "\"Bad_Vol\""),
+        (&["create", "app", "../../etc"], "\"../../etc\""),
+    ] {
+        fails(r, args, needle);
+        assert_unchanged(&before, &root, &format!("{args:?}"));
+    }
+
+    let missing = fs.path("no-such-dir");
+    let m = missing.display().to_string();
+    fails(missing.as_os_str(), &["list"], &m);
+    fails(missing.as_os_str(), &["create", "app", "main"], &m);
+    assert!(!missing.exists(), "a missing root must not be created");
+
+    let file = fs.path("a-file");
+    fs::write(&file, b"not a directory").unwrap();
+    let f = file.display().to_string();
+    fails(file.as_os_str(), &["list"], &f);
+    fails(file.as_os_str(), &["create", "app", "main"], &f);
+    assert_eq!(fs::read(&file).unwrap(), b"not a directory");
+    assert_unchanged(&before, &root, "bad roots");
+}
+
+/// A bind mount made by the test, undone even if the test fails.
+struct Bind(Option<PathBuf>);
+
+impl Bind {
+    fn new(source: &Path, target: &Path) -> Bind {
+        fs::create_dir_all(target).unwrap();
+        run(Command::new("mount").arg("--bind").arg(source).arg(target)).expect("mount --bind");
+        Bind(Some(target.to_path_buf()))
+    }
+
+    fn unmount(mut self) {
+        if let Some(target) = self.0.take() {
+            run(Command::new("umount").arg(&target)).expect("umount");
+        }
+    }
+}
+
+impl Drop for Bind {
+    fn drop(&mut self) {
+        if let Some(target) = self.0.take() {
+            let _ = Command::new("umount").arg("-l").arg(target).output();
+        }
+    }
+}
+
+#[test]
+fn busy_volume_and_existing_backup_fail_with_one_line() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
+    let root = volumes_root(&fs);
+    ok(&root, &["create", "app", "main"]);
+    fs::write(root.join("app/data/main/state"), b"v1").unwrap();
+    ok(&root, &["snapshot", "app"]);
+    fs::write(root.join("app/data/main/state"), b"v2").unwrap();
+    let before = digest(&root);
+
+    // snapshot over an existing backup
+    let backup = root.canonicalize().unwrap().join("app.install-backup");
+    let line = fails(
+        root.as_os_str(),
+        &["snapshot", "app"],
+        &backup.display().to_string(),
+    );
+    assert!(line.contains("Incoherent"), "{line}");
+    assert_unchanged(&before, &root, "a refused snapshot");
+
+    // restore and delete of a bind-mounted volume
+    let target = fs.path("container/rootfs/data");
+    let bind = Bind::new(&root.join("app/data/main"), &target);
+    let t = target.display().to_string();
+    for op in ["restore", "delete"] {
+        let line = fails(root.as_os_str(), &[op, "app"], &t);
+        assert!(line.contains("app"), "{line}");
+        assert_unchanged(&before, &root, &format!("a refused {op}"));
+    }
+    bind.unmount();
+
+    assert_eq!(
+        ok_json(&root, &["restore", "app"]),
+        json!({"package": "app", "restored": true})
+    );
+    assert_eq!(fs::read(root.join("app/data/main/state")).unwrap(), b"v1");
+}
