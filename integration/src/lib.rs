@@ -1,0 +1,29 @@
+//! Test harness for package volumes on real filesystems.
+//!
+//! Tests here run against loop-mounted btrfs and ext4 images rather than mocks, since
+//! what is under test (subvolume snapshots, reflinks, `renameat2` across subvolumes,
+//! crash recovery) is kernel behaviour. The harness provides:
+//!
+//! - [`LoopFs`]: a scratch filesystem that is unmounted and detached on drop, and
+//!   [`fs_or_skip!`] to skip (or, under `CI=true`, fail) where that is impossible;
+//! - [`make_fragmented_file`]: a database-like file with hundreds of thousands of
+//!   extents, built in seconds, and [`extent_count`];
+//! - [`tree_digest`]: a comparable record of a tree's content and metadata;
+//! - [`run`] and [`sh`]: external commands whose failures carry their stderr.
+//!
+//! Everything here needs Linux; most of it needs root.
+
+#![warn(missing_docs)]
+
+mod cmd;
+mod fixture;
+mod frag;
+mod tree;
+
+pub use cmd::{run, sh};
+pub use fixture::{
+    FsKind, LoopFs, LoopFsBuilder, TMPDIR_ENV, check_support, in_ci, is_mounted,
+    require_root_and_loop, require_support, skip_or_fail, skip_or_panic,
+};
+pub use frag::{extent_count, make_fragmented_file};
+pub use tree::{Entry, Kind, Subvolume, Timestamp, TreeDigest, sha256_file, tree_digest};

@@ -1,0 +1,304 @@
+//! Helpers shared by the `volume` test files (`volume_ops.rs`, `volume_crash.rs`).
+//!
+//! Each test file compiles this module on its own and uses a different subset.
+#![allow(dead_code)]
+
+use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::{FileExt, symlink};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use integration::{LoopFs, Subvolume, TreeDigest, run, tree_digest};
+use volume::{PackageId, VolumeId};
+
+pub const MIB: u64 = 1 << 20;
+/// Every btrfs test filesystem: small (the image is sparse), so many fit in parallel.
+pub const BTRFS_SIZE: u64 = 512 * MIB;
+
+/// Name suffixes that only exist while an operation is in flight. None may be left
+/// under the volumes root once an operation (or recovery) has returned.
+pub const TRANSIENT_SUFFIXES: &[&str] = &[
+    ".rollback",
+    ".install-backup.tmp",
+    ".install-backup.drop",
+    ".delete",
+];
+
+/// The completion marker a restore puts at the top of its rollback copy.
+pub const ROLLBACK_MARKER: &str = ".startos-rollback-complete";
+
+pub fn pkg(id: &str) -> PackageId {
+    id.parse()
+        .unwrap_or_else(|e| panic!("test package id {id:?}: {e}"))
+}
+
+pub fn vol(id: &str) -> VolumeId {
+    id.parse()
+        .unwrap_or_else(|e| panic!("test volume id {id:?}: {e}"))
+}
+
+/// `<mount point>/volumes`, created: the store's root, like upstream's
+/// `package-data/volumes` on the data filesystem.
+pub fn volumes_root(fs: &LoopFs) -> PathBuf {
+    let root = fs.path("volumes");
+    fs::create_dir_all(&root).expect("creating the volumes root");
+    root
+}
+
+/// `btrfs subvolume create <path>`, as a package's own process could do.
+pub fn subvolume_create(path: &Path) {
+    run(Command::new("btrfs")
+        .args(["subvolume", "create"])
+        .arg(path))
+    .unwrap_or_else(|e| panic!("btrfs subvolume create {}: {e}", path.display()));
+}
+
+/// Whether `path` is a read-only subvolume, as `btrfs property get` reports it.
+pub fn is_read_only(path: &Path) -> bool {
+    let out = run(Command::new("btrfs")
+        .args(["property", "get", "-ts"])
+        .arg(path)
+        .arg("ro"))
+    .unwrap_or_else(|e| panic!("btrfs property get {}: {e}", path.display()));
+    let text = String::from_utf8_lossy(&out.stdout);
+    match text.trim() {
+        "ro=true" => true,
+        "ro=false" => false,
+        other => panic!("unexpected `btrfs property get ro` output for {path:?}: {other:?}"),
+    }
+}
+
+/// Paths (relative to the mount point) of every subvolume that `btrfs subvolume
+/// list` shows for package `id`: its volume, backup or any transient name, and
+/// anything nested in them.
+pub fn package_subvolumes(fs: &LoopFs, id: &str) -> Vec<String> {
+    let out = run(Command::new("btrfs")
+        .args(["subvolume", "list"])
+        .arg(fs.mount_point()))
+    .expect("btrfs subvolume list");
+    let live = format!("volumes/{id}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| line.split_once(" path ").map(|(_, p)| p.to_owned()))
+        .filter(|p| {
+            p == &live || p.starts_with(&format!("{live}/")) || p.starts_with(&format!("{live}."))
+        })
+        .collect()
+}
+
+/// Names in the volumes root, sorted.
+pub fn root_names(root: &Path) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(root)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", root.display()))
+        .map(|e| {
+            e.expect("reading a directory entry")
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    names.sort();
+    names
+}
+
+/// Transient names (see [`TRANSIENT_SUFFIXES`]) left in the volumes root.
+pub fn transient_names(root: &Path) -> Vec<String> {
+    root_names(root)
+        .into_iter()
+        .filter(|n| TRANSIENT_SUFFIXES.iter().any(|s| n.ends_with(s)))
+        .collect()
+}
+
+#[track_caller]
+pub fn assert_no_transient_names(root: &Path, when: &str) {
+    let left = transient_names(root);
+    assert!(
+        left.is_empty(),
+        "{when}: transient names left in {}: {left:?}",
+        root.display()
+    );
+}
+
+/// A digest of a volume for comparing its content across snapshot, restore and
+/// crash recovery.
+///
+/// Everything is compared (content, types, modes, owners, xattrs, hard links, file
+/// and directory mtimes, which directories are subvolumes) except the mtimes of two
+/// kinds of directories, which the operations under test legitimately touch:
+/// - the volume's top directory: a restore creates its completion marker there and
+///   removes it again as its last step, and each is a directory modification;
+/// - the direct parent of a nested subvolume: a snapshot shows a nested subvolume as
+///   an empty placeholder, and the recursive snapshot replaces that placeholder
+///   (rmdir, then a snapshot of the nested subvolume under the same name), which
+///   updates the parent's mtime inside the new snapshot.
+///
+/// Any other directory mtime, and every file mtime, must survive unchanged.
+pub fn comparable(mut digest: TreeDigest) -> TreeDigest {
+    let parents: Vec<Vec<u8>> = digest
+        .entries()
+        .iter()
+        .filter(|(path, e)| !path.is_empty() && e.subvolume != Subvolume::No)
+        .map(|(path, _)| match path.iter().rposition(|&b| b == b'/') {
+            Some(i) => path[..i].to_vec(),
+            None => Vec::new(),
+        })
+        .collect();
+    let entries = digest.entries_mut();
+    for p in parents.iter().chain(std::iter::once(&Vec::new())) {
+        if let Some(e) = entries.get_mut(p) {
+            e.mtime = None;
+        }
+    }
+    digest
+}
+
+/// [`comparable`] digest of the tree at `path`.
+pub fn digest(path: &Path) -> TreeDigest {
+    comparable(tree_digest(path).unwrap_or_else(|e| panic!("digest of {}: {e}", path.display())))
+}
+
+/// Raw digest (nothing ignored) of the tree at `path`.
+pub fn raw_digest(path: &Path) -> TreeDigest {
+    tree_digest(path).unwrap_or_else(|e| panic!("digest of {}: {e}", path.display()))
+}
+
+#[track_caller]
+pub fn assert_same(expected: &TreeDigest, actual: &TreeDigest, what: &str) {
+    let diff = expected.diff(actual);
+    assert!(
+        diff.is_empty(),
+        "{what}: trees differ (left = expected, right = actual):\n  {}",
+        diff.join("\n  ")
+    );
+}
+
+/// Deterministic, incompressible-looking bytes.
+pub fn bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+fn write(path: &Path, data: &[u8]) {
+    fs::write(path, data).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+}
+
+fn mkdir(path: &Path) {
+    fs::create_dir_all(path).unwrap_or_else(|e| panic!("mkdir {}: {e}", path.display()));
+}
+
+/// Fills a package volume (`<root>/<pkg>`, with `data/main` already there) the way
+/// a service would: files, a subdirectory, a hard link, a symlink, the data version,
+/// a second volume, and, on btrfs with `nested`, a subvolume the package made inside
+/// its data (`data/main/nested`) with another one two levels down
+/// (`data/main/nested/deeper/inner`).
+pub fn populate_volume(vol: &Path, nested: bool) {
+    let main = vol.join("data/main");
+    write(&vol.join("data/.version"), b"0.3.5\n");
+    write(&main.join("config.toml"), b"[server]\nport = 8080\n");
+    mkdir(&main.join("db"));
+    write(&main.join("db/data.mdb"), &bytes(1, 300_000));
+    write(&main.join("db/lock.mdb"), &bytes(2, 8192));
+    fs::hard_link(main.join("db/data.mdb"), main.join("db/data.mdb.link"))
+        .expect("hard link in the volume");
+    symlink("db/data.mdb", main.join("current")).expect("symlink in the volume");
+    mkdir(&vol.join("data/other"));
+    write(&vol.join("data/other/notes"), b"other volume\n");
+    if nested {
+        subvolume_create(&main.join("nested"));
+        write(&main.join("nested/blob"), &bytes(3, 200_000));
+        mkdir(&main.join("nested/deeper"));
+        subvolume_create(&main.join("nested/deeper/inner"));
+        write(&main.join("nested/deeper/inner/wal"), &bytes(4, 50_000));
+    }
+}
+
+/// Changes a volume filled by [`populate_volume`]: a file rewritten, one added, one
+/// removed, in the top subvolume and, with `nested`, in both nested ones.
+pub fn modify_volume(vol: &Path, nested: bool) {
+    let main = vol.join("data/main");
+    write(&main.join("config.toml"), b"[server]\nport = 9090\n");
+    write(&main.join("new-after-snapshot"), b"new\n");
+    fs::remove_file(main.join("db/lock.mdb")).expect("removing a file");
+    let f = OpenOptions::new()
+        .write(true)
+        .open(main.join("db/data.mdb"))
+        .expect("opening data.mdb");
+    f.write_all_at(b"rewritten page", 4096)
+        .expect("rewriting a page");
+    fs::remove_file(vol.join("data/other/notes")).expect("removing notes");
+    if nested {
+        write(&main.join("nested/added"), b"added\n");
+        write(&main.join("nested/deeper/inner/wal"), &bytes(5, 60_000));
+        fs::remove_file(main.join("nested/blob")).expect("removing blob");
+    }
+}
+
+/// Writes and reads back a file at `path`, proving its directory is writable.
+#[track_caller]
+pub fn assert_writable(dir: &Path) {
+    let probe = dir.join("writable-probe");
+    let mut f =
+        File::create(&probe).unwrap_or_else(|e| panic!("{} must be writable: {e}", dir.display()));
+    std::io::Write::write_all(&mut f, b"probe").expect("writing the probe");
+    drop(f);
+    assert_eq!(fs::read(&probe).expect("reading the probe"), b"probe");
+    fs::remove_file(&probe).expect("removing the probe");
+}
+
+/// A mount made by a test, unmounted (lazily if need be) when dropped, so that a
+/// failing test never leaves it behind to block the loop filesystem's teardown.
+pub struct MountGuard {
+    target: PathBuf,
+    mounted: bool,
+}
+
+impl MountGuard {
+    /// `mount --bind <source> <target>`; creates `target`.
+    pub fn bind(source: &Path, target: &Path) -> Self {
+        mkdir(target);
+        run(Command::new("mount").arg("--bind").arg(source).arg(target))
+            .unwrap_or_else(|e| panic!("bind mount: {e}"));
+        MountGuard {
+            target: target.to_path_buf(),
+            mounted: true,
+        }
+    }
+
+    /// A small tmpfs at `target`; creates `target`.
+    pub fn tmpfs(target: &Path) -> Self {
+        mkdir(target);
+        run(Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+            .arg(target))
+        .unwrap_or_else(|e| panic!("tmpfs mount: {e}"));
+        MountGuard {
+            target: target.to_path_buf(),
+            mounted: true,
+        }
+    }
+
+    pub fn target(&self) -> &Path {
+        &self.target
+    }
+
+    pub fn unmount(mut self) {
+        run(Command::new("umount").arg(&self.target))
+            .unwrap_or_else(|e| panic!("umount {}: {e}", self.target.display()));
+        self.mounted = false;
+    }
+}
+
+impl Drop for MountGuard {
+    fn drop(&mut self) {
+        if self.mounted {
+            let _ = Command::new("umount").arg("-l").arg(&self.target).output();
+        }
+    }
+}
