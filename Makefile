@@ -1,0 +1,58 @@
+# Developer and CI entry points. CI runs `make test` through .ci/run.
+
+SHELL := /bin/bash
+CARGO ?= cargo
+
+# Debian packages the workspace needs beyond the machine image: btrfs tools and
+# libbtrfsutil for the volume crate (libclang for its bindgen build step), compsize
+# to cross-check usage figures, e2fsprogs for the ext4 fallback tests, attr and acl
+# for the tests that set xattrs and ACLs.
+APT_PACKAGES := btrfs-progs libbtrfsutil-dev libclang-dev btrfs-compsize e2fsprogs attr acl
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
+
+# Extra arguments for the bench binary, e.g. `make bench BENCH_ARGS="--extents 500000"`.
+BENCH_ARGS ?=
+# Extra cargo arguments for `make test`, e.g. `CARGO_TEST_FLAGS=--release`.
+CARGO_TEST_FLAGS ?=
+
+.PHONY: all deps build fmt-check clippy test bench demo
+
+all: build
+
+# Skips apt entirely when everything is installed, so repeated runs cost milliseconds.
+# dpkg-query's status, rather than `dpkg -s` alone, because a removed package whose
+# config files remain still makes `dpkg -s` succeed.
+deps:
+	@missing=""; \
+	for pkg in $(APT_PACKAGES); do \
+		[ "$$(dpkg-query -W -f='$${db:Status-Abbrev}' "$$pkg" 2>/dev/null)" = "ii " ] \
+			|| missing="$$missing $$pkg"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		echo "deps: installing$$missing"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		$(SUDO) apt-get update -qq \
+			&& $(SUDO) apt-get install -y -qq $(APT_PACKAGES) >/dev/null; \
+	fi
+
+build: deps
+	$(CARGO) build --workspace --all-targets
+
+fmt-check:
+	$(CARGO) fmt --all -- --check
+
+clippy: deps
+	$(CARGO) clippy --workspace --all-targets --features volume/failpoints -- -D warnings
+
+# Loop-mounted test filesystems are private to each test, so test threads can run in
+# parallel; 4 keeps the 2-core machines busy while tests wait on I/O.
+# The crash tests SIGKILL the process at named steps: `failpoints` compiles those
+# steps in (a production build has none).
+test: deps fmt-check clippy
+	$(CARGO) test --workspace --features volume/failpoints $(CARGO_TEST_FLAGS) -- --test-threads=4
+
+bench: deps
+	$(CARGO) run --release -p integration --bin bench -- $(BENCH_ARGS)
+
+demo: deps
+	$(CARGO) run --release -p integration --bin demo
