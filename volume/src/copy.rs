@@ -203,19 +203,13 @@ pub fn clear_undeletable_flags(dir: BorrowedFd<'_>) -> io::Result<()> {
         Ok(())
     }
     clear(dir)?;
-    for (name, mut ty, _) in sys::read_dir_names(dir)? {
-        if ty == FileType::Unknown {
-            match sys::stat_at(dir, &name)? {
-                Some(st) => ty = st.file_type,
-                None => continue,
-            }
-        }
-        match ty {
-            FileType::Directory => {
+    for (name, ty, _) in sys::read_dir_names(dir)? {
+        match crate::walk::entry_type(dir, &name, ty)? {
+            Some(FileType::Directory) => {
                 let sub = sys::open_dir_at(dir, &name)?;
                 clear_undeletable_flags(sub.as_fd())?;
             }
-            FileType::RegularFile => {
+            Some(FileType::RegularFile) => {
                 let file = rustix::fs::openat(
                     dir,
                     &name,

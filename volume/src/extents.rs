@@ -7,44 +7,38 @@
 //! most `limit + 1` items read, not a full scan.
 
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::ops::ControlFlow;
+use std::os::fd::BorrowedFd;
 
-use rustix::fs::FileType;
-
-use crate::sys;
+use crate::sys::{self, EXTENT_DATA_KEY, KeyRange};
+use crate::walk::{Visit, walk_files};
 
 /// Counts file extent items below the directory `dir`, never following a
 /// symlink, never opening anything but directories. Returns a number greater
 /// than `limit` as soon as one is certain (the exact total is then unknown).
 pub fn count_tree_extents(dir: BorrowedFd<'_>, limit: u64) -> io::Result<u64> {
-    let mut count = 0;
-    walk(dir, limit, &mut count)?;
+    let mut count = 0u64;
+    walk_files(dir, &mut |parent, ino| {
+        // The search runs in the subvolume of `parent`, which is the file's.
+        sys::search(
+            parent,
+            KeyRange::inode_items(ino, EXTENT_DATA_KEY),
+            |key, _| {
+                if key.item_type == EXTENT_DATA_KEY && key.objectid == ino {
+                    count += 1;
+                }
+                if count > limit {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                }
+            },
+        )?;
+        Ok(if count > limit {
+            Visit::Stop
+        } else {
+            Visit::Continue
+        })
+    })?;
     Ok(count)
-}
-
-fn walk(dir: BorrowedFd<'_>, limit: u64, count: &mut u64) -> io::Result<()> {
-    for (name, mut ty, ino) in sys::read_dir_names(dir)? {
-        if ty == FileType::Unknown {
-            match sys::stat_at(dir, &name)? {
-                Some(st) => ty = st.file_type,
-                None => continue,
-            }
-        }
-        match ty {
-            FileType::Directory => {
-                let sub = sys::open_dir_at(dir, &name)?;
-                walk(sub.as_fd(), limit, count)?;
-            }
-            FileType::RegularFile => {
-                // The search runs in the subvolume of `dir`, which is the
-                // file's own: a nested subvolume is a directory we descend.
-                *count += sys::count_file_extents(dir, ino, limit - *count)?;
-            }
-            _ => {}
-        }
-        if *count > limit {
-            return Ok(());
-        }
-    }
-    Ok(())
 }

@@ -31,6 +31,10 @@ mod mounts;
 mod store;
 #[cfg(target_os = "linux")]
 pub mod sys;
+#[cfg(target_os = "linux")]
+pub mod usage;
+#[cfg(target_os = "linux")]
+pub mod walk;
 
 pub use failpoint::FAILPOINT_ENV;
 #[cfg(target_os = "linux")]
@@ -38,6 +42,7 @@ pub use layout::INSTALL_BACKUP_SUFFIX;
 #[cfg(target_os = "linux")]
 pub use store::{
     DEFAULT_REFLINK_EXTENT_LIMIT, Recovery, SnapshotOutcome, VolumeInfo, VolumeKind, VolumeStore,
+    VolumeUsage,
 };
 
 /// Upstream's data directory.

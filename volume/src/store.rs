@@ -25,6 +25,7 @@ use crate::layout::{self, Names, ROLLBACK_MARKER};
 use crate::lock::PackageLock;
 use crate::mounts;
 use crate::sys;
+use crate::usage::{self, Split, Usage};
 
 /// Default bound on the extent count of a plain (not yet converted) volume
 /// directory for which a reflink backup is still taken. At the ~6.7 us per
@@ -80,6 +81,20 @@ pub struct VolumeInfo {
     pub volume: Option<VolumeKind>,
     /// How its install backup is stored; `None` if it has none.
     pub backup: Option<VolumeKind>,
+}
+
+/// Real space use of a package's volume and backup ([`VolumeStore::usage`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct VolumeUsage {
+    /// The package.
+    pub package: PackageId,
+    /// The live volume, nested subvolumes included; `None` if it has none.
+    pub volume: Option<Usage>,
+    /// The install backup; `None` if it has none.
+    pub backup: Option<Usage>,
+    /// With a backup: disk bytes held only by it (what dropping it frees),
+    /// only by the live volume, and by both.
+    pub split: Option<Split>,
 }
 
 /// What [`VolumeStore::recover`] found and did for one package.
@@ -764,6 +779,53 @@ impl VolumeStore {
         pkgs.sort();
         pkgs.dedup();
         Ok(pkgs)
+    }
+
+    /// Real space use of the package's volume and backup, read from their
+    /// file extent items (no qgroups), with the figures compsize prints, and
+    /// how the disk bytes split between the two. Read-only; waits for any
+    /// operation running on the package.
+    pub fn usage(&self, pkg: &PackageId) -> Result<VolumeUsage, Error> {
+        let names = Names::new(pkg);
+        let _lock = self.lock(pkg, &names)?;
+        let measure = |name: &OsStr| -> Result<Option<(Usage, usage::ExtentSet)>, Error> {
+            let io_ctx = |_: &io::Error| {
+                (
+                    ErrorKind::DiskManagement,
+                    ctx(pkg, format!("measuring {}", self.root.join(name).display())),
+                )
+            };
+            if self.kind_of(name).with_ctx(io_ctx)?.is_none() {
+                return Ok(None);
+            }
+            if !self.btrfs {
+                return Err(Error::new(
+                    eyre!(
+                        "{}",
+                        ctx(
+                            pkg,
+                            "space accounting needs btrfs; the volumes root is not on btrfs"
+                        )
+                    ),
+                    ErrorKind::InvalidRequest,
+                ));
+            }
+            let fd = sys::open_dir_at(self.root_fd(), name).with_ctx(io_ctx)?;
+            usage::tree_usage(fd.as_fd()).map(Some).with_ctx(io_ctx)
+        };
+        let volume = measure(&names.live)?;
+        let backup = measure(&names.backup)?;
+        let split = match (&volume, &backup) {
+            (Some((_, live)), Some((_, bak))) => Some(usage::split(live, bak)),
+            (None, Some((_, bak))) => Some(usage::split(&usage::ExtentSet::new(), bak)),
+            _ => None,
+        };
+        Ok(VolumeUsage {
+            package: pkg.clone(),
+            volume: volume.map(|(u, _)| u),
+            backup: backup.map(|(u, _)| u),
+            split,
+        })
     }
 
     /// Every package that has a volume or a backup, with how each is stored.

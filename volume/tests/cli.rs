@@ -156,21 +156,37 @@ fn every_subcommand_in_text_and_json() {
     assert_eq!(
         lines,
         [
-            vec!["PACKAGE", "VOLUME", "BACKUP"],
-            vec!["app", "subvolume", "subvolume"],
-            vec!["db", "subvolume", "subvolume"],
+            vec!["PACKAGE", "VOLUME", "BACKUP", "USAGE", "BACKUP-ONLY"],
+            vec!["app", "subvolume", "subvolume", "2B", "0B"],
+            vec!["db", "subvolume", "subvolume", "2B", "0B"],
         ],
         "{out}"
     );
     let out = ok(&root, &["list", "--json"]);
     let v: Value = serde_json::from_str(&out).expect("list --json");
-    assert_eq!(
-        v,
-        json!([
-            {"package": "app", "volume": "subvolume", "backup": "subvolume"},
-            {"package": "db", "volume": "subvolume", "backup": "subvolume"},
-        ])
+    let rows = v.as_array().expect("list --json is an array");
+    assert_eq!(rows.len(), 2, "{v}");
+    for (row, name) in rows.iter().zip(["app", "db"]) {
+        assert_eq!(row["package"], name);
+        assert_eq!(row["volume"], "subvolume");
+        assert_eq!(row["backup"], "subvolume");
+        // "v1" is stored inline: 2 bytes on disk, shared with the backup.
+        assert_eq!(row["usage"]["volume"]["total"]["disk"], 2, "{row}");
+        assert_eq!(row["usage"]["volume"]["inline"], 1, "{row}");
+        assert_eq!(row["usage"]["split"]["backup_only"], 0, "{row}");
+    }
+
+    // usage
+    let v = ok_json(&root, &["usage", "app"]);
+    assert_eq!(v["package"], "app");
+    assert_eq!(v["volume"]["files"], 1, "{v}");
+    assert_eq!(v["backup"]["files"], 1, "{v}");
+    let out = ok(&root, &["usage", "app"]);
+    assert!(
+        out.starts_with("volume: 1 files, 0 regular extents (0 refs), 1 inline\n"),
+        "{out}"
     );
+    assert!(out.contains("install backup: 1 files"), "{out}");
 
     // restore
     fs::write(root.join("app/data/main/state"), b"v2").unwrap();
@@ -291,6 +307,17 @@ fn snapshot_on_ext4_reports_the_skip() {
     // The skip is also a warning on stderr, naming the package.
     assert!(text(&out.stderr).contains("app"), "{}", text(&out.stderr));
     assert!(!root.join("app.install-backup").exists());
+
+    // Space accounting reads btrfs trees: off btrfs it says so, in one line,
+    // and `list` still works, without the usage figures.
+    fails(root.as_os_str(), &["usage", "app"], "not on btrfs");
+    let out = ok(&root, &["list"]);
+    assert!(
+        out.lines().nth(1).is_some_and(
+            |l| l.split_whitespace().collect::<Vec<_>>() == ["app", "directory", "-", "-", "-"]
+        ),
+        "{out}"
+    );
 }
 
 #[test]
@@ -312,6 +339,7 @@ fn bad_input_fails_with_one_line_and_changes_nothing() {
         (&["recover", "app.install-backup"], "\"app.install-backup\""),
         (&["create", "app", "main", "Bad_Vol"], "\"Bad_Vol\""),
         (&["create", "app", "../../etc"], "\"../../etc\""),
+        (&["usage", "Bad.Id"], "\"Bad.Id\""),
     ] {
         fails(r, args, needle);
         assert_unchanged(&before, &root, &format!("{args:?}"));

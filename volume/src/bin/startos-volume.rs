@@ -55,8 +55,13 @@ enum Command {
         /// Package id.
         pkg: String,
     },
-    /// List package volumes and backups.
+    /// List package volumes and backups, with the disk space each volume uses.
     List,
+    /// Real space use of PKG's volume and backup (compsize's figures, no qgroups).
+    Usage {
+        /// Package id.
+        pkg: String,
+    },
     /// Finish or undo operations interrupted by a crash (all packages, or PKG).
     Recover {
         /// Package id.
@@ -67,7 +72,10 @@ enum Command {
 #[cfg(target_os = "linux")]
 mod run {
     use serde_json::json;
-    use volume::{Error, PackageId, SnapshotOutcome, VolumeId, VolumeKind, VolumeStore};
+    use volume::usage::Usage;
+    use volume::{
+        Error, PackageId, SnapshotOutcome, VolumeId, VolumeKind, VolumeStore, VolumeUsage,
+    };
 
     use super::*;
 
@@ -80,6 +88,66 @@ mod run {
             Some(VolumeKind::Subvolume) => "subvolume",
             Some(VolumeKind::Directory) => "directory",
             None => "-",
+        }
+    }
+
+    /// Binary units with one decimal and no space, so a table column stays one word.
+    fn human(bytes: u64) -> String {
+        const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+        let mut value = bytes as f64;
+        let mut unit = 0;
+        while value >= 1024.0 && unit + 1 < UNITS.len() {
+            value /= 1024.0;
+            unit += 1;
+        }
+        if unit == 0 {
+            format!("{bytes}B")
+        } else {
+            format!("{value:.1}{}", UNITS[unit])
+        }
+    }
+
+    fn print_table(title: &str, u: &Usage) {
+        println!(
+            "{title}: {} files, {} regular extents ({} refs), {} inline",
+            u.files, u.extents, u.refs, u.inline
+        );
+        println!(
+            "  {:<10} {:>5} {:>12} {:>12} {:>12}",
+            "Type", "Perc", "Disk Usage", "Uncompressed", "Referenced"
+        );
+        let row = |name: &str, b: &volume::usage::Bytes| {
+            let perc = (b.disk * 100).checked_div(b.uncompressed).unwrap_or(0);
+            println!(
+                "  {:<10} {:>4}% {:>12} {:>12} {:>12}",
+                name,
+                perc,
+                human(b.disk),
+                human(b.uncompressed),
+                human(b.referenced)
+            );
+        };
+        row("TOTAL", &u.total);
+        for (name, b) in &u.by_type {
+            row(name, b);
+        }
+    }
+
+    fn print_usage(u: &VolumeUsage) {
+        match &u.volume {
+            Some(v) => print_table("volume", v),
+            None => println!("volume: none"),
+        }
+        if let Some(b) = &u.backup {
+            print_table("install backup", b);
+        }
+        if let Some(s) = &u.split {
+            println!(
+                "disk bytes: {} only in the backup (freed by dropping it), {} only in the volume, {} shared",
+                human(s.backup_only),
+                human(s.live_only),
+                human(s.shared)
+            );
         }
     }
 
@@ -99,6 +167,7 @@ mod run {
         Drop(PackageId),
         Delete(PackageId),
         List,
+        Usage(PackageId),
         Recover(Option<PackageId>),
     }
 
@@ -117,6 +186,7 @@ mod run {
             Command::Drop { pkg: p } => Op::Drop(pkg(&p)?),
             Command::Delete { pkg: p } => Op::Delete(pkg(&p)?),
             Command::List => Op::List,
+            Command::Usage { pkg: p } => Op::Usage(pkg(&p)?),
             Command::Recover { pkg: p } => Op::Recover(p.as_deref().map(pkg).transpose()?),
         })
     }
@@ -193,18 +263,59 @@ mod run {
             }
             Op::List => {
                 let list = store.list()?;
+                let mut rows = Vec::with_capacity(list.len());
+                for v in list {
+                    let usage = if store.is_btrfs() {
+                        Some(store.usage(&v.package)?)
+                    } else {
+                        None
+                    };
+                    rows.push((v, usage));
+                }
                 if json {
-                    println!("{}", json!(list));
+                    let out: Vec<_> = rows
+                        .iter()
+                        .map(|(v, u)| {
+                            json!({
+                                "package": v.package,
+                                "volume": v.volume,
+                                "backup": v.backup,
+                                "usage": u,
+                            })
+                        })
+                        .collect();
+                    println!("{}", json!(out));
                 } else {
-                    println!("{:<32} {:<10} {:<10}", "PACKAGE", "VOLUME", "BACKUP");
-                    for v in list {
+                    println!(
+                        "{:<32} {:<10} {:<10} {:>10} {:>12}",
+                        "PACKAGE", "VOLUME", "BACKUP", "USAGE", "BACKUP-ONLY"
+                    );
+                    for (v, u) in rows {
+                        let disk = u
+                            .as_ref()
+                            .and_then(|u| u.volume.as_ref())
+                            .map_or("-".to_owned(), |u| human(u.total.disk));
+                        let backup_only = u
+                            .as_ref()
+                            .and_then(|u| u.split)
+                            .map_or("-".to_owned(), |s| human(s.backup_only));
                         println!(
-                            "{:<32} {:<10} {:<10}",
+                            "{:<32} {:<10} {:<10} {:>10} {:>12}",
                             v.package.as_str(),
                             kind(v.volume),
-                            kind(v.backup)
+                            kind(v.backup),
+                            disk,
+                            backup_only
                         );
                     }
+                }
+            }
+            Op::Usage(p) => {
+                let u = store.usage(&p)?;
+                if json {
+                    println!("{}", json!(u));
+                } else {
+                    print_usage(&u);
                 }
             }
             Op::Recover(target) => {

@@ -379,22 +379,102 @@ pub fn read_dir_names(fd: BorrowedFd<'_>) -> io::Result<Vec<(OsString, FileType,
     Ok(out)
 }
 
-pub use tree_search::count_file_extents;
+pub use tree_search::{EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, search};
 
 mod tree_search {
     //! BTRFS_IOC_TREE_SEARCH_V2: reading a subvolume's own b-tree items.
 
     use std::io;
+    use std::ops::ControlFlow;
     use std::os::fd::BorrowedFd;
 
     use rustix::ioctl::{Ioctl, IoctlOutput, Opcode, opcode};
 
+    /// `BTRFS_INODE_ITEM_KEY`: one per inode, holding its mode.
+    pub const INODE_ITEM_KEY: u8 = 1;
     /// `BTRFS_EXTENT_DATA_KEY`: one item per file extent reference.
-    const EXTENT_DATA_KEY: u32 = 108;
+    pub const EXTENT_DATA_KEY: u8 = 108;
     /// 64 KiB is the largest metadata node, hence the largest item: a bigger
     /// buffer only costs the kernel time zeroing it (see compsize's history).
     const BUF_SIZE: usize = 64 * 1024;
     const HEADER_LEN: usize = 32;
+
+    /// A b-tree key: items are sorted by (objectid, type, offset).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+    pub struct ItemKey {
+        /// Inode number for file items.
+        pub objectid: u64,
+        /// Item type (`*_KEY`).
+        pub item_type: u8,
+        /// Type-specific; the file offset for extent items.
+        pub offset: u64,
+    }
+
+    impl ItemKey {
+        /// The smallest key after this one, or `None` at the very end.
+        fn successor(self) -> Option<ItemKey> {
+            if let Some(offset) = self.offset.checked_add(1) {
+                return Some(ItemKey { offset, ..self });
+            }
+            if let Some(item_type) = self.item_type.checked_add(1) {
+                return Some(ItemKey {
+                    item_type,
+                    offset: 0,
+                    ..self
+                });
+            }
+            Some(ItemKey {
+                objectid: self.objectid.checked_add(1)?,
+                item_type: 0,
+                offset: 0,
+            })
+        }
+    }
+
+    /// An inclusive range of keys, compared as whole tuples (the kernel's
+    /// semantics: every item between `min` and `max` is returned, whatever
+    /// its type, so callers filter by type).
+    #[derive(Debug, Clone, Copy)]
+    pub struct KeyRange {
+        /// First key.
+        pub min: ItemKey,
+        /// Last key.
+        pub max: ItemKey,
+    }
+
+    impl KeyRange {
+        /// Every item of one type of one inode.
+        pub fn inode_items(ino: u64, item_type: u8) -> Self {
+            KeyRange {
+                min: ItemKey {
+                    objectid: ino,
+                    item_type,
+                    offset: 0,
+                },
+                max: ItemKey {
+                    objectid: ino,
+                    item_type,
+                    offset: u64::MAX,
+                },
+            }
+        }
+
+        /// Every item of the tree.
+        pub fn all() -> Self {
+            KeyRange {
+                min: ItemKey {
+                    objectid: 0,
+                    item_type: 0,
+                    offset: 0,
+                },
+                max: ItemKey {
+                    objectid: u64::MAX,
+                    item_type: u8::MAX,
+                    offset: u64::MAX,
+                },
+            }
+        }
+    }
 
     #[repr(C)]
     #[derive(Default, Clone, Copy)]
@@ -452,12 +532,27 @@ mod tree_search {
         }
     }
 
-    /// Counts the file extent items (EXTENT_DATA) of inode `ino` in the
-    /// subvolume holding `fd`, stopping once more than `limit` are seen.
-    ///
-    /// This is what a reflink copy of the file has to walk, so it predicts the
-    /// copy's cost without reading any data. Needs CAP_SYS_ADMIN.
-    pub fn count_file_extents(fd: BorrowedFd<'_>, ino: u64, limit: u64) -> io::Result<u64> {
+    fn u64_at(b: &[u8], at: usize) -> u64 {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&b[at..at + 8]);
+        u64::from_ne_bytes(a)
+    }
+
+    fn u32_at(b: &[u8], at: usize) -> u32 {
+        let mut a = [0u8; 4];
+        a.copy_from_slice(&b[at..at + 4]);
+        u32::from_ne_bytes(a)
+    }
+
+    /// Visits, in key order, every item in `range` of the subvolume holding
+    /// `fd` (tree id 0: the fd's own subvolume), with its key and raw
+    /// (little-endian, on-disk) body, until the range ends or the visitor
+    /// breaks. One ioctl per 64 KiB of items. Needs CAP_SYS_ADMIN.
+    pub fn search(
+        fd: BorrowedFd<'_>,
+        range: KeyRange,
+        mut visit: impl FnMut(ItemKey, &[u8]) -> ControlFlow<()>,
+    ) -> io::Result<()> {
         let mut sb = Box::new(SearchBuf {
             args: SearchArgsV2 {
                 key: SearchKey::default(),
@@ -465,19 +560,18 @@ mod tree_search {
             },
             buf: [0; BUF_SIZE],
         });
-        let mut min_offset = 0u64;
-        let mut count = 0u64;
+        let mut from = range.min;
         loop {
             sb.args.key = SearchKey {
                 tree_id: 0,
-                min_objectid: ino,
-                max_objectid: ino,
-                min_offset,
-                max_offset: u64::MAX,
+                min_objectid: from.objectid,
+                max_objectid: range.max.objectid,
+                min_offset: from.offset,
+                max_offset: range.max.offset,
                 min_transid: 0,
                 max_transid: u64::MAX,
-                min_type: EXTENT_DATA_KEY,
-                max_type: EXTENT_DATA_KEY,
+                min_type: u32::from(from.item_type),
+                max_type: u32::from(range.max.item_type),
                 nr_items: u32::MAX,
                 ..SearchKey::default()
             };
@@ -486,28 +580,28 @@ mod tree_search {
             unsafe { rustix::ioctl::ioctl(fd, Search(&mut sb))? };
             let nr = sb.args.key.nr_items;
             if nr == 0 {
-                return Ok(count);
+                return Ok(());
             }
             let mut pos = 0usize;
-            let mut last_offset = None;
+            let mut last = from;
             for _ in 0..nr {
                 let h = &sb.buf[pos..pos + HEADER_LEN];
-                let objectid = u64::from_ne_bytes(h[8..16].try_into().unwrap_or_default());
-                let offset = u64::from_ne_bytes(h[16..24].try_into().unwrap_or_default());
-                let ty = u32::from_ne_bytes(h[24..28].try_into().unwrap_or_default());
-                let len = u32::from_ne_bytes(h[28..32].try_into().unwrap_or_default()) as usize;
+                let key = ItemKey {
+                    objectid: u64_at(h, 8),
+                    offset: u64_at(h, 16),
+                    item_type: u32_at(h, 24) as u8,
+                };
+                let len = u32_at(h, 28) as usize;
+                let body = &sb.buf[pos + HEADER_LEN..pos + HEADER_LEN + len];
                 pos += HEADER_LEN + len;
-                if objectid == ino && ty == EXTENT_DATA_KEY {
-                    count += 1;
-                    if count > limit {
-                        return Ok(count);
-                    }
+                last = key;
+                if visit(key, body).is_break() {
+                    return Ok(());
                 }
-                last_offset = Some(offset);
             }
-            match last_offset.and_then(|o| o.checked_add(1)) {
-                Some(next) => min_offset = next,
-                None => return Ok(count),
+            match last.successor() {
+                Some(next) if next <= range.max => from = next,
+                _ => return Ok(()),
             }
         }
     }

@@ -1,0 +1,303 @@
+//! Space accounting (`volume::usage`, `VolumeStore::usage`) against the tools
+//! operators trust: every figure must equal what compsize 1.5 prints for the
+//! same tree, and the backup/live split must equal `btrfs filesystem du`.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::os::fd::AsFd;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::process::Command;
+
+use common::{MIB, bytes, pkg, subvolume_create, vol, volumes_root};
+use integration::{FsKind, LoopFs, fs_or_skip, make_fragmented_file, run};
+use volume::usage::{Bytes, Usage};
+use volume::{ErrorKind, VolumeStore};
+
+/// compsize's output (`-b`, exact bytes) parsed into our type.
+fn compsize(args: &[&str], path: &Path) -> Usage {
+    let out = run(Command::new("compsize").arg("-b").args(args).arg(path))
+        .unwrap_or_else(|e| panic!("compsize {}: {e}", path.display()));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut usage = Usage::default();
+    for line in text.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if let Some(rest) = line.strip_prefix("Processed ") {
+            // "Processed 604 files, 435 regular extents (436 refs), 212 inline."
+            let nums: Vec<u64> = rest
+                .split(|c: char| !c.is_ascii_digit())
+                .filter(|s| !s.is_empty())
+                .map(|s| s.parse().expect("number"))
+                .collect();
+            assert_eq!(nums.len(), 4, "unexpected compsize line {line:?}");
+            (usage.files, usage.extents, usage.refs, usage.inline) =
+                (nums[0], nums[1], nums[2], nums[3]);
+            continue;
+        }
+        if words.len() != 5 || words[0] == "Type" {
+            continue;
+        }
+        let b = Bytes {
+            disk: words[2].parse().expect("disk bytes"),
+            uncompressed: words[3].parse().expect("uncompressed bytes"),
+            referenced: words[4].parse().expect("referenced bytes"),
+        };
+        if words[0] == "TOTAL" {
+            usage.total = b;
+        } else {
+            usage.by_type.insert(words[0].to_owned(), b);
+        }
+    }
+    assert!(usage.files > 1, "compsize printed no file counts:\n{text}");
+    usage
+}
+
+fn write(path: &Path, data: &[u8]) {
+    fs::write(path, data).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+}
+
+fn set_compression(dir: &Path, algo: &str) {
+    run(Command::new("btrfs")
+        .args(["property", "set"])
+        .arg(dir)
+        .args(["compression", algo]))
+    .unwrap_or_else(|e| panic!("setting {algo} on {}: {e}", dir.display()));
+}
+
+fn sync() {
+    run(&mut Command::new("sync")).expect("sync");
+}
+
+/// A tree with every kind of extent compsize distinguishes: incompressible
+/// and compressible data under zstd, zlib and lzo, inline files, holes,
+/// preallocated space, a fragmented file, shared (reflinked) extents, and
+/// partially overwritten extents. No hardlinks: compsize counts those once
+/// per name, a tree sweep once per inode.
+fn populate_mixed(dir: &Path) {
+    for (sub, algo) in [("zstd", None), ("zlib", Some("zlib")), ("lzo", Some("lzo"))] {
+        let d = dir.join(sub);
+        fs::create_dir_all(&d).expect("mkdir");
+        if let Some(algo) = algo {
+            set_compression(&d, algo);
+        }
+        for i in 0..40u64 {
+            write(
+                &d.join(format!("random-{i}")),
+                &bytes(i, (i as usize * 7919) % 300_000 + 1),
+            );
+            let text = format!("line {i} of a very compressible log file\n")
+                .repeat(2000 + i as usize * 50);
+            write(&d.join(format!("text-{i}")), text.as_bytes());
+            write(
+                &d.join(format!("tiny-{i}")),
+                format!("tiny {i}\n").as_bytes(),
+            );
+        }
+    }
+    let sparse = File::create(dir.join("sparse")).expect("sparse");
+    sparse
+        .write_all_at(&bytes(7, 8192), 0)
+        .expect("sparse head");
+    sparse
+        .write_all_at(&bytes(8, 8192), 64 * MIB / 4)
+        .expect("sparse tail");
+    run(Command::new("fallocate")
+        .args(["-l", "3M"])
+        .arg(dir.join("prealloc")))
+    .expect("fallocate");
+    write(&dir.join("big"), &bytes(9, 8 * MIB as usize));
+    sync();
+    // Partial overwrites leave extents referenced in part, so referenced
+    // bytes and disk bytes diverge.
+    let big = OpenOptions::new()
+        .write(true)
+        .open(dir.join("big"))
+        .expect("open big");
+    for i in 0..50u64 {
+        big.write_all_at(&bytes(100 + i, 4096), (i * 37 % 2000) * 4096)
+            .expect("overwrite");
+    }
+    drop(big);
+    run(Command::new("cp")
+        .arg("--reflink=always")
+        .arg(dir.join("big"))
+        .arg(dir.join("big.clone")))
+    .expect("reflink clone");
+    make_fragmented_file(&dir.join("db"), 16 * MIB, 2000, 11).expect("fragmented file");
+    sync();
+}
+
+#[test]
+fn subvolume_figures_equal_compsize_for_every_compression_type() {
+    let fs = fs_or_skip!(LoopFs::with_mount_options(
+        FsKind::Btrfs,
+        1024 * MIB,
+        "compress=zstd"
+    ));
+    let root = volumes_root(&fs);
+    let store = VolumeStore::open(&root).expect("open store");
+    let app = pkg("app");
+    store.create(&app, &[vol("main")]).expect("create");
+    let main = store.data_dir(&app, &vol("main"));
+    populate_mixed(&main);
+    // A nested subvolume: compsize (without -x) walks into it, and so do we.
+    subvolume_create(&main.join("nested"));
+    write(&main.join("nested/inner"), &bytes(12, 300_000));
+    sync();
+
+    let ours = store.usage(&app).expect("usage");
+    let ours = ours.volume.expect("the volume exists");
+    let theirs = compsize(&[], &store.volume_path(&app));
+    assert_eq!(ours, theirs, "ours vs compsize for the subvolume");
+    for t in ["none", "zstd", "zlib", "lzo", "prealloc"] {
+        assert!(
+            ours.by_type.contains_key(t),
+            "the tree should hold {t} extents: {ours:?}"
+        );
+    }
+    assert!(ours.inline > 0 && ours.refs > ours.extents, "{ours:?}");
+}
+
+#[test]
+fn plain_directory_figures_equal_compsize() {
+    let fs = fs_or_skip!(LoopFs::with_mount_options(
+        FsKind::Btrfs,
+        1024 * MIB,
+        "compress=zstd"
+    ));
+    let root = volumes_root(&fs);
+    let main = root.join("plain/data/main");
+    fs::create_dir_all(&main).expect("mkdir plain volume");
+    populate_mixed(&main);
+    std::os::unix::fs::symlink("/etc", main.join("escape")).expect("symlink");
+    let store = VolumeStore::open(&root).expect("open store");
+    let ours = store.usage(&pkg("plain")).expect("usage");
+    let ours = ours.volume.expect("the volume exists");
+    assert_eq!(
+        ours,
+        compsize(&[], &root.join("plain")),
+        "ours vs compsize for a plain directory"
+    );
+}
+
+/// `btrfs filesystem du -s --raw A B`: per path, (exclusive, set shared).
+fn fi_du(paths: &[&Path]) -> BTreeMap<String, (u64, u64)> {
+    let out = run(Command::new("btrfs")
+        .args(["filesystem", "du", "-s", "--raw"])
+        .args(paths))
+    .expect("btrfs filesystem du");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .skip(1)
+        .map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            (
+                w[3].to_owned(),
+                (
+                    w[1].parse().expect("exclusive"),
+                    w[2].parse().expect("set shared"),
+                ),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn backup_split_equals_btrfs_filesystem_du_after_divergence() {
+    // Uncompressed, and files far above the inline limit: `btrfs filesystem
+    // du` counts logical lengths, which equal disk bytes only then.
+    let fs = fs_or_skip!(LoopFs::btrfs(1024 * MIB));
+    let root = volumes_root(&fs);
+    let store = VolumeStore::open(&root).expect("open store");
+    let app = pkg("app");
+    store.create(&app, &[vol("main")]).expect("create");
+    let main = store.data_dir(&app, &vol("main"));
+    for i in 0..30u64 {
+        write(
+            &main.join(format!("f{i}")),
+            &bytes(i, 64 * 1024 + i as usize * 4096),
+        );
+    }
+    sync();
+    assert!(store.snapshot(&app).expect("snapshot").created());
+    let split = store.usage(&app).expect("usage").split.expect("split");
+    assert_eq!(
+        (split.backup_only, split.live_only),
+        (0, 0),
+        "a fresh snapshot shares everything"
+    );
+
+    // The live volume diverges: files deleted, added, and rewritten whole.
+    for i in 0..10u64 {
+        fs::remove_file(main.join(format!("f{i}"))).expect("rm");
+    }
+    for i in 10..15u64 {
+        write(&main.join(format!("f{i}")), &bytes(1000 + i, 100 * 1024));
+    }
+    write(&main.join("new"), &bytes(5000, 3 * MIB as usize));
+    sync();
+
+    let u = store.usage(&app).expect("usage");
+    let split = u.split.expect("split");
+    let live = store.volume_path(&app);
+    let backup = store.backup_path(&app);
+    let du = fi_du(&[&live, &backup]);
+    let (live_excl, live_shared) = du[&live.display().to_string()];
+    let (backup_excl, backup_shared) = du[&backup.display().to_string()];
+    assert_eq!(split.live_only, live_excl, "only in the live volume");
+    assert_eq!(split.backup_only, backup_excl, "only in the backup");
+    assert_eq!(split.shared, live_shared, "shared, seen from the volume");
+    assert_eq!(split.shared, backup_shared, "shared, seen from the backup");
+    assert!(
+        split.backup_only > 0 && split.live_only > 3 * MIB,
+        "{split:?}"
+    );
+
+    // What dropping frees is what the split said.
+    let before = u.backup.expect("backup usage").total.disk;
+    assert!(before >= split.backup_only);
+    assert!(store.drop_backup(&app).expect("drop"));
+    assert_eq!(store.usage(&app).expect("usage").split, None);
+}
+
+#[test]
+fn extent_count_stops_early_and_is_exact_below_the_bound() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 * MIB));
+    let dir = fs.path("plain");
+    fs::create_dir_all(dir.join("sub")).expect("mkdir");
+    let made = make_fragmented_file(&dir.join("sub/db"), 32 * MIB, 3000, 3).expect("fragment");
+    write(&dir.join("small"), &bytes(1, 100_000));
+    sync();
+    let fd = volume::sys::open_dir_path(&dir).expect("open");
+    let full = volume::extents::count_tree_extents(fd.as_fd(), u64::MAX).expect("count");
+    // Items, not merged FIEMAP extents: at least as many as FIEMAP reports.
+    assert!(full >= made, "tree items {full} < fiemap extents {made}");
+    for limit in [0, 1, 10, 500, full - 1] {
+        let n = volume::extents::count_tree_extents(fd.as_fd(), limit).expect("count");
+        assert_eq!(
+            n,
+            limit + 1,
+            "with bound {limit}, the count stops right past it"
+        );
+    }
+    assert_eq!(
+        volume::extents::count_tree_extents(fd.as_fd(), full).expect("count"),
+        full,
+        "at the bound the count is exact"
+    );
+}
+
+#[test]
+fn usage_off_btrfs_is_a_clear_error() {
+    let fs = fs_or_skip!(LoopFs::ext4(128 * MIB));
+    let root = volumes_root(&fs);
+    let store = VolumeStore::open(&root).expect("open store");
+    store.create(&pkg("app"), &[vol("main")]).expect("create");
+    let err = store.usage(&pkg("app")).expect_err("usage needs btrfs");
+    assert_eq!(err.kind, ErrorKind::InvalidRequest);
+    assert!(err.to_string().contains("btrfs"), "{err}");
+    let none = store.usage(&pkg("absent")).expect("usage of nothing");
+    assert_eq!((none.volume, none.backup, none.split), (None, None, None));
+}
