@@ -42,14 +42,14 @@ fmt-check:
 	$(CARGO) fmt --all -- --check
 
 clippy: deps
-	$(CARGO) clippy --workspace --all-targets --features volume/failpoints -- -D warnings
+	$(CARGO) clippy --workspace --all-targets --features volume/failpoints,volume-migrate/failpoints -- -D warnings
 
 # Loop-mounted test filesystems are private to each test, so test threads can run in
 # parallel; 4 keeps the 2-core machines busy while tests wait on I/O.
 # The crash tests SIGKILL the process at named steps: `failpoints` compiles those
 # steps in (a production build has none).
 test: deps fmt-check clippy
-	$(CARGO) test --workspace --features volume/failpoints $(CARGO_TEST_FLAGS) -- --test-threads=4
+	$(CARGO) test --workspace --features volume/failpoints,volume-migrate/failpoints $(CARGO_TEST_FLAGS) -- --test-threads=4
 
 bench: deps
 	$(CARGO) run --release -p integration --bin bench -- $(BENCH_ARGS)

@@ -17,7 +17,7 @@
 //! (which forbid everything before them). Directories get theirs after their
 //! children, so their mtime is the source's.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::{OsStr, OsString};
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -36,7 +36,68 @@ pub struct CopyStats {
     pub entries: u64,
     /// Bytes shared by reflink (file sizes).
     pub bytes: u64,
+    /// Of `bytes`, those cloned by this call (the rest a resumed copy found
+    /// already in place).
+    pub bytes_cloned: u64,
+    /// Entries a resumed copy found already in place and kept (their
+    /// metadata is applied again).
+    pub entries_reused: u64,
+    /// Destination entries a resumed copy threw away because their source
+    /// changed since, or no longer exists.
+    pub entries_discarded: u64,
 }
+
+/// How [`reflink_into`] copies.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct CopyOptions {
+    /// Reuse what an interrupted earlier copy left in the destination:
+    /// directories are recursed into, regular files continue from their
+    /// current size (aligned down to the block size), symlinks and special
+    /// files are recreated, metadata is applied again, hardlinks are
+    /// re-detected, and destination names absent from the source removed.
+    /// Without it every destination name must be new (EEXIST otherwise).
+    pub resume: bool,
+    /// Clone regular files in ranges of this many bytes (rounded up to the
+    /// block size) with FICLONERANGE, in offset order, reporting progress
+    /// and allowing a stop between ranges; `None`: one FICLONE per file.
+    pub chunk_bytes: Option<u64>,
+    /// Recreate a nested btrfs subvolume of the source as a subvolume (and
+    /// read-only if the source is); without it, as a plain directory.
+    pub nested_subvolumes: bool,
+    /// With `resume`: a source entry whose ctime is at or after this instant
+    /// (seconds, nanoseconds) changed since the earlier copy started, so its
+    /// destination (a whole subtree for a directory) is discarded and copied
+    /// again. `None`: every existing destination entry is trusted.
+    pub changed_since: Option<(i64, i64)>,
+}
+
+/// A step of a copy, for progress and cancellation: returning an error from
+/// the callback stops the copy there with that error.
+#[derive(Debug)]
+pub enum CopyEvent<'a> {
+    /// A range of a regular file is in place.
+    Data {
+        /// Path relative to the copied tree's top.
+        rel: &'a Path,
+        /// Source device and inode (to look up per-file figures).
+        src: (u64, u64),
+        /// The file's size.
+        size: u64,
+        /// Bytes now in place, from offset 0.
+        done: u64,
+        /// Of those, bytes cloned by this step (the rest of the step's
+        /// increase was found in place by a resumed copy).
+        cloned: u64,
+    },
+    /// An entry (of any type) is complete, metadata included.
+    Entry {
+        /// Path relative to the copied tree's top.
+        rel: &'a Path,
+    },
+}
+
+/// Callback type for [`reflink_into`].
+pub type Progress<'a> = dyn FnMut(CopyEvent<'_>) -> io::Result<()> + 'a;
 
 /// Copies the directory open as `src` to a new directory `dst_name` inside
 /// `dst_parent`, sharing every extent (FICLONE; never a byte copy).
@@ -48,25 +109,48 @@ pub fn reflink_tree(
     dst_parent: BorrowedFd<'_>,
     dst_name: &OsStr,
 ) -> io::Result<CopyStats> {
-    let st = rustix::fs::fstat(src)?;
     rustix::fs::mkdirat(dst_parent, dst_name, Mode::from_raw_mode(0o700))?;
     let dst = sys::open_dir_at(dst_parent, dst_name)?;
+    reflink_into(src, dst.as_fd(), &CopyOptions::default(), &mut |_| Ok(()))
+}
+
+/// Copies the contents of the directory open as `src` into the existing
+/// directory open as `dst`, then `src`'s own metadata onto `dst`, sharing
+/// every extent (never a byte copy). See [`CopyOptions`] for resuming and
+/// chunking.
+///
+/// Never modifies anything in `src`. A crash or error part-way leaves a
+/// partial tree in `dst`, which a later call with `resume` completes.
+pub fn reflink_into(
+    src: BorrowedFd<'_>,
+    dst: BorrowedFd<'_>,
+    opts: &CopyOptions,
+    progress: &mut Progress<'_>,
+) -> io::Result<CopyStats> {
+    let st = rustix::fs::fstat(src)?;
+    let block = rustix::fs::fstatvfs(dst)?.f_bsize.max(512);
     let mut copier = Copier {
-        root: dst.as_fd(),
+        root: dst,
         links: HashMap::new(),
         stats: CopyStats::default(),
+        opts: *opts,
+        block,
+        progress,
     };
-    copier.copy_children(src, dst.as_fd(), Path::new(""))?;
-    finish_metadata(&st, Target::Fd(dst.as_fd()), Some(src))?;
+    copier.copy_dir(src, dst, &st, Path::new(""), opts.resume, false)?;
     Ok(copier.stats)
 }
 
-struct Copier<'a> {
+struct Copier<'a, 'p> {
     root: BorrowedFd<'a>,
     /// First destination path (relative to `root`) of each multiply-linked
     /// source inode, so later names become hardlinks again.
     links: HashMap<(u64, u64), PathBuf>,
     stats: CopyStats,
+    opts: CopyOptions,
+    /// Filesystem block size: FICLONERANGE offsets are multiples of it.
+    block: u64,
+    progress: &'p mut Progress<'p>,
 }
 
 /// Where to apply metadata: an open fd (files, directories) or a name in a
@@ -85,17 +169,56 @@ fn ts(sec: i64, nsec: i64) -> Timespec {
     }
 }
 
-impl Copier<'_> {
-    fn copy_children(
+/// Whether a stat is of a btrfs subvolume root (checked on the fd's fs).
+fn is_subvolume_root(st: &Stat, fd: BorrowedFd<'_>) -> io::Result<bool> {
+    Ok(FileType::from_raw_mode(st.st_mode) == FileType::Directory
+        && st.st_ino == sys::SUBVOLUME_ROOT_INO
+        && sys::is_btrfs(fd)?)
+}
+
+#[allow(clippy::unnecessary_cast)]
+fn ctime(st: &Stat) -> (i64, i64) {
+    (st.st_ctime as i64, st.st_ctime_nsec as i64)
+}
+
+impl Copier<'_, '_> {
+    /// Copies `src`'s children into `dst`, then `src`'s metadata onto it.
+    /// `existing`: `dst` was there before this call (resume).
+    fn copy_dir(
         &mut self,
         src: BorrowedFd<'_>,
         dst: BorrowedFd<'_>,
+        st: &Stat,
         rel: &Path,
+        existing: bool,
+        nested: bool,
     ) -> io::Result<()> {
-        for (name, _, _) in sys::read_dir_names(src)? {
-            self.copy_entry(src, dst, &name, &rel.join(&name))?;
+        if existing {
+            clear_stuck_flags(dst)?;
+            if nested && sys::is_read_only(dst)? {
+                sys::set_read_only(dst, false)?;
+            }
+        } else if inode_flags(src)?.contains(IFlags::NOCOW) {
+            rustix::fs::ioctl_setflags(dst, inode_flags(dst)? | IFlags::NOCOW)?;
         }
-        Ok(())
+        let children = sys::read_dir_names(src)?;
+        for (name, _, _) in &children {
+            self.copy_entry(src, dst, name, &rel.join(name))?;
+        }
+        if existing {
+            let wanted: HashSet<&OsStr> = children.iter().map(|(n, _, _)| n.as_os_str()).collect();
+            for (name, _, _) in sys::read_dir_names(dst)? {
+                if !wanted.contains(name.as_os_str()) {
+                    remove_tree_at(dst, &name, &mut |_| Ok(()))?;
+                    self.stats.entries_discarded += 1;
+                }
+            }
+        }
+        finish_metadata(st, Target::Fd(dst), Some(src))?;
+        if nested && sys::is_read_only(src)? {
+            sys::set_read_only(dst, true)?;
+        }
+        (self.progress)(CopyEvent::Entry { rel })
     }
 
     fn copy_entry(
@@ -107,23 +230,77 @@ impl Copier<'_> {
     ) -> io::Result<()> {
         let st = rustix::fs::statat(src_dir, name, AtFlags::SYMLINK_NOFOLLOW)?;
         let ty = FileType::from_raw_mode(st.st_mode);
+        let nested = ty == FileType::Directory
+            && self.opts.nested_subvolumes
+            && st.st_ino == sys::SUBVOLUME_ROOT_INO
+            && sys::is_btrfs(src_dir)?;
+        // What an earlier, interrupted copy left under this name, if it can
+        // be kept: the same type, and a source unchanged since.
+        let mut existing = None;
+        let found = if self.opts.resume {
+            stat_opt(dst_dir, name)?
+        } else {
+            None
+        };
+        if let Some(dst_st) = found {
+            let dst_ty = FileType::from_raw_mode(dst_st.st_mode);
+            let changed = self.opts.changed_since.is_some_and(|t| ctime(&st) >= t);
+            let keep = !changed
+                && dst_ty == ty
+                && match ty {
+                    FileType::Directory => is_subvolume_root(&dst_st, dst_dir)? == nested,
+                    FileType::RegularFile => true,
+                    _ => false,
+                };
+            if keep {
+                existing = Some(dst_st);
+            } else {
+                remove_tree_at(dst_dir, name, &mut |_| Ok(()))?;
+                self.stats.entries_discarded += 1;
+            }
+        }
         if ty != FileType::Directory && st.st_nlink > 1 {
             let key = (st.st_dev, st.st_ino);
             if let Some(first) = self.links.get(&key) {
+                if let Some(dst_st) = &existing {
+                    let first_st = rustix::fs::statat(self.root, first, AtFlags::SYMLINK_NOFOLLOW)?;
+                    if (first_st.st_dev, first_st.st_ino) == (dst_st.st_dev, dst_st.st_ino) {
+                        self.stats.entries += 1;
+                        self.stats.entries_reused += 1;
+                        return (self.progress)(CopyEvent::Entry { rel });
+                    }
+                    remove_tree_at(dst_dir, name, &mut |_| Ok(()))?;
+                    self.stats.entries_discarded += 1;
+                }
                 rustix::fs::linkat(self.root, first, dst_dir, name, AtFlags::empty())?;
                 self.stats.entries += 1;
-                return Ok(());
+                return (self.progress)(CopyEvent::Entry { rel });
             }
             self.links.insert(key, rel.to_path_buf());
         }
         self.stats.entries += 1;
+        if existing.is_some() {
+            self.stats.entries_reused += 1;
+        }
         match ty {
             FileType::Directory => {
                 let src = sys::open_dir_at(src_dir, name)?;
-                rustix::fs::mkdirat(dst_dir, name, Mode::from_raw_mode(0o700))?;
+                if existing.is_none() {
+                    if nested {
+                        sys::create_subvolume(dst_dir, name)?;
+                    } else {
+                        rustix::fs::mkdirat(dst_dir, name, Mode::from_raw_mode(0o700))?;
+                    }
+                }
                 let dst = sys::open_dir_at(dst_dir, name)?;
-                self.copy_children(src.as_fd(), dst.as_fd(), rel)?;
-                finish_metadata(&st, Target::Fd(dst.as_fd()), Some(src.as_fd()))
+                self.copy_dir(
+                    src.as_fd(),
+                    dst.as_fd(),
+                    &st,
+                    rel,
+                    existing.is_some(),
+                    nested,
+                )
             }
             FileType::RegularFile => {
                 // O_NONBLOCK: if the entry was swapped for a FIFO since the
@@ -141,31 +318,36 @@ impl Copier<'_> {
                         format!("{} changed type during the copy", rel.display()),
                     ));
                 }
+                let create = if existing.is_some() {
+                    // An immutable or append-only file cannot be opened for
+                    // writing: clear those flags (set again at the end) first.
+                    let ro = rustix::fs::openat(
+                        dst_dir,
+                        name,
+                        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+                        Mode::empty(),
+                    )?;
+                    clear_stuck_flags(ro.as_fd())?;
+                    OFlags::empty()
+                } else {
+                    OFlags::CREATE | OFlags::EXCL
+                };
                 let dst = rustix::fs::openat(
                     dst_dir,
                     name,
-                    OFlags::WRONLY
-                        | OFlags::CREATE
-                        | OFlags::EXCL
-                        | OFlags::NOFOLLOW
-                        | OFlags::CLOEXEC,
+                    OFlags::WRONLY | create | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
                     Mode::from_raw_mode(0o600),
                 )?;
-                let flags = inode_flags(src.as_fd())?;
-                if flags.contains(IFlags::NOCOW) {
-                    rustix::fs::ioctl_setflags(&dst, IFlags::NOCOW)?;
-                }
-                if st.st_size > 0 {
-                    sys::ficlone(dst.as_fd(), src.as_fd())?;
-                }
-                self.stats.bytes += st.st_size as u64;
-                finish_metadata(&st, Target::Fd(dst.as_fd()), Some(src.as_fd()))
+                self.copy_data(src.as_fd(), dst.as_fd(), &st, rel)?;
+                finish_metadata(&st, Target::Fd(dst.as_fd()), Some(src.as_fd()))?;
+                (self.progress)(CopyEvent::Entry { rel })
             }
             FileType::Symlink => {
                 let target = rustix::fs::readlinkat(src_dir, name, Vec::new())?;
                 rustix::fs::symlinkat(target.as_c_str(), dst_dir, name)?;
                 finish_metadata(&st, Target::At(dst_dir, name), None)?;
-                copy_xattrs_at(src_dir, name, dst_dir, name)
+                copy_xattrs_at(src_dir, name, dst_dir, name)?;
+                (self.progress)(CopyEvent::Entry { rel })
             }
             FileType::Fifo
             | FileType::Socket
@@ -179,7 +361,8 @@ impl Copier<'_> {
                     st.st_rdev,
                 )?;
                 copy_xattrs_at(src_dir, name, dst_dir, name)?;
-                finish_metadata(&st, Target::At(dst_dir, name), None)
+                finish_metadata(&st, Target::At(dst_dir, name), None)?;
+                (self.progress)(CopyEvent::Entry { rel })
             }
             FileType::Unknown => Err(io::Error::new(
                 io::ErrorKind::InvalidData,
@@ -187,6 +370,178 @@ impl Copier<'_> {
             )),
         }
     }
+
+    /// Puts `src`'s data into `dst` by reflink: NOCOW first (the kernel only
+    /// clones NOCOW data into a NOCOW file), then from what is already in
+    /// `dst` (its size, aligned down to the block size) to the end, in
+    /// offset order.
+    fn copy_data(
+        &mut self,
+        src: BorrowedFd<'_>,
+        dst: BorrowedFd<'_>,
+        st: &Stat,
+        rel: &Path,
+    ) -> io::Result<()> {
+        let size = st.st_size as u64;
+        let src_id = (st.st_dev, st.st_ino);
+        let want_nocow = inode_flags(src)?.contains(IFlags::NOCOW);
+        let dst_flags = inode_flags(dst)?;
+        let mut start = (rustix::fs::fstat(dst)?.st_size as u64).min(size);
+        if dst_flags.contains(IFlags::NOCOW) != want_nocow {
+            // Only possible for a file with no data yet; be safe anyway.
+            start = 0;
+            rustix::fs::ftruncate(dst, 0)?;
+            let flags = if want_nocow {
+                dst_flags | IFlags::NOCOW
+            } else {
+                dst_flags.difference(IFlags::NOCOW)
+            };
+            rustix::fs::ioctl_setflags(dst, flags)?;
+        }
+        if start < size {
+            // A partial file: its last block may be partial too.
+            start -= start % self.block;
+        }
+        if rustix::fs::fstat(dst)?.st_size as u64 != start {
+            rustix::fs::ftruncate(dst, start)?;
+        }
+        self.stats.bytes += size;
+        if start > 0 {
+            (self.progress)(CopyEvent::Data {
+                rel,
+                src: src_id,
+                size,
+                done: start,
+                cloned: 0,
+            })?;
+        }
+        match self.opts.chunk_bytes {
+            None => {
+                if size > start {
+                    if start == 0 {
+                        sys::ficlone(dst, src)?;
+                    } else {
+                        sys::ficlone_range(dst, src, start, size - start)?;
+                    }
+                    self.stats.bytes_cloned += size - start;
+                    (self.progress)(CopyEvent::Data {
+                        rel,
+                        src: src_id,
+                        size,
+                        done: size,
+                        cloned: size - start,
+                    })?;
+                }
+            }
+            Some(chunk) => {
+                let chunk = chunk.max(1).div_ceil(self.block) * self.block;
+                let mut off = start;
+                while off < size {
+                    let len = chunk.min(size - off);
+                    sys::ficlone_range(dst, src, off, len)?;
+                    off += len;
+                    self.stats.bytes_cloned += len;
+                    (self.progress)(CopyEvent::Data {
+                        rel,
+                        src: src_id,
+                        size,
+                        done: off,
+                        cloned: len,
+                    })?;
+                }
+            }
+        }
+        // A clone ending in a hole may leave the size short: holes are kept
+        // as holes either way.
+        if rustix::fs::fstat(dst)?.st_size as u64 != size {
+            rustix::fs::ftruncate(dst, size)?;
+        }
+        Ok(())
+    }
+}
+
+fn stat_opt(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Stat>> {
+    match rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
+        Ok(st) => Ok(Some(st)),
+        Err(Errno::NOENT) => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Clears the immutable and append-only flags of the file or directory open
+/// as `fd`, which forbid changing it (or, on a directory, its entries).
+fn clear_stuck_flags(fd: BorrowedFd<'_>) -> io::Result<()> {
+    let stuck = IFlags::IMMUTABLE | IFlags::APPEND;
+    let flags = inode_flags(fd)?;
+    if flags.intersects(stuck) {
+        rustix::fs::ioctl_setflags(fd, flags.difference(stuck))?;
+    }
+    Ok(())
+}
+
+/// Removes the entry `name` of `parent` and everything below it, whatever
+/// its type, never following a symlink and opening nothing but directories
+/// (and a regular file whose immutable or append-only flag forbids the
+/// unlink). A nested btrfs subvolume is deleted whole, O(1) (read-only
+/// flags cleared first); everything else is unlinked one by one, which for a
+/// plain directory costs O(extents). Absent is fine.
+///
+/// `on_entry` is called after each entry removed, with the number removed so
+/// far; an error from it stops the removal there. A crash part-way leaves a
+/// partial tree under `name`, which a second call removes.
+pub fn remove_tree_at(
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    on_entry: &mut dyn FnMut(u64) -> io::Result<()>,
+) -> io::Result<()> {
+    let mut count = 0u64;
+    remove_inner(parent, name, &mut count, on_entry)
+}
+
+fn remove_inner(
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    count: &mut u64,
+    on_entry: &mut dyn FnMut(u64) -> io::Result<()>,
+) -> io::Result<()> {
+    let Some(st) = stat_opt(parent, name)? else {
+        return Ok(());
+    };
+    if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
+        let dir = sys::open_dir_at(parent, name)?;
+        if is_subvolume_root(&st, parent)?
+            && rustix::fs::fstat(&dir)?.st_dev != rustix::fs::fstat(parent)?.st_dev
+        {
+            sys::make_tree_writable(dir.as_fd())?;
+            drop(dir);
+            sys::delete_subvolume(parent, name, true)?;
+        } else {
+            clear_stuck_flags(dir.as_fd())?;
+            for (child, _, _) in sys::read_dir_names(dir.as_fd())? {
+                remove_inner(dir.as_fd(), &child, count, on_entry)?;
+            }
+            drop(dir);
+            rustix::fs::unlinkat(parent, name, AtFlags::REMOVEDIR)?;
+        }
+    } else {
+        match rustix::fs::unlinkat(parent, name, AtFlags::empty()) {
+            Ok(()) | Err(Errno::NOENT) => {}
+            Err(Errno::PERM) if FileType::from_raw_mode(st.st_mode) == FileType::RegularFile => {
+                let file = rustix::fs::openat(
+                    parent,
+                    name,
+                    OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+                    Mode::empty(),
+                )?;
+                clear_stuck_flags(file.as_fd())?;
+                drop(file);
+                rustix::fs::unlinkat(parent, name, AtFlags::empty())?;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    *count += 1;
+    on_entry(*count)
 }
 
 /// Clears the immutable and append-only flags, which forbid unlinking, on the

@@ -21,7 +21,15 @@ pub(crate) const ROLLBACK_SUFFIX: &str = ".rollback";
 /// A volume being deleted on uninstall.
 pub(crate) const DELETE_SUFFIX: &str = ".delete";
 /// The per-package lock file.
-pub(crate) const LOCK_SUFFIX: &str = ".lock";
+pub const LOCK_SUFFIX: &str = ".lock";
+/// volume-migrate: the subvolume being built from the plain directory
+/// `<pkg>` before the exchange; the old plain directory after it (a plain
+/// directory under this name means the exchange happened).
+pub const MIGRATE_SUFFIX: &str = ".migrate";
+/// volume-migrate: the replaced plain directory, waiting to be removed. Only
+/// ever holds data that also lives in the converted `<pkg>`: always safe to
+/// delete.
+pub const MIGRATE_OLD_SUFFIX: &str = ".migrate-old";
 /// Created at the top of a rollback copy once it is complete and durable.
 /// Which side of the exchange holds it tells recovery whether the exchange
 /// happened; it is removed from the live volume as the restore's last step.
@@ -56,7 +64,7 @@ impl Names {
 
 /// The package an entry of the volumes root belongs to, if any: `lnd`,
 /// `lnd.install-backup`, `lnd.rollback`, ... all map to `lnd`.
-pub(crate) fn package_of(name: &OsStr) -> Option<PackageId> {
+pub fn package_of(name: &OsStr) -> Option<PackageId> {
     let name = name.to_str()?;
     let stem = [
         BACKUP_TMP_SUFFIX,
@@ -65,6 +73,8 @@ pub(crate) fn package_of(name: &OsStr) -> Option<PackageId> {
         ROLLBACK_SUFFIX,
         DELETE_SUFFIX,
         LOCK_SUFFIX,
+        MIGRATE_OLD_SUFFIX,
+        MIGRATE_SUFFIX,
     ]
     .iter()
     .find_map(|s| name.strip_suffix(s))
@@ -88,6 +98,8 @@ mod tests {
             &n.rollback,
             &n.delete,
             &n.lock,
+            &OsString::from("bitcoind.migrate"),
+            &OsString::from("bitcoind.migrate-old"),
         ] {
             assert_eq!(package_of(name).as_ref(), Some(&pkg), "{name:?}");
         }

@@ -22,11 +22,11 @@ pub mod copy;
 pub mod extents;
 mod failpoint;
 #[cfg(target_os = "linux")]
-mod layout;
+pub mod layout;
 #[cfg(target_os = "linux")]
-mod lock;
+pub mod lock;
 #[cfg(target_os = "linux")]
-mod mounts;
+pub mod mounts;
 #[cfg(target_os = "linux")]
 mod store;
 #[cfg(target_os = "linux")]

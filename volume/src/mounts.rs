@@ -87,13 +87,16 @@ pub(crate) fn mounts_inside(entries: &[MountEntry], path: &Path) -> Vec<PathBuf>
 
 /// Reads this process's mount table and returns what is mounted from inside
 /// `path`.
-pub(crate) fn active_mounts_inside(path: &Path) -> io::Result<Vec<PathBuf>> {
+///
+/// Used before any step that would leave such a mount pointing at data that
+/// is about to be replaced (a rollback, a delete, a conversion).
+pub fn active_mounts_inside(path: &Path) -> io::Result<Vec<PathBuf>> {
     let text = std::fs::read_to_string("/proc/self/mountinfo")?;
     Ok(mounts_inside(&parse_mountinfo(&text), path))
 }
 
 /// Formats mount points for a one-line error.
-pub(crate) fn describe(mounts: &[PathBuf]) -> String {
+pub fn describe(mounts: &[PathBuf]) -> String {
     mounts
         .iter()
         .map(|m| String::from_utf8_lossy(m.as_os_str().as_bytes()).into_owned())

@@ -3,6 +3,8 @@
 //! Each test file compiles this module on its own and uses a different subset.
 #![allow(dead_code)]
 
+pub mod rich;
+
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::{FileExt, symlink};
 use std::path::{Path, PathBuf};

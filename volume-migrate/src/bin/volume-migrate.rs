@@ -1,0 +1,325 @@
+//! `volume-migrate`: converts the plain package volume directories under a
+//! volumes root into btrfs subvolumes, once, resumably.
+//!
+//! Exit 0 when every package converted or there was nothing to do (off
+//! btrfs too); 1 when any package failed (each failure one line on stderr,
+//! the others still converted); 2 on bad input (one line on stderr).
+//! Progress goes to stderr as one updating line on a terminal; with `--json`
+//! every event is one JSON object per line on stdout.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+
+#[derive(Parser)]
+#[command(
+    name = "volume-migrate",
+    version,
+    about = "Convert plain package volume directories into btrfs subvolumes"
+)]
+struct Cli {
+    /// The package volumes directory.
+    #[arg(long, default_value_os_t = volume::default_root())]
+    root: PathBuf,
+    /// Only list what would be converted, with the estimated work.
+    #[arg(long)]
+    dry_run: bool,
+    /// JSON lines on stdout instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Leave the replaced directories as `<pkg>.migrate-old` (remove them
+    /// later with a run without this flag).
+    #[arg(long)]
+    keep_old: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) if !e.use_stderr() => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            let text = e.to_string();
+            eprintln!(
+                "{}",
+                text.lines()
+                    .next()
+                    .unwrap_or("volume-migrate: bad arguments")
+            );
+            return ExitCode::from(2);
+        }
+    };
+    #[cfg(target_os = "linux")]
+    {
+        run(cli)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = cli;
+        eprintln!("volume-migrate: only Linux has btrfs subvolumes; nothing to do");
+        ExitCode::SUCCESS
+    }
+}
+
+fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < UNITS.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[i])
+    }
+}
+
+fn json_line(value: serde_json::Value) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{value}");
+    let _ = out.flush();
+}
+
+#[cfg(target_os = "linux")]
+fn run(cli: Cli) -> ExitCode {
+    use serde_json::json;
+    use volume_migrate::{MigrateOptions, Migrator, Outcome, Progress};
+
+    // Deep trees hold two directory fds per level while they are copied.
+    match rlimit_nofile() {
+        Ok((soft, hard)) if soft < hard => {
+            let _ = set_rlimit_nofile(hard);
+        }
+        _ => {}
+    }
+
+    let migrator = match Migrator::open(&cli.root) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("volume-migrate: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if !migrator.is_btrfs() {
+        let msg = format!(
+            "{} is not on btrfs: nothing to convert",
+            migrator.root().display()
+        );
+        if cli.json {
+            json_line(json!({"event": "not-btrfs", "root": migrator.root(), "message": msg}));
+        } else {
+            println!("{msg}");
+        }
+        return ExitCode::SUCCESS;
+    }
+
+    if cli.dry_run {
+        let plan = match migrator.plan() {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("volume-migrate: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        for entry in &plan {
+            if cli.json {
+                let est_secs = entry.estimate.map(|e| e.duration().as_secs_f64());
+                json_line(json!({
+                    "event": "plan",
+                    "package": entry.package,
+                    "estimate": entry.estimate,
+                    "estimated_seconds": est_secs,
+                    "resume": entry.resume,
+                    "old_pending": entry.old_pending,
+                }));
+            } else {
+                match entry.estimate {
+                    Some(e) => println!(
+                        "would convert {}: {} entries, {} files, {}, {} extents{}, about {:.1} s{}",
+                        entry.package,
+                        e.entries,
+                        e.files,
+                        human_bytes(e.bytes),
+                        e.extents,
+                        if e.nested_subvolumes > 0 {
+                            format!(", {} nested subvolumes", e.nested_subvolumes)
+                        } else {
+                            String::new()
+                        },
+                        e.duration().as_secs_f64(),
+                        if entry.resume {
+                            " (resuming an interrupted run)"
+                        } else {
+                            ""
+                        },
+                    ),
+                    None => println!(
+                        "would finish {}: an interrupted run's leftovers{}",
+                        entry.package,
+                        if entry.old_pending {
+                            ", old directory to remove"
+                        } else {
+                            ""
+                        }
+                    ),
+                }
+            }
+        }
+        if plan.is_empty() && !cli.json {
+            println!("nothing to convert");
+        }
+        if cli.json {
+            json_line(json!({"event": "summary", "dry_run": true, "packages": plan.len()}));
+        }
+        return ExitCode::SUCCESS;
+    }
+
+    let tty = !cli.json && std::io::stderr().is_terminal();
+    let mut last_line = Instant::now() - Duration::from_secs(1);
+    let mut last_json = Instant::now() - Duration::from_secs(1);
+    let json = cli.json;
+    let mut last_phase = None;
+    let mut sink = |p: &Progress| {
+        if json {
+            // Every phase change, and at most two clone reports a second.
+            let changed = last_phase != Some((p.package.clone(), p.phase));
+            if changed || last_json.elapsed() >= Duration::from_millis(500) {
+                last_json = Instant::now();
+                last_phase = Some((p.package.clone(), p.phase));
+                json_line(json!({"event": "progress", "progress": p}));
+            }
+        } else if tty && last_line.elapsed() >= Duration::from_millis(100) {
+            last_line = Instant::now();
+            let eta = p
+                .eta
+                .map(|d| format!("ETA {}s", d.as_secs()))
+                .unwrap_or_else(|| "ETA ?".to_owned());
+            let line = format!(
+                "{} {:?}: {}/{} {}/{} extents {}/{} entries {eta}",
+                p.package,
+                p.phase,
+                human_bytes(p.bytes_done),
+                human_bytes(p.bytes_total),
+                p.extents_done,
+                p.extents_total,
+                p.entries_done,
+                p.entries_total,
+            );
+            let mut err = std::io::stderr().lock();
+            let _ = write!(err, "\r\x1b[2K{line}");
+            let _ = err.flush();
+        }
+    };
+    let mut printed_failures = Vec::new();
+    let mut on_done = |r: &volume_migrate::PackageReport| {
+        if tty {
+            eprint!("\r\x1b[2K");
+        }
+        if json {
+            json_line(json!({"event": "package", "report": r}));
+            return;
+        }
+        match (&r.outcome, &r.error) {
+            (Outcome::Failed, Some(e)) => {
+                eprintln!("volume-migrate: {}", e.message);
+                printed_failures.push(r.package.clone());
+            }
+            (Outcome::Converted, _) => println!(
+                "converted {}: {} in {:.1} s{}",
+                r.package,
+                r.estimate
+                    .map(|e| format!(
+                        "{} entries, {}, {} extents",
+                        e.entries,
+                        human_bytes(e.bytes),
+                        e.extents
+                    ))
+                    .unwrap_or_default(),
+                r.elapsed.as_secs_f64(),
+                if r.resumed {
+                    format!(" (resumed; {} cloned now)", human_bytes(r.bytes_cloned))
+                } else {
+                    String::new()
+                }
+            ),
+            (Outcome::Finished, _) => println!("finished {}: interrupted run completed", r.package),
+            _ => {}
+        }
+    };
+    let opts = MigrateOptions {
+        remove_old: !cli.keep_old,
+        ..MigrateOptions::default()
+    };
+    let reports = match migrator.run(&opts, &mut sink, &mut on_done) {
+        Ok(r) => r,
+        Err(e) => {
+            if tty {
+                eprint!("\r\x1b[2K");
+            }
+            eprintln!("volume-migrate: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    if tty {
+        eprint!("\r\x1b[2K");
+    }
+    let failed = reports
+        .iter()
+        .filter(|r| r.outcome == Outcome::Failed)
+        .count();
+    let converted = reports
+        .iter()
+        .filter(|r| matches!(r.outcome, Outcome::Converted | Outcome::Finished))
+        .count();
+    if json {
+        json_line(json!({
+            "event": "summary",
+            "dry_run": false,
+            "converted": converted,
+            "failed": failed,
+            "old_removed": reports.iter().filter(|r| r.old_removed).count(),
+        }));
+    } else if reports.is_empty() {
+        println!("nothing to convert");
+    } else {
+        // Failures to remove an old directory come after `on_done`.
+        for r in &reports {
+            match (&r.outcome, &r.error) {
+                (Outcome::Failed, Some(e)) if !printed_failures.contains(&r.package) => {
+                    eprintln!("volume-migrate: {}", e.message);
+                }
+                _ => {}
+            }
+        }
+    }
+    if failed > 0 {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn rlimit_nofile() -> std::io::Result<(u64, u64)> {
+    let l = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    Ok((l.current.unwrap_or(u64::MAX), l.maximum.unwrap_or(u64::MAX)))
+}
+
+#[cfg(target_os = "linux")]
+fn set_rlimit_nofile(n: u64) -> std::io::Result<()> {
+    let l = rustix::process::Rlimit {
+        current: Some(n),
+        maximum: Some(n),
+    };
+    Ok(rustix::process::setrlimit(
+        rustix::process::Resource::Nofile,
+        l,
+    )?)
+}

@@ -1,0 +1,58 @@
+//! The conversion's named crash sites, for the crash-safety tests.
+//!
+//! Same variable as the volume crate's ([`volume::FAILPOINT_ENV`]), with two
+//! extensions, since the conversion's steps repeat (one per clone range, one
+//! per removed entry): `name@N` fires on the N-th hit of `name` in this
+//! process, and a trailing `=enospc` makes the site fail with ENOSPC instead
+//! of killing the process. Without the `failpoints` feature, nothing fires.
+
+use std::io;
+
+/// With the `failpoints` feature, SIGKILLs the process (or, for
+/// `...=enospc`, returns ENOSPC) when `STARTOS_VOLUME_FAILPOINT` names this
+/// hit of `name`. Without it, does nothing.
+#[inline]
+pub(crate) fn failpoint(name: &str) -> io::Result<()> {
+    #[cfg(all(feature = "failpoints", target_os = "linux"))]
+    {
+        use std::collections::HashMap;
+        use std::sync::Mutex;
+        static HITS: Mutex<Option<HashMap<String, u64>>> = Mutex::new(None);
+        let Some(spec) = std::env::var_os(volume::FAILPOINT_ENV) else {
+            return Ok(());
+        };
+        let spec = spec.to_string_lossy().into_owned();
+        let (site, enospc) = match spec.strip_suffix("=enospc") {
+            Some(s) => (s, true),
+            None => (spec.as_str(), false),
+        };
+        let (site, nth) = match site.split_once('@') {
+            Some((s, n)) => (s, n.parse::<u64>().unwrap_or(1)),
+            None => (site, 1),
+        };
+        if site != name {
+            return Ok(());
+        }
+        let hit = {
+            let mut guard = HITS.lock().unwrap_or_else(|p| p.into_inner());
+            let hits = guard.get_or_insert_with(HashMap::new);
+            let n = hits.entry(name.to_owned()).or_insert(0);
+            *n += 1;
+            *n
+        };
+        if hit != nth {
+            return Ok(());
+        }
+        if enospc {
+            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        let _ =
+            rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
+        std::process::abort();
+    }
+    #[cfg(not(all(feature = "failpoints", target_os = "linux")))]
+    {
+        let _ = name;
+        Ok(())
+    }
+}

@@ -1,0 +1,943 @@
+//! The conversion itself (Linux only).
+
+use std::collections::HashMap;
+use std::ffi::{OsStr, OsString};
+use std::io;
+use std::ops::ControlFlow;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use color_eyre::eyre::eyre;
+use models::{Error, ErrorKind, PackageId, ResultExt};
+use rustix::fs::{AtFlags, FileType};
+use serde::Serialize;
+use volume::copy::{self, CopyEvent, CopyOptions};
+use volume::layout::{MIGRATE_OLD_SUFFIX, MIGRATE_SUFFIX, package_of};
+use volume::lock::PackageLock;
+use volume::sys::{self, EXTENT_DATA_KEY, KeyRange};
+
+use crate::failpoint::failpoint;
+use crate::{Estimate, Phase, Progress, ProgressSink};
+
+/// Default FICLONERANGE chunk: 64 MiB. Each chunk is one ioctl costing
+/// O(extents in it); a crash loses at most one chunk of work.
+pub const DEFAULT_CHUNK_BYTES: u64 = 64 << 20;
+/// Default free-space headroom kept on top of the estimated metadata need:
+/// btrfs needs room for new metadata chunks and its global reserve.
+pub const DEFAULT_RESERVE_BYTES: u64 = 64 << 20;
+
+/// How to convert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MigrateOptions {
+    /// Only scan and report what would be converted; change nothing (not
+    /// even leftovers of an interrupted run).
+    pub dry_run: bool,
+    /// Bytes per FICLONERANGE call (rounded up to the block size).
+    pub chunk_bytes: u64,
+    /// Free space (statvfs `f_bavail`) required beyond the estimate; see
+    /// [`Migrator::convert`].
+    pub reserve_bytes: u64,
+    /// [`Migrator::run`]: after converting every package, remove the old
+    /// directories too (otherwise call [`Migrator::remove_all_old`] later).
+    pub remove_old: bool,
+}
+
+impl Default for MigrateOptions {
+    fn default() -> Self {
+        MigrateOptions {
+            dry_run: false,
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
+            reserve_bytes: DEFAULT_RESERVE_BYTES,
+            remove_old: true,
+        }
+    }
+}
+
+/// What happened to one package.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Outcome {
+    /// Converted now (possibly resuming an interrupted run).
+    Converted,
+    /// An earlier run had already swapped the subvolume in; only its
+    /// bookkeeping (renaming the old directory aside) was left.
+    Finished,
+    /// Already a subvolume: nothing to do.
+    AlreadySubvolume,
+    /// Dry run: would be converted.
+    WouldConvert,
+    /// Failed; see [`PackageReport::error`]. `<pkg>` is untouched.
+    Failed,
+}
+
+/// An error, flattened for reports.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ReportError {
+    /// Upstream's numeric [`ErrorKind`] code.
+    pub code: i32,
+    /// The kind's title.
+    pub kind: String,
+    /// One line naming the package and path.
+    pub message: String,
+}
+
+impl From<&Error> for ReportError {
+    fn from(e: &Error) -> Self {
+        ReportError {
+            code: e.kind.code(),
+            kind: e.kind.as_str().to_owned(),
+            message: e.to_string(),
+        }
+    }
+}
+
+/// The result of converting one package ([`Migrator::convert`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PackageReport {
+    /// The package.
+    pub package: PackageId,
+    /// What happened.
+    pub outcome: Outcome,
+    /// The scan of the plain directory, when there was one to scan.
+    pub estimate: Option<Estimate>,
+    /// Whether an interrupted earlier run's partial copy was reused.
+    pub resumed: bool,
+    /// Bytes cloned by this run (a resumed run skips what was in place).
+    pub bytes_cloned: u64,
+    /// Entries an earlier run had already copied and this one kept.
+    pub entries_reused: u64,
+    /// Whether the old directory is gone (else `<pkg>.migrate-old` remains
+    /// for [`Migrator::remove_old`]).
+    pub old_removed: bool,
+    /// Wall time of this call.
+    #[serde(serialize_with = "ser_ms")]
+    pub elapsed: Duration,
+    /// For [`Outcome::Failed`].
+    pub error: Option<ReportError>,
+}
+
+fn ser_ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64())
+}
+
+/// One package the conversion would touch ([`Migrator::plan`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PlanEntry {
+    /// The package.
+    pub package: PackageId,
+    /// The scan of its plain directory; `None` when only leftovers of an
+    /// interrupted run remain (finishing them is cheap, except removing an
+    /// old directory).
+    pub estimate: Option<Estimate>,
+    /// Whether a partial copy from an interrupted run is there to resume.
+    pub resume: bool,
+    /// Whether an old directory waits for removal.
+    pub old_pending: bool,
+}
+
+/// What `<root>/<name>` is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Absent,
+    Dir,
+    Subvolume,
+    Other,
+}
+
+/// Converts the plain directories under one volumes root. Open it with
+/// [`Migrator::open`]; every method takes the package's volume lock.
+///
+/// The root itself is trusted; everything inside a volume is not: names are
+/// resolved relative to open directories, nothing is followed through a
+/// symlink, only directories and regular files are ever opened.
+pub struct Migrator {
+    root: PathBuf,
+    dir: OwnedFd,
+    dev: u64,
+    btrfs: bool,
+}
+
+fn ctx(pkg: &PackageId, what: impl std::fmt::Display) -> String {
+    format!("package {pkg}: {what}")
+}
+
+fn fail(pkg: &PackageId, kind: ErrorKind, what: impl std::fmt::Display) -> Error {
+    Error::new(eyre!("{}", ctx(pkg, what)), kind)
+}
+
+fn is_enospc(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
+}
+
+impl Migrator {
+    /// Opens the volumes root. `NotFound` if it does not exist,
+    /// `InvalidRequest` if it is not a directory. Works on any filesystem;
+    /// off btrfs every call does nothing ([`Migrator::is_btrfs`]).
+    pub fn open(root: impl AsRef<Path>) -> Result<Self, Error> {
+        let root = root.as_ref();
+        let canonical = std::fs::canonicalize(root).with_ctx(|e| {
+            let kind = if e.kind() == io::ErrorKind::NotFound {
+                ErrorKind::NotFound
+            } else {
+                ErrorKind::Filesystem
+            };
+            (kind, format!("volumes root {}", root.display()))
+        })?;
+        let dir = sys::open_dir_path(&canonical).with_ctx(|_| {
+            (
+                ErrorKind::InvalidRequest,
+                format!("volumes root {} is not a directory", canonical.display()),
+            )
+        })?;
+        let st = sys::stat(dir.as_fd()).with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                format!("stat {}", canonical.display()),
+            )
+        })?;
+        let btrfs = sys::is_btrfs(dir.as_fd()).with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                format!("statfs {}", canonical.display()),
+            )
+        })?;
+        Ok(Migrator {
+            root: canonical,
+            dir,
+            dev: st.dev,
+            btrfs,
+        })
+    }
+
+    /// The canonical volumes root.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Whether the root is on btrfs. If not, there is nothing to convert and
+    /// every call reports nothing.
+    pub fn is_btrfs(&self) -> bool {
+        self.btrfs
+    }
+
+    fn root_fd(&self) -> BorrowedFd<'_> {
+        self.dir.as_fd()
+    }
+
+    fn kind(&self, name: &OsStr) -> io::Result<Kind> {
+        match sys::stat_at(self.root_fd(), name)? {
+            None => Ok(Kind::Absent),
+            Some(st) if st.is_dir() => {
+                let fd = sys::open_dir_at(self.root_fd(), name)?;
+                Ok(if sys::is_subvolume(fd.as_fd())? {
+                    Kind::Subvolume
+                } else {
+                    Kind::Dir
+                })
+            }
+            Some(_) => Ok(Kind::Other),
+        }
+    }
+
+    /// Packages with anything for the conversion to do, sorted: `<pkg>` a
+    /// plain directory, or a `<pkg>.migrate` / `<pkg>.migrate-old` left by an
+    /// interrupted run. Empty off btrfs.
+    pub fn packages(&self) -> Result<Vec<PackageId>, Error> {
+        if !self.btrfs {
+            return Ok(Vec::new());
+        }
+        let entries = sys::read_dir_names(self.root_fd()).with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                format!("reading {}", self.root.display()),
+            )
+        })?;
+        let mut out = Vec::new();
+        for (name, _, _) in entries {
+            let Some(pkg) = package_of(&name) else {
+                continue;
+            };
+            let s = name.to_string_lossy();
+            let relevant = if s == pkg.as_str() {
+                self.kind(&name)
+                    .with_ctx(|_| (ErrorKind::Filesystem, ctx(&pkg, "inspecting the volume")))?
+                    != Kind::Subvolume
+            } else {
+                s.ends_with(MIGRATE_SUFFIX) || s.ends_with(MIGRATE_OLD_SUFFIX)
+            };
+            if relevant {
+                out.push(pkg);
+            }
+        }
+        out.sort();
+        out.dedup();
+        Ok(out)
+    }
+
+    /// What a run would do, per package, with the scan of each plain
+    /// directory (a dry run). Changes nothing.
+    pub fn plan(&self) -> Result<Vec<PlanEntry>, Error> {
+        let mut out = Vec::new();
+        for package in self.packages()? {
+            let pkg = &package;
+            let names = Names::new(pkg);
+            let _lock = self.lock(pkg)?;
+            let io =
+                |what: &'static str| move |_: &io::Error| (ErrorKind::Filesystem, ctx(pkg, what));
+            let live = self
+                .kind(&names.live)
+                .with_ctx(io("inspecting the volume"))?;
+            let tmp = self
+                .kind(&names.tmp)
+                .with_ctx(io("inspecting the partial copy"))?;
+            let old = self
+                .kind(&names.old)
+                .with_ctx(io("inspecting the old directory"))?;
+            let estimate = if live == Kind::Dir {
+                let fd = sys::open_dir_at(self.root_fd(), &names.live)
+                    .with_ctx(io("opening the volume"))?;
+                // Data still in the page cache has no extents yet. A commit
+                // changes nothing anyone can see.
+                sys::commit(fd.as_fd()).with_ctx(io("flushing the volume"))?;
+                Some(scan(fd.as_fd()).with_ctx(io("scanning the volume"))?.0)
+            } else {
+                None
+            };
+            out.push(PlanEntry {
+                package: pkg.clone(),
+                estimate,
+                resume: live == Kind::Dir && tmp == Kind::Subvolume,
+                old_pending: old != Kind::Absent || (tmp == Kind::Dir && live != Kind::Dir),
+            });
+        }
+        Ok(out)
+    }
+
+    fn lock(&self, pkg: &PackageId) -> Result<PackageLock, Error> {
+        PackageLock::for_package(self.root_fd(), pkg)
+            .with_ctx(|_| (ErrorKind::Filesystem, ctx(pkg, "taking the package lock")))
+    }
+
+    /// Converts every package of [`Migrator::packages`], one after the
+    /// other, calling `on_done` with each report as soon as that package is
+    /// done (so its service can start), then, with `opts.remove_old`,
+    /// removes the old directories. A failing package does not stop the
+    /// others: its report says why. Fails only if the root cannot be read.
+    pub fn run(
+        &self,
+        opts: &MigrateOptions,
+        sink: &mut dyn ProgressSink,
+        on_done: &mut dyn FnMut(&PackageReport),
+    ) -> Result<Vec<PackageReport>, Error> {
+        let mut reports = Vec::new();
+        for pkg in self.packages()? {
+            let started = Instant::now();
+            let report = self
+                .convert(&pkg, opts, sink)
+                .unwrap_or_else(|e| PackageReport {
+                    package: pkg.clone(),
+                    outcome: Outcome::Failed,
+                    estimate: None,
+                    resumed: false,
+                    bytes_cloned: 0,
+                    entries_reused: 0,
+                    old_removed: false,
+                    elapsed: started.elapsed(),
+                    error: Some(ReportError::from(&e)),
+                });
+            on_done(&report);
+            reports.push(report);
+        }
+        if opts.remove_old && !opts.dry_run {
+            for r in &mut reports {
+                if r.outcome == Outcome::Failed {
+                    continue;
+                }
+                match self.remove_old(&r.package, sink) {
+                    Ok(_) => r.old_removed = true,
+                    Err(e) => {
+                        r.outcome = Outcome::Failed;
+                        r.error = Some(ReportError::from(&e));
+                    }
+                }
+            }
+        }
+        Ok(reports)
+    }
+
+    /// Removes every `<pkg>.migrate-old` left under the root; the second
+    /// phase, fine to run while services run. Returns the packages cleaned.
+    pub fn remove_all_old(&self, sink: &mut dyn ProgressSink) -> Result<Vec<PackageId>, Error> {
+        let mut done = Vec::new();
+        for pkg in self.packages()? {
+            if self.remove_old(&pkg, sink)? {
+                done.push(pkg);
+            }
+        }
+        Ok(done)
+    }
+
+    /// Removes `<pkg>.migrate-old`, the plain directory a conversion
+    /// replaced: O(extents), entry by entry (nested subvolumes in O(1)).
+    /// Returns whether there was one. It only ever holds data the converted
+    /// `<pkg>` also has, so a crash part-way is harmless: the rest is
+    /// removed by the next call. Also finishes an exchange whose rename
+    /// aside was interrupted.
+    pub fn remove_old(&self, pkg: &PackageId, sink: &mut dyn ProgressSink) -> Result<bool, Error> {
+        if !self.btrfs {
+            return Ok(false);
+        }
+        let names = Names::new(pkg);
+        let _lock = self.lock(pkg)?;
+        self.settle_exchanged(pkg, &names)?;
+        let io =
+            |what: &'static str| move |_: &io::Error| (ErrorKind::MigrationFailed, ctx(pkg, what));
+        if self
+            .kind(&names.old)
+            .with_ctx(io("inspecting the old directory"))?
+            == Kind::Absent
+        {
+            return Ok(false);
+        }
+        let mut tracker = Tracker::new(pkg.clone(), Estimate::default(), sink);
+        tracker.phase(Phase::RemoveOld);
+        copy::remove_tree_at(self.root_fd(), &names.old, &mut |n| {
+            tracker.entries(n);
+            failpoint("migrate.remove")
+        })
+        .and_then(|()| sys::fsync(self.root_fd()))
+        .with_ctx(io("removing the old directory"))?;
+        tracker.phase(Phase::Done);
+        tracing::info!(package = %pkg, "old plain volume directory removed");
+        Ok(true)
+    }
+
+    /// After the exchange, `<pkg>.migrate` is the old plain directory: move
+    /// it to `<pkg>.migrate-old`. Returns whether it did.
+    fn settle_exchanged(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
+        let io =
+            |what: &'static str| move |_: &io::Error| (ErrorKind::MigrationFailed, ctx(pkg, what));
+        let live = self
+            .kind(&names.live)
+            .with_ctx(io("inspecting the volume"))?;
+        let tmp = self
+            .kind(&names.tmp)
+            .with_ctx(io("inspecting the partial copy"))?;
+        match (live, tmp) {
+            (Kind::Subvolume | Kind::Absent, Kind::Dir) => {
+                if self
+                    .kind(&names.old)
+                    .with_ctx(io("inspecting the old directory"))?
+                    != Kind::Absent
+                {
+                    copy::remove_tree_at(self.root_fd(), &names.old, &mut |_| Ok(()))
+                        .with_ctx(io("removing an older old directory"))?;
+                }
+                sys::rename_noreplace(self.root_fd(), &names.tmp, &names.old)
+                    .and_then(|()| sys::fsync(self.root_fd()))
+                    .with_ctx(io("moving the old directory aside"))?;
+                failpoint("migrate.old-renamed").with_ctx(io("failpoint"))?;
+                Ok(true)
+            }
+            (Kind::Subvolume | Kind::Absent, Kind::Subvolume) => {
+                // A partial copy whose source is gone or was replaced by a
+                // subvolume (a volume operation since): worthless.
+                copy::remove_tree_at(self.root_fd(), &names.tmp, &mut |_| Ok(()))
+                    .and_then(|()| sys::fsync(self.root_fd()))
+                    .with_ctx(io("removing a stale partial copy"))?;
+                Ok(false)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// Converts `<pkg>`, if it is a plain directory, into a subvolume with
+    /// the same contents and attributes, leaving the old directory as
+    /// `<pkg>.migrate-old` for [`Migrator::remove_old`]. Resumes or finishes
+    /// whatever an interrupted run left. Off btrfs, or with `<pkg>` already a
+    /// subvolume, does nothing.
+    ///
+    /// Refuses (`InvalidRequest`, naming the package) while anything is
+    /// mounted from inside `<pkg>`, and when `<pkg>` is on another
+    /// filesystem than the root. Refuses (`MigrationFailed`) when free space
+    /// is short: statvfs `f_bavail` must cover twice (metadata is DUP) the
+    /// estimated new metadata, 128 bytes per extent item plus 1 KiB per
+    /// entry, plus `opts.reserve_bytes`. A reflink shares data, so only
+    /// metadata grows; statvfs cannot tell metadata from data space on
+    /// btrfs, so this is a first check, and an ENOSPC during the copy
+    /// removes the partial subvolume and leaves `<pkg>` untouched. Other
+    /// errors during the copy keep the partial copy for the next run.
+    ///
+    /// A crash at any point leaves `<pkg>` complete (old or new); see the
+    /// crate docs for what the next run does.
+    pub fn convert(
+        &self,
+        pkg: &PackageId,
+        opts: &MigrateOptions,
+        sink: &mut dyn ProgressSink,
+    ) -> Result<PackageReport, Error> {
+        let started = Instant::now();
+        let mut report = PackageReport {
+            package: pkg.clone(),
+            outcome: Outcome::AlreadySubvolume,
+            estimate: None,
+            resumed: false,
+            bytes_cloned: 0,
+            entries_reused: 0,
+            old_removed: false,
+            elapsed: Duration::ZERO,
+            error: None,
+        };
+        if !self.btrfs {
+            return Ok(report);
+        }
+        let names = Names::new(pkg);
+        let _lock = self.lock(pkg)?;
+        let io =
+            |what: &'static str| move |_: &io::Error| (ErrorKind::MigrationFailed, ctx(pkg, what));
+        let live = self
+            .kind(&names.live)
+            .with_ctx(io("inspecting the volume"))?;
+        let tmp = self
+            .kind(&names.tmp)
+            .with_ctx(io("inspecting the partial copy"))?;
+        match (live, tmp) {
+            (Kind::Other, _) => {
+                return Err(fail(
+                    pkg,
+                    ErrorKind::InvalidRequest,
+                    format!(
+                        "{} is not a directory",
+                        self.root.join(&names.live).display()
+                    ),
+                ));
+            }
+            (_, Kind::Other) | (Kind::Dir, Kind::Dir) => {
+                return Err(fail(
+                    pkg,
+                    ErrorKind::Incoherent,
+                    format!(
+                        "{} is neither a partial copy nor the old directory; move it away",
+                        self.root.join(&names.tmp).display()
+                    ),
+                ));
+            }
+            (Kind::Dir, _) => {}
+            (_, _) => {
+                if !opts.dry_run && self.settle_exchanged(pkg, &names)? {
+                    report.outcome = Outcome::Finished;
+                }
+                report.elapsed = started.elapsed();
+                return Ok(report);
+            }
+        }
+
+        // `<pkg>` is a plain directory.
+        let live_path = self.root.join(&names.live);
+        let busy = volume::mounts::active_mounts_inside(&live_path).with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                ctx(pkg, "reading /proc/self/mountinfo"),
+            )
+        })?;
+        if !busy.is_empty() {
+            return Err(fail(
+                pkg,
+                ErrorKind::InvalidRequest,
+                format!(
+                    "{} is in use, mounted at {}; unmount it first",
+                    live_path.display(),
+                    volume::mounts::describe(&busy)
+                ),
+            ));
+        }
+        let src =
+            sys::open_dir_at(self.root_fd(), &names.live).with_ctx(io("opening the volume"))?;
+        let src_st = sys::stat(src.as_fd()).with_ctx(io("stat of the volume"))?;
+        if src_st.dev != self.dev
+            || !sys::is_btrfs(src.as_fd()).with_ctx(io("statfs of the volume"))?
+        {
+            return Err(fail(
+                pkg,
+                ErrorKind::InvalidRequest,
+                format!(
+                    "{} is on another filesystem than the volumes root {}",
+                    live_path.display(),
+                    self.root.display()
+                ),
+            ));
+        }
+
+        // Scan: data still in the page cache has no extents yet, so flush.
+        let mut tracker = Tracker::new(pkg.clone(), Estimate::default(), sink);
+        tracker.phase(Phase::Scan);
+        sys::commit(src.as_fd()).with_ctx(io("flushing the volume"))?;
+        let (estimate, per_file) = scan(src.as_fd()).with_ctx(io("scanning the volume"))?;
+        report.estimate = Some(estimate);
+        tracker.set_estimate(estimate);
+        if opts.dry_run {
+            report.outcome = Outcome::WouldConvert;
+            report.elapsed = started.elapsed();
+            return Ok(report);
+        }
+        self.check_space(pkg, &estimate, opts)?;
+
+        // Clone.
+        let mut resume = tmp == Kind::Subvolume;
+        let mut dst = None;
+        if resume {
+            let fd = sys::open_dir_at(self.root_fd(), &names.tmp)
+                .with_ctx(io("opening the partial copy"))?;
+            let since = sys::birth_time(fd.as_fd())
+                .with_ctx(io("reading the partial copy's creation time"))?;
+            let src_full = rustix::fs::fstat(&src)
+                .map_err(io::Error::from)
+                .with_ctx(io("stat of the volume"))?;
+            #[allow(clippy::unnecessary_cast)]
+            let src_ctime = (src_full.st_ctime as i64, src_full.st_ctime_nsec as i64);
+            match since {
+                Some(t) if src_ctime < t => dst = Some((fd, Some(t))),
+                _ => {
+                    tracing::warn!(package = %pkg, "volume changed since the partial copy was started: starting over");
+                    drop(fd);
+                    copy::remove_tree_at(self.root_fd(), &names.tmp, &mut |_| Ok(()))
+                        .with_ctx(io("removing an outdated partial copy"))?;
+                    resume = false;
+                }
+            }
+        }
+        let (dst, since) = match dst {
+            Some(d) => d,
+            None => {
+                sys::create_subvolume(self.root_fd(), &names.tmp)
+                    .and_then(|()| sys::fsync(self.root_fd()))
+                    .with_ctx(|_| {
+                        (
+                            ErrorKind::MigrationFailed,
+                            ctx(
+                                pkg,
+                                format!(
+                                    "creating subvolume {}",
+                                    self.root.join(&names.tmp).display()
+                                ),
+                            ),
+                        )
+                    })?;
+                failpoint("migrate.created").with_ctx(io("failpoint"))?;
+                let fd = sys::open_dir_at(self.root_fd(), &names.tmp)
+                    .with_ctx(io("opening the new subvolume"))?;
+                (fd, None)
+            }
+        };
+        report.resumed = resume;
+        tracker.phase(Phase::Clone);
+        let copy_opts = CopyOptions {
+            resume,
+            chunk_bytes: Some(opts.chunk_bytes),
+            nested_subvolumes: true,
+            changed_since: since,
+        };
+        let copied = copy::reflink_into(src.as_fd(), dst.as_fd(), &copy_opts, &mut |ev| match ev {
+            CopyEvent::Data {
+                src,
+                size,
+                done,
+                cloned,
+                ..
+            } => {
+                let extents = per_file.get(&src).copied().unwrap_or(0);
+                tracker.file_data(src, extents, size, done, cloned);
+                failpoint("migrate.chunk")
+            }
+            CopyEvent::Entry { .. } => {
+                tracker.entry_done();
+                failpoint("migrate.entry")
+            }
+        });
+        let stats = match copied {
+            Err(e) if is_enospc(&e) => {
+                drop(dst);
+                let cleanup = copy::remove_tree_at(self.root_fd(), &names.tmp, &mut |_| Ok(()))
+                    .and_then(|()| sys::commit(self.root_fd()));
+                let msg = format!(
+                    "out of space while cloning into {} ({e}); {} is untouched{}",
+                    self.root.join(&names.tmp).display(),
+                    live_path.display(),
+                    match &cleanup {
+                        Ok(()) => " and the partial subvolume was removed".to_owned(),
+                        Err(c) => format!(", but removing the partial subvolume failed: {c}"),
+                    }
+                );
+                return Err(fail(pkg, ErrorKind::MigrationFailed, msg));
+            }
+            other => other.with_ctx(|_| {
+                (
+                    ErrorKind::MigrationFailed,
+                    ctx(
+                        pkg,
+                        format!(
+                            "cloning {} into {} (the partial copy is kept for the next run)",
+                            live_path.display(),
+                            self.root.join(&names.tmp).display()
+                        ),
+                    ),
+                )
+            })?,
+        };
+        report.bytes_cloned = stats.bytes_cloned;
+        report.entries_reused = stats.entries_reused;
+        failpoint("migrate.copied").with_ctx(io("failpoint"))?;
+
+        // Sync: the copy must be durable before its name says "volume".
+        tracker.phase(Phase::Sync);
+        sys::commit(dst.as_fd()).with_ctx(io("committing the new subvolume"))?;
+        drop(dst);
+        failpoint("migrate.durable").with_ctx(io("failpoint"))?;
+
+        // Exchange.
+        tracker.phase(Phase::Exchange);
+        sys::rename_exchange(self.root_fd(), &names.tmp, &names.live)
+            .and_then(|()| sys::fsync(self.root_fd()))
+            .with_ctx(|_| {
+                (
+                    ErrorKind::MigrationFailed,
+                    ctx(
+                        pkg,
+                        format!(
+                            "exchanging {} with {}",
+                            self.root.join(&names.tmp).display(),
+                            live_path.display()
+                        ),
+                    ),
+                )
+            })?;
+        failpoint("migrate.exchanged").with_ctx(io("failpoint"))?;
+        self.settle_exchanged(pkg, &names)?;
+        tracker.phase(Phase::Done);
+        tracing::info!(package = %pkg, bytes = estimate.bytes, extents = estimate.extents, "volume converted to a subvolume");
+        report.outcome = Outcome::Converted;
+        report.elapsed = started.elapsed();
+        Ok(report)
+    }
+
+    fn check_space(
+        &self,
+        pkg: &PackageId,
+        est: &Estimate,
+        opts: &MigrateOptions,
+    ) -> Result<(), Error> {
+        let vfs = rustix::fs::fstatvfs(self.root_fd())
+            .map_err(io::Error::from)
+            .with_ctx(|_| {
+                (
+                    ErrorKind::Filesystem,
+                    ctx(pkg, "statvfs of the volumes root"),
+                )
+            })?;
+        let free = vfs.f_bavail.saturating_mul(vfs.f_frsize);
+        let need = est
+            .extents
+            .saturating_mul(128)
+            .saturating_add(est.entries.saturating_mul(1024))
+            .saturating_mul(2)
+            .saturating_add(opts.reserve_bytes);
+        if free < need {
+            return Err(fail(
+                pkg,
+                ErrorKind::MigrationFailed,
+                format!(
+                    "not enough free space to convert: {free} bytes free, {need} needed \
+                     ({} extents, {} entries, plus {} reserved); nothing was changed",
+                    est.extents, est.entries, opts.reserve_bytes
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The names one package's conversion uses.
+struct Names {
+    live: OsString,
+    tmp: OsString,
+    old: OsString,
+}
+
+impl Names {
+    fn new(pkg: &PackageId) -> Self {
+        Names {
+            live: OsString::from(pkg.as_str()),
+            tmp: OsString::from(format!("{pkg}{MIGRATE_SUFFIX}")),
+            old: OsString::from(format!("{pkg}{MIGRATE_OLD_SUFFIX}")),
+        }
+    }
+}
+
+/// File extent items of each regular file, by (device, inode).
+type ExtentsByInode = HashMap<(u64, u64), u64>;
+
+/// Counts what converting the directory open as `dir` involves, with the
+/// extent count of each regular file by (device, inode). Never follows a
+/// symlink, opens nothing but directories; hardlinked files count once.
+fn scan(dir: BorrowedFd<'_>) -> io::Result<(Estimate, ExtentsByInode)> {
+    let mut est = Estimate::default();
+    let mut files = HashMap::new();
+    scan_dir(dir, &mut est, &mut files)?;
+    Ok((est, files))
+}
+
+fn scan_dir(
+    dir: BorrowedFd<'_>,
+    est: &mut Estimate,
+    files: &mut HashMap<(u64, u64), u64>,
+) -> io::Result<()> {
+    for (name, _, _) in sys::read_dir_names(dir)? {
+        let st = match rustix::fs::statat(dir, &name, AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(rustix::io::Errno::NOENT) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        est.entries += 1;
+        match FileType::from_raw_mode(st.st_mode) {
+            FileType::Directory => {
+                if st.st_ino == sys::SUBVOLUME_ROOT_INO {
+                    est.nested_subvolumes += 1;
+                }
+                let sub = sys::open_dir_at(dir, &name)?;
+                scan_dir(sub.as_fd(), est, files)?;
+            }
+            FileType::RegularFile => {
+                let key = (st.st_dev, st.st_ino);
+                if files.contains_key(&key) {
+                    continue;
+                }
+                est.files += 1;
+                est.bytes += st.st_size as u64;
+                let mut extents = 0u64;
+                // The search runs in the subvolume of `dir`, the file's.
+                sys::search(
+                    dir,
+                    KeyRange::inode_items(st.st_ino, EXTENT_DATA_KEY),
+                    |key, _| {
+                        if key.item_type == EXTENT_DATA_KEY && key.objectid == st.st_ino {
+                            extents += 1;
+                        }
+                        ControlFlow::Continue(())
+                    },
+                )?;
+                est.extents += extents;
+                files.insert(key, extents);
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Turns copy events into throttled [`Progress`] reports with an ETA.
+struct Tracker<'s> {
+    p: Progress,
+    sink: &'s mut dyn ProgressSink,
+    started: Instant,
+    /// Work done when this run started cloning (resumed work is not a rate).
+    work_at_start: Option<u64>,
+    /// Work credited for what an earlier run had done.
+    reused_work: u64,
+    last_sent: Option<Instant>,
+    /// The file being cloned: its key and the extents credited so far.
+    current: Option<((u64, u64), u64, u64)>,
+}
+
+impl<'s> Tracker<'s> {
+    fn new(package: PackageId, est: Estimate, sink: &'s mut dyn ProgressSink) -> Self {
+        let mut t = Tracker {
+            p: Progress {
+                package,
+                phase: Phase::Scan,
+                bytes_done: 0,
+                bytes_total: 0,
+                extents_done: 0,
+                extents_total: 0,
+                entries_done: 0,
+                entries_total: 0,
+                eta: None,
+            },
+            sink,
+            started: Instant::now(),
+            work_at_start: None,
+            reused_work: 0,
+            last_sent: None,
+            current: None,
+        };
+        t.set_estimate(est);
+        t
+    }
+
+    fn set_estimate(&mut self, est: Estimate) {
+        self.p.bytes_total = est.bytes;
+        self.p.extents_total = est.extents;
+        self.p.entries_total = est.entries;
+    }
+
+    fn phase(&mut self, phase: Phase) {
+        self.p.phase = phase;
+        if phase == Phase::Done {
+            self.p.eta = Some(Duration::ZERO);
+        }
+        self.send();
+    }
+
+    fn file_data(&mut self, key: (u64, u64), extents: u64, size: u64, done: u64, cloned: u64) {
+        let (prev_bytes, prev_ext) = match self.current {
+            Some((k, b, e)) if k == key => (b, e),
+            _ => (0, 0),
+        };
+        let ext = if size == 0 {
+            extents
+        } else {
+            (u128::from(extents) * u128::from(done) / u128::from(size)) as u64
+        };
+        self.p.bytes_done += done.saturating_sub(prev_bytes);
+        self.p.extents_done += ext.saturating_sub(prev_ext);
+        self.current = Some((key, done, ext));
+        if cloned == 0 {
+            // What a resumed copy found in place: no measure of speed.
+            self.reused_work += ext.saturating_sub(prev_ext);
+        }
+        self.maybe_send();
+    }
+
+    fn entry_done(&mut self) {
+        self.p.entries_done += 1;
+        self.maybe_send();
+    }
+
+    /// For the removal phase: entries removed so far.
+    fn entries(&mut self, n: u64) {
+        self.p.entries_done = n;
+        self.maybe_send();
+    }
+
+    fn maybe_send(&mut self) {
+        if self
+            .last_sent
+            .is_none_or(|t| t.elapsed() >= Duration::from_millis(100))
+        {
+            self.send();
+        }
+    }
+
+    fn send(&mut self) {
+        let done = self.p.work_done().saturating_sub(self.reused_work);
+        let start = *self.work_at_start.get_or_insert(done);
+        let elapsed = self.started.elapsed();
+        if self.p.phase != Phase::Done && done > start && elapsed > Duration::from_millis(200) {
+            let left = self.p.work_total().saturating_sub(self.p.work_done());
+            let rate = (done - start) as f64 / elapsed.as_secs_f64();
+            self.p.eta = Some(Duration::from_secs_f64(left as f64 / rate));
+        }
+        self.last_sent = Some(Instant::now());
+        self.sink.progress(&self.p);
+    }
+}

@@ -1,0 +1,144 @@
+//! The `volume-migrate` binary: exit codes, one-line errors, --dry-run and
+//! --json output, on real loop-mounted filesystems.
+
+use std::fs;
+use std::path::Path;
+use std::process::{Command, Output};
+
+use integration::{LoopFs, fs_or_skip, tree_digest};
+
+fn cli(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_volume-migrate"))
+        .args(args)
+        .env_remove("STARTOS_VOLUME_FAILPOINT")
+        .output()
+        .expect("running volume-migrate")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn json_lines(o: &Output) -> Vec<serde_json::Value> {
+    stdout(o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l:?}: {e}")))
+        .collect()
+}
+
+fn make_volume(root: &Path, pkg: &str) {
+    let main = root.join(pkg).join("data/main");
+    fs::create_dir_all(&main).unwrap();
+    fs::write(main.join("db"), vec![7u8; 300_000]).unwrap();
+    fs::write(root.join(pkg).join("data/.version"), b"1\n").unwrap();
+}
+
+#[test]
+fn bad_input_is_one_line_and_nonzero() {
+    let o = cli(&["--root", "/nonexistent/volumes"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert_eq!(stderr(&o).lines().count(), 1, "{}", stderr(&o));
+    assert!(stderr(&o).contains("/nonexistent/volumes"));
+    let o = cli(&["--no-such-flag"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(stderr(&o).lines().count(), 1, "{}", stderr(&o));
+}
+
+#[test]
+fn off_btrfs_does_nothing_and_says_so() {
+    let fs = fs_or_skip!(LoopFs::ext4(64 << 20));
+    let root = fs.path("volumes");
+    make_volume(&root, "lnd");
+    let o = cli(&["--root", root.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0));
+    assert!(stdout(&o).contains("not on btrfs"), "{}", stdout(&o));
+    let o = cli(&["--root", root.to_str().unwrap(), "--json"]);
+    assert_eq!(json_lines(&o)[0]["event"], "not-btrfs");
+}
+
+#[test]
+fn dry_run_then_convert_with_json_then_nothing_to_do() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
+    let root = fs.path("volumes");
+    make_volume(&root, "lnd");
+    make_volume(&root, "bitcoind");
+    let before = tree_digest(&root.join("lnd")).unwrap();
+    let r = root.to_str().unwrap();
+
+    let o = cli(&["--root", r, "--dry-run"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(
+        text.contains("would convert bitcoind") && text.contains("would convert lnd"),
+        "{text}"
+    );
+    assert!(text.contains("extents"), "{text}");
+    let o = cli(&["--root", r, "--dry-run", "--json"]);
+    let lines = json_lines(&o);
+    let plan: Vec<_> = lines.iter().filter(|l| l["event"] == "plan").collect();
+    assert_eq!(plan.len(), 2);
+    assert!(
+        plan[0]["estimate"]["extents"].as_u64().unwrap() >= 1,
+        "{:?}",
+        plan[0]
+    );
+    assert!(
+        !root.join("lnd.migrate").exists(),
+        "a dry run changes nothing"
+    );
+    assert_eq!(tree_digest(&root.join("lnd")).unwrap(), before);
+
+    let o = cli(&["--root", r, "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let lines = json_lines(&o);
+    let done: Vec<_> = lines.iter().filter(|l| l["event"] == "package").collect();
+    assert_eq!(done.len(), 2);
+    assert!(
+        done.iter().all(|l| l["report"]["outcome"] == "converted"),
+        "{done:?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["event"] == "progress" && l["progress"]["phase"] == "clone")
+    );
+    let summary = lines.last().unwrap();
+    assert_eq!(summary["event"], "summary");
+    assert_eq!(summary["converted"], 2);
+    assert_eq!(summary["old_removed"], 2);
+    assert!(!root.join("lnd.migrate-old").exists());
+
+    let o = cli(&["--root", r]);
+    assert_eq!(o.status.code(), Some(0));
+    assert!(stdout(&o).contains("nothing to convert"), "{}", stdout(&o));
+}
+
+#[test]
+fn a_failed_package_exits_nonzero_naming_it() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
+    let root = fs.path("volumes");
+    make_volume(&root, "busy");
+    make_volume(&root, "fine");
+    let target = root.join("busy/data/main/mnt");
+    fs::create_dir_all(&target).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+        .arg(&target)
+        .status()
+        .unwrap();
+    assert!(mounted.success());
+    let o = cli(&["--root", root.to_str().unwrap()]);
+    let _ = Command::new("umount").arg("-l").arg(&target).status();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("package busy") && err.contains("mounted at"),
+        "{err}"
+    );
+    assert!(stdout(&o).contains("converted fine"), "{}", stdout(&o));
+}
