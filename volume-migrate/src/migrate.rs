@@ -175,21 +175,7 @@ impl Migrator {
     /// `InvalidRequest` if it is not a directory. Works on any filesystem;
     /// off btrfs every call does nothing ([`Migrator::is_btrfs`]).
     pub fn open(root: impl AsRef<Path>) -> Result<Self, Error> {
-        let root = root.as_ref();
-        let canonical = std::fs::canonicalize(root).with_ctx(|e| {
-            let kind = if e.kind() == io::ErrorKind::NotFound {
-                ErrorKind::NotFound
-            } else {
-                ErrorKind::Filesystem
-            };
-            (kind, format!("volumes root {}", root.display()))
-        })?;
-        let dir = sys::open_dir_path(&canonical).with_ctx(|_| {
-            (
-                ErrorKind::InvalidRequest,
-                format!("volumes root {} is not a directory", canonical.display()),
-            )
-        })?;
+        let (canonical, dir) = volume::open_root(root)?;
         let st = sys::stat(dir.as_fd()).with_ctx(|_| {
             (
                 ErrorKind::Filesystem,

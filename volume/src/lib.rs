@@ -42,7 +42,7 @@ pub use layout::INSTALL_BACKUP_SUFFIX;
 #[cfg(target_os = "linux")]
 pub use store::{
     DEFAULT_REFLINK_EXTENT_LIMIT, Recovery, SnapshotOutcome, VolumeInfo, VolumeKind, VolumeStore,
-    VolumeUsage,
+    VolumeUsage, open_root,
 };
 
 /// Upstream's data directory.

@@ -119,6 +119,28 @@ pub struct VolumeStore {
     reflink_extent_limit: u64,
 }
 
+/// Canonicalizes the volumes root and opens it, with the errors every
+/// caller reports: `NotFound` if it does not exist, `InvalidRequest` if it
+/// is not a directory (a symlink as the last component included).
+pub fn open_root(root: impl AsRef<Path>) -> Result<(PathBuf, OwnedFd), Error> {
+    let root = root.as_ref();
+    let canonical = std::fs::canonicalize(root).with_ctx(|e| {
+        let kind = if e.kind() == io::ErrorKind::NotFound {
+            ErrorKind::NotFound
+        } else {
+            ErrorKind::Filesystem
+        };
+        (kind, format!("volumes root {}", root.display()))
+    })?;
+    let dir = sys::open_dir_path(&canonical).with_ctx(|_| {
+        (
+            ErrorKind::InvalidRequest,
+            format!("volumes root {} is not a directory", canonical.display()),
+        )
+    })?;
+    Ok((canonical, dir))
+}
+
 fn ctx(pkg: &PackageId, what: impl std::fmt::Display) -> String {
     format!("package {pkg}: {what}")
 }
@@ -136,21 +158,7 @@ impl VolumeStore {
     /// Opens the store without running recovery. Operations still recover
     /// their own package before running.
     pub fn open_without_recovery(root: impl AsRef<Path>) -> Result<Self, Error> {
-        let root = root.as_ref();
-        let root = std::fs::canonicalize(root).with_ctx(|e| {
-            let kind = if e.kind() == io::ErrorKind::NotFound {
-                ErrorKind::NotFound
-            } else {
-                ErrorKind::Filesystem
-            };
-            (kind, format!("volumes root {}", root.display()))
-        })?;
-        let dir = sys::open_dir_path(&root).with_ctx(|_| {
-            (
-                ErrorKind::InvalidRequest,
-                format!("volumes root {} is not a directory", root.display()),
-            )
-        })?;
+        let (root, dir) = open_root(root)?;
         let btrfs = sys::is_btrfs(dir.as_fd())
             .with_ctx(|_| (ErrorKind::Filesystem, format!("statfs {}", root.display())))?;
         Ok(VolumeStore {

@@ -141,6 +141,12 @@ impl From<std::convert::Infallible> for Error {
     }
 }
 
+/// The one line at `error` level, the full chain at `debug`.
+fn log_error(e: &(impl Display + Debug)) {
+    tracing::error!("{e}");
+    tracing::debug!("{e:?}");
+}
+
 /// Upstream's helpers for turning any error into an [`Error`] on the way up.
 pub trait ResultExt<T, E>
 where
@@ -176,14 +182,7 @@ where
     }
 
     fn log_err(self) -> Option<T> {
-        match self {
-            Ok(t) => Some(t),
-            Err(e) => {
-                tracing::error!("{e}");
-                tracing::debug!("{e:?}");
-                None
-            }
-        }
+        self.map_err(|e| log_error(&e)).ok()
     }
 }
 
@@ -206,14 +205,7 @@ impl<T> ResultExt<T, Error> for Result<T, Error> {
     }
 
     fn log_err(self) -> Option<T> {
-        match self {
-            Ok(t) => Some(t),
-            Err(e) => {
-                tracing::error!("{e}");
-                tracing::debug!("{e:?}");
-                None
-            }
-        }
+        self.map_err(|e| log_error(&e)).ok()
     }
 }
 
