@@ -42,17 +42,17 @@ fmt-check:
 	$(CARGO) fmt --all -- --check
 
 clippy: deps
-	$(CARGO) clippy --workspace --all-targets --features volume/failpoints,volume-migrate/failpoints -- -D warnings
+	$(CARGO) clippy --workspace --all-targets --features volume/failpoints,volume-migrate/failpoints,startos-core/failpoints -- -D warnings
 
 # Loop-mounted test filesystems are private to each test, so test threads can run in
 # parallel; 4 keeps the 2-core machines busy while tests wait on I/O.
 # The crash tests SIGKILL the process at named steps: `failpoints` compiles those
 # steps in (a production build has none).
 test: deps fmt-check clippy
-	$(CARGO) test --workspace --features volume/failpoints,volume-migrate/failpoints $(CARGO_TEST_FLAGS) -- --test-threads=4
+	$(CARGO) test --workspace --features volume/failpoints,volume-migrate/failpoints,startos-core/failpoints $(CARGO_TEST_FLAGS) -- --test-threads=4
 
 bench: deps
-	$(CARGO) run --release -p integration --bin bench -- $(BENCH_ARGS)
+	$(CARGO) build --release -p volume --bin startos-volume -p volume-migrate --bin volume-migrate && $(CARGO) run --release -p integration --bin bench -- $(BENCH_ARGS)
 
 demo: deps
 	$(CARGO) run --release -p integration --bin demo

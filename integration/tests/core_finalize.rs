@@ -1,0 +1,376 @@
+//! Install finalization on loop-mounted btrfs with process-based services that
+//! keep writing into their volumes: order (stop before snapshot), success
+//! (notify, then drop), rollback on failure or cancel at every phase, fresh
+//! installs, parallelism, uninstall, and upstream's non-crash loss paths.
+
+mod common;
+mod core_common;
+
+use std::time::{Duration, Instant};
+
+use common::{assert_no_transient_names, assert_same, digest, pkg};
+use core_common::*;
+use startos_core::{Cancel, Event, Phase, Services, StateInfo};
+use volume::{ErrorKind, SnapshotOutcome};
+
+const RUN: Duration = Duration::from_millis(150);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn update_stops_then_snapshots_then_notifies_then_drops() {
+    let Some(env) = env() else { return };
+    let (fin, mut rx) = env.finalizer();
+    let p = pkg("app");
+    // Fresh install with no volume: no snapshot at all.
+    let f = fin
+        .install(&req("app", "1.0"), &Cancel::new())
+        .await
+        .unwrap();
+    assert_eq!(f.snapshot, SnapshotOutcome::NoVolume);
+    assert!(!f.backup_drop.await.unwrap().unwrap());
+    assert!(matches!(
+        rx.recv().await.unwrap().event,
+        Event::Installed { .. }
+    ));
+    tokio::time::sleep(RUN).await;
+
+    let f = fin
+        .install(&req("app", "2.0"), &Cancel::new())
+        .await
+        .unwrap();
+    let notified = rx.recv().await.unwrap();
+    assert_eq!(
+        notified.event,
+        Event::Installed {
+            version: "2.0".into()
+        }
+    );
+    assert_eq!(f.snapshot, SnapshotOutcome::Snapshot);
+    // The snapshot holds exactly what the stopped service last wrote: its final
+    // report is the last record of the backup's log, and nothing came after.
+    let reported = fin.services().inner.last_report(&p).expect("final report");
+    assert!(reported > 0);
+    assert_eq!(
+        fin.services().backup_seq_at_uninit.lock().unwrap()[&p],
+        Some(reported),
+        "the backup's last sequence number must be the stopped service's last write"
+    );
+    // State says installed before the notification went out; the drop comes after.
+    assert_installed(entry(&fin, "app").await, "2.0", "after update");
+    assert!(
+        f.backup_drop.await.unwrap().unwrap(),
+        "a backup was dropped"
+    );
+    let dropped = Instant::now();
+    assert!(notified.at <= dropped);
+    assert!(!env.backup(&p).exists());
+    assert!(fin.services().inner.is_running(&p));
+    let t = &f.timings;
+    assert!(t.total >= t.stop + t.snapshot + t.service, "{t:?}");
+    assert!(t.install_done_to_notify < t.total, "{t:?}");
+    eprintln!(
+        "update timings: {t:?}; overhead {:?}; install done -> notify {:?}",
+        t.overhead(),
+        t.install_done_to_notify
+    );
+    assert_no_transient_names(&env.root, "after update");
+    fin.services().stop(&p).await.unwrap();
+}
+
+/// Fails (or cancels) an update of a running package at `phase` and checks the
+/// volume the old version comes back to is byte-identical to what it left.
+async fn rollback_case(
+    fin: &Fin,
+    rx: &mut ReceiverOf,
+    env: &Env,
+    name: &str,
+    phase: Phase,
+    cancel: bool,
+) {
+    let p = pkg(name);
+    install_running(fin, name, "1.0", RUN).await;
+    rx.recv().await.unwrap();
+    fin.services().after_stop.lock().unwrap().clear();
+    let c = Cancel::new();
+    if cancel {
+        fin.services().cancel_at(&p, phase, c.clone());
+    } else {
+        fin.services().inner.fail_at(&p, phase);
+    }
+    let e = fin
+        .install(&req(name, "2.0"), &c)
+        .await
+        .expect_err("the update must fail");
+    let when = format!(
+        "{name}: {} at {phase}",
+        if cancel { "cancel" } else { "failure" }
+    );
+    let kind = if cancel {
+        ErrorKind::Cancelled
+    } else {
+        ErrorKind::UpdateFailed
+    };
+    assert_eq!(e.kind, kind, "{when}: {e}");
+    match rx.recv().await.unwrap().event {
+        Event::Failed {
+            phase: ph,
+            kind: k,
+            rolled_back_to,
+            message,
+        } => {
+            assert_eq!((ph, k), (phase, kind), "{when}: {message}");
+            assert!(message.contains(phase.as_str()), "{when}: {message}");
+            assert_eq!(rolled_back_to.as_deref(), Some("1.0"));
+        }
+        other => panic!("{when}: {other:?}"),
+    }
+    let stopped = fin.services().take_first_stop(&p);
+    let restarted =
+        fin.services().before_start.lock().unwrap()[&(p.clone(), "1.0".to_owned())].clone();
+    assert_same(
+        &stopped,
+        &restarted,
+        &format!("{when}: volume given back to 1.0"),
+    );
+    assert_installed(entry(fin, name).await, "1.0", &when);
+    assert!(!env.backup(&p).exists(), "{when}: backup left");
+    assert!(
+        fin.services().inner.is_running(&p),
+        "{when}: 1.0 runs again"
+    );
+    assert_no_transient_names(&env.root, &when);
+    fin.services().stop(&p).await.unwrap();
+}
+
+type ReceiverOf = tokio::sync::mpsc::UnboundedReceiver<startos_core::Notification>;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_at_each_phase_restores_identical_data() {
+    let Some(env) = env() else { return };
+    let (fin, mut rx) = env.finalizer();
+    for phase in [Phase::Uninit, Phase::Install, Phase::Init, Phase::Start] {
+        let name = format!("fail-{phase}");
+        rollback_case(&fin, &mut rx, &env, &name, phase, false).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_at_each_phase_restores_identical_data() {
+    let Some(env) = env() else { return };
+    let (fin, mut rx) = env.finalizer();
+    for phase in [
+        Phase::Snapshot,
+        Phase::Uninit,
+        Phase::Install,
+        Phase::Init,
+        Phase::Start,
+    ] {
+        let name = format!("cancel-{phase}");
+        rollback_case(&fin, &mut rx, &env, &name, phase, true).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn different_packages_run_in_parallel_and_one_package_serially() {
+    let Some(env) = env() else { return };
+    let (fin, _rx) = env.finalizer();
+    fin.services()
+        .inner
+        .delay(Phase::Install, Duration::from_millis(300));
+    let c = Cancel::new();
+    let (ra, rb) = (req("par-a", "1.0"), req("par-b", "1.0"));
+    let (a, b) = tokio::join!(fin.install(&ra, &c), fin.install(&rb, &c));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    a.backup_drop.await.unwrap().unwrap();
+    b.backup_drop.await.unwrap().unwrap();
+    let (rx2, rx3) = (req("par-a", "2.0"), req("par-a", "3.0"));
+    let (x, y) = tokio::join!(fin.install(&rx2, &c), fin.install(&rx3, &c));
+    x.unwrap().backup_drop.await.unwrap().unwrap();
+    y.unwrap().backup_drop.await.unwrap().unwrap();
+    let installs = fin.services().calls("install");
+    let span = |p: &str, v: &str| {
+        installs
+            .iter()
+            .find(|c| c.package.as_str() == p && c.version == v)
+            .map(|c| (c.start, c.end))
+            .unwrap()
+    };
+    let ((a0, a1), (b0, b1)) = (span("par-a", "1.0"), span("par-b", "1.0"));
+    assert!(a0 < b1 && b0 < a1, "installs of two packages must overlap");
+    let ((x0, x1), (y0, y1)) = (span("par-a", "2.0"), span("par-a", "3.0"));
+    assert!(
+        x1 <= y0 || y1 <= x0,
+        "installs of one package must not overlap"
+    );
+    // Whichever ran second updated from the first one's version.
+    let v = entry(&fin, "par-a").await.unwrap().version.unwrap();
+    assert!(v == "2.0" || v == "3.0");
+    for p in ["par-a", "par-b"] {
+        fin.services().stop(&pkg(p)).await.unwrap();
+    }
+}
+
+/// Upstream loss path: reinstalling over a soft-uninstalled package and
+/// cancelling (before the snapshot, or later) deleted the kept data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reinstall_over_a_soft_uninstall_then_cancel_keeps_the_data() {
+    let Some(env) = env() else { return };
+    let (fin, mut rx) = env.finalizer();
+    let p = pkg("kept");
+    install_running(&fin, "kept", "1.0", RUN).await;
+    fin.uninstall(&p, true).await.unwrap();
+    assert!(entry(&fin, "kept").await.is_none());
+    let kept = digest(&env.volume(&p));
+    while let Ok(n) = rx.try_recv() {
+        drop(n);
+    }
+    for phase in [Phase::Snapshot, Phase::Install, Phase::Init, Phase::Start] {
+        let c = Cancel::new();
+        if phase == Phase::Snapshot {
+            // Cancelled before anything ran: upstream deleted the volume here.
+            c.cancel();
+        } else {
+            fin.services().cancel_at(&p, phase, c.clone());
+        }
+        let e = fin.install(&req("kept", "2.0"), &c).await.unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Cancelled, "{phase}: {e}");
+        let when = format!("reinstall cancelled at {phase}");
+        assert_same(&kept, &digest(&env.volume(&p)), &when);
+        assert!(
+            entry(&fin, "kept").await.is_none(),
+            "{when}: still uninstalled"
+        );
+        assert!(!env.backup(&p).exists(), "{when}");
+        assert!(!fin.services().inner.is_running(&p), "{when}");
+        assert_no_transient_names(&env.root, &when);
+    }
+    // And a reinstall that succeeds keeps the old data underneath.
+    let f = fin
+        .install(&req("kept", "2.0"), &Cancel::new())
+        .await
+        .unwrap();
+    assert_eq!(f.snapshot, SnapshotOutcome::Snapshot);
+    f.backup_drop.await.unwrap().unwrap();
+    fin.services().stop(&p).await.unwrap();
+    assert!(env.volume(&p).join("data/main/seq.log").exists());
+    // A hard uninstall deletes everything.
+    fin.uninstall(&p, false).await.unwrap();
+    assert!(!env.volume(&p).exists() && !env.backup(&p).exists());
+}
+
+/// Upstream loss path: a failed update retry discarded the backup without
+/// rolling back. Here every failed attempt rolls back to the same data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_update_retried_and_failing_again_keeps_the_old_data() {
+    let Some(env) = env() else { return };
+    let (fin, _rx) = env.finalizer();
+    let p = pkg("retry");
+    install_running(&fin, "retry", "1.0", RUN).await;
+    fin.services().stop(&p).await.unwrap();
+    for phase in [Phase::Init, Phase::Install, Phase::Uninit, Phase::Start] {
+        // The old version is stopped: this is the data every attempt must
+        // give back.
+        let before = digest(&env.volume(&p));
+        fin.services().inner.fail_at(&p, phase);
+        let e = fin
+            .install(&req("retry", "2.0"), &Cancel::new())
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::UpdateFailed);
+        let back = fin.services().before_start.lock().unwrap()[&(p.clone(), "1.0".into())].clone();
+        assert_same(&before, &back, &format!("retry failing at {phase}"));
+        assert!(!env.backup(&p).exists());
+        // 1.0 runs again and writes; the next attempt starts from that.
+        fin.services().stop(&p).await.unwrap();
+    }
+    assert_installed(entry(&fin, "retry").await, "1.0", "after failed retries");
+    let f = fin
+        .install(&req("retry", "2.0"), &Cancel::new())
+        .await
+        .unwrap();
+    f.backup_drop.await.unwrap().unwrap();
+    assert_installed(
+        entry(&fin, "retry").await,
+        "2.0",
+        "after the retry that worked",
+    );
+    fin.services().stop(&p).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_keeps_every_backup_unless_the_live_volume_is_good() {
+    let Some(env) = env() else { return };
+    let (fin, _rx) = env.finalizer();
+    let store = volume::VolumeStore::open(&env.root).unwrap();
+    let main = common::vol("main");
+    // An orphan backup with no entry and no live volume: the only copy.
+    let orphan = pkg("orphan");
+    store.create(&orphan, std::slice::from_ref(&main)).unwrap();
+    std::fs::write(env.volume(&orphan).join("data/main/x"), b"precious").unwrap();
+    let d = digest(&env.volume(&orphan));
+    store.snapshot(&orphan).unwrap();
+    integration::run(
+        std::process::Command::new("btrfs")
+            .args(["subvolume", "delete"])
+            .arg(env.volume(&orphan)),
+    )
+    .unwrap();
+    // An installed package with a leftover backup: dropped.
+    install_running(&fin, "done", "1.0", Duration::ZERO).await;
+    fin.services().stop(&pkg("done")).await.unwrap();
+    store.snapshot(&pkg("done")).unwrap();
+    // A backup with no entry beside a live volume: nobody knows which is good.
+    let unsure = pkg("unsure");
+    store.create(&unsure, &[main]).unwrap();
+    store.snapshot(&unsure).unwrap();
+
+    let r = startos_core::reconcile(&**fin.db(), &env.root)
+        .await
+        .unwrap();
+    assert_same(&d, &digest(&env.volume(&orphan)), "orphan backup restored");
+    assert!(!env.backup(&orphan).exists());
+    assert!(!env.backup(&pkg("done")).exists());
+    assert!(env.volume(&pkg("done")).exists());
+    assert!(env.backup(&unsure).exists() && env.volume(&unsure).exists());
+    assert_eq!(r.needs_attention.len(), 1, "{r:?}");
+    assert_eq!(r.installed, vec![(pkg("done"), "1.0".to_owned())]);
+    let again = startos_core::reconcile(&**fin.db(), &env.root)
+        .await
+        .unwrap();
+    assert!(again.is_noop(), "{again:?}");
+    assert!(matches!(
+        entry(&fin, "done").await.unwrap().state_info,
+        StateInfo::Installed
+    ));
+}
+
+/// A fresh install with no earlier volume that fails: the volume it created
+/// holds nothing older, so it goes, with the entry; nothing else is touched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_fresh_install_leaves_nothing_behind() {
+    let Some(env) = env() else { return };
+    let (fin, mut rx) = env.finalizer();
+    let p = pkg("fresh");
+    for phase in [Phase::Install, Phase::Init, Phase::Start] {
+        fin.services().inner.fail_at(&p, phase);
+        let e = fin
+            .install(&req("fresh", "1.0"), &Cancel::new())
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InstallFailed, "{phase}: {e}");
+        match rx.recv().await.unwrap().event {
+            Event::Failed {
+                phase: ph,
+                rolled_back_to,
+                ..
+            } => assert_eq!((ph, rolled_back_to), (phase, None)),
+            other => panic!("{other:?}"),
+        }
+        assert!(entry(&fin, "fresh").await.is_none(), "{phase}");
+        assert!(!env.volume(&p).exists(), "{phase}: volume left");
+        assert!(!fin.services().inner.is_running(&p), "{phase}");
+        assert_eq!(
+            common::package_subvolumes(&env.fs, "fresh"),
+            Vec::<String>::new()
+        );
+    }
+}
