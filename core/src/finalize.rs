@@ -510,6 +510,15 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
                         rolled_back_to,
                     },
                 );
+                // Only now delete the volume the restore replaced: that
+                // evicts its cached pages (seconds for a database the
+                // service had in memory), which neither the old service nor
+                // the notification should wait for. Garbage if it fails:
+                // the next volume operation's recovery deletes it.
+                if let Some(store) = self.store().log_err() {
+                    let p = pkg.clone();
+                    blocking(move || store.purge(&p)).await.log_err();
+                }
                 Error::new(eyre!("{message}"), kind)
             }
             Err(e) => {
@@ -543,7 +552,7 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
         failpoint("rollback.stopped");
         let (store, p) = (self.store()?, pkg.clone());
         blocking(move || {
-            if !store.restore(&p)? && !had_volume {
+            if !store.restore_deferring_purge(&p)? && !had_volume {
                 // A fresh install with nothing before it: the volume holds
                 // only what the failed install wrote.
                 store.delete(&p)?;

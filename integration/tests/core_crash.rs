@@ -184,7 +184,7 @@ async fn a_rollback_killed_at_each_step_comes_back_identical() {
         "restore.copied",
         "restore.marked",
         "restore.exchanged",
-        "restore.replaced-deleted",
+        "restore.replaced-moved",
         "drop.renamed",
         "restore.backup-dropped",
         "rollback.restored",
@@ -203,6 +203,32 @@ async fn a_rollback_killed_at_each_step_comes_back_identical() {
         )
         .await;
     }
+}
+
+/// The replaced volume is purged after the old version is back and the
+/// failure notified: a kill there finds the rollback complete, and the
+/// restarted old service has gone on from the restored data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollback_killed_while_purging_is_complete() {
+    let Some(env) = env() else { return };
+    let fp = "restore.replaced-deleted";
+    let name = name_for("rollback", fp);
+    let when = format!("rollback killed at {fp}");
+    installed_and_stopped(&env, &name).await;
+    let log = env.volume(&pkg(&name)).join("data/main/seq.log");
+    let before = std::fs::read(&log).expect("seq.log before");
+    crash_at(&env, &name, "update-failing", fp);
+    let fin = boot(&env).await;
+    assert_installed(entry(&fin, &name).await, "1.0", &when);
+    assert!(!env.backup(&pkg(&name)).exists(), "{when}: backup left");
+    assert_no_transient_names(&env.root, &when);
+    let after = std::fs::read(&log).expect("seq.log after");
+    assert!(
+        after.starts_with(&before),
+        "{when}: the old service must continue the restored log ({} bytes before, {} after)",
+        before.len(),
+        after.len()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

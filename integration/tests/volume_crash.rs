@@ -407,10 +407,10 @@ fn restore_survives_a_crash_at_every_step() {
             Case {
                 failpoint: "delete-entry.writable",
                 expect: Expect::After,
-                why: "it died deleting the replaced volume after the exchange",
+                why: "it died deleting the dropped backup after the exchange",
             },
             Case {
-                failpoint: "restore.replaced-deleted",
+                failpoint: "restore.replaced-moved",
                 expect: Expect::After,
                 why: after_exchange,
             },
@@ -639,7 +639,7 @@ fn restore_from_a_reflink_copy_survives_a_crash_at_every_step() {
                 why: after_exchange,
             },
             Case {
-                failpoint: "restore.replaced-deleted",
+                failpoint: "restore.replaced-moved",
                 expect: Expect::After,
                 why: after_exchange,
             },
@@ -666,14 +666,16 @@ fn recovery_survives_crashes_of_its_own() {
         }
     };
     crash_at(&root, package, "restore", "restore.marked");
-    // Recovery exchanges the marked copy in, then deletes the replaced volume
-    // (delete-entry.writable), drops the backup (drop.renamed, then
-    // delete-entry.writable again, but only the first hit of a name can be aimed
-    // at), then removes the marker (after restore.backup-dropped).
+    // Recovery exchanges the marked copy in, moves the replaced volume aside
+    // (restore.replaced-moved), drops the backup (drop.renamed), removes the
+    // marker (after restore.backup-dropped), then deletes the dropped backup
+    // and the replaced volume (restore.replaced-deleted). Each rerun passes
+    // the earlier points again, so each kill lands one step further.
     for fp in [
-        "delete-entry.writable",
+        "restore.replaced-moved",
         "drop.renamed",
         "restore.backup-dropped",
+        "restore.replaced-deleted",
     ] {
         crash_at(&root, package, "recover", fp);
     }

@@ -1080,3 +1080,47 @@ fn the_extent_bound_is_inclusive() {
     );
     assert!(!below.backup_path(&app).exists());
 }
+
+/// A restore that defers deleting the replaced volume is complete when it
+/// returns; the replaced data waits under `<pkg>.replaced` until `purge`, or
+/// until the next operation's recovery deletes it.
+#[test]
+fn restore_deferring_purge_leaves_only_garbage_behind() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let store = open(&root);
+    let app = pkg("app");
+    store.create(&app, &[vol("main")]).expect("create");
+    let live = store.volume_path(&app);
+    populate_volume(&live, true);
+    let snapshotted = digest(&live);
+    assert!(store.snapshot(&app).expect("snapshot").created());
+    modify_volume(&live, true);
+    let modified = digest(&live);
+
+    assert!(store.restore_deferring_purge(&app).expect("restore"));
+    assert_same(&snapshotted, &digest(&live), "restored volume");
+    assert_eq!(root_names(&root), ["app", "app.lock", "app.replaced"]);
+    assert_same(
+        &modified,
+        &digest(&root.join("app.replaced")),
+        "the replaced volume, kept for purge",
+    );
+    assert!(store.purge(&app).expect("purge"));
+    assert!(!store.purge(&app).expect("second purge"));
+    assert_no_transient_names(&root, "after purge");
+
+    // Not purged: the next operation on the package deletes it first.
+    assert!(store.snapshot(&app).expect("snapshot").created());
+    assert!(store.restore_deferring_purge(&app).expect("restore"));
+    assert!(root.join("app.replaced").exists());
+    let rec = store.recover(&app).expect("recover");
+    assert_eq!(rec.actions, ["deleted the volume a restore replaced"]);
+    assert_no_transient_names(&root, "after recovery");
+    assert_same(&snapshotted, &digest(&live), "volume after recovery");
+    assert!(
+        package_subvolumes(&fs, "app")
+            .iter()
+            .all(|p| !p.contains("replaced"))
+    );
+}

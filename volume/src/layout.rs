@@ -18,6 +18,10 @@ pub(crate) const BACKUP_DROP_SUFFIX: &str = ".install-backup.drop";
 /// A restore in progress: the writable copy of the backup before the
 /// exchange, the replaced live volume after it.
 pub(crate) const ROLLBACK_SUFFIX: &str = ".rollback";
+/// The volume a restore swapped out, waiting to be deleted: garbage. Kept
+/// apart from the restore because deleting it evicts its cached pages, which
+/// takes about 0.13 s per cached GiB and need not delay the old service.
+pub(crate) const REPLACED_SUFFIX: &str = ".replaced";
 /// A volume being deleted on uninstall.
 pub(crate) const DELETE_SUFFIX: &str = ".delete";
 /// The per-package lock file.
@@ -43,6 +47,7 @@ pub(crate) struct Names {
     pub backup_tmp: OsString,
     pub backup_drop: OsString,
     pub rollback: OsString,
+    pub replaced: OsString,
     pub delete: OsString,
     pub lock: OsString,
 }
@@ -56,6 +61,7 @@ impl Names {
             backup_tmp: with(BACKUP_TMP_SUFFIX),
             backup_drop: with(BACKUP_DROP_SUFFIX),
             rollback: with(ROLLBACK_SUFFIX),
+            replaced: with(REPLACED_SUFFIX),
             delete: with(DELETE_SUFFIX),
             lock: with(LOCK_SUFFIX),
         }
@@ -71,6 +77,7 @@ pub fn package_of(name: &OsStr) -> Option<PackageId> {
         BACKUP_DROP_SUFFIX,
         INSTALL_BACKUP_SUFFIX,
         ROLLBACK_SUFFIX,
+        REPLACED_SUFFIX,
         DELETE_SUFFIX,
         LOCK_SUFFIX,
         MIGRATE_OLD_SUFFIX,
@@ -96,6 +103,7 @@ mod tests {
             &n.backup_tmp,
             &n.backup_drop,
             &n.rollback,
+            &n.replaced,
             &n.delete,
             &n.lock,
             &OsString::from("bitcoind.migrate"),

@@ -21,6 +21,7 @@ pub const BTRFS_SIZE: u64 = 512 * MIB;
 /// under the volumes root once an operation (or recovery) has returned.
 pub const TRANSIENT_SUFFIXES: &[&str] = &[
     ".rollback",
+    ".replaced",
     ".install-backup.tmp",
     ".install-backup.drop",
     ".delete",
