@@ -88,7 +88,7 @@ fn ctx(pkg: &PackageId, what: impl std::fmt::Display) -> String {
 }
 
 /// Runs a blocking volume operation off the runtime.
-async fn blocking<T: Send + 'static>(
+pub(crate) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, Error> + Send + 'static,
 ) -> Result<T, Error> {
     tokio::task::spawn_blocking(f)

@@ -3,14 +3,13 @@
 
 use std::path::{Path, PathBuf};
 
-use color_eyre::eyre::eyre;
-use models::{Error, ErrorKind, PackageId};
+use models::{Error, PackageId};
 use tracing::instrument;
 use volume::{Recovery, VolumeStore};
 
 use crate::db::{Db, PackageDataEntry, StateInfo};
 use crate::failpoint::failpoint;
-use crate::finalize::finish_removal;
+use crate::finalize::{blocking, finish_removal};
 
 /// What [`reconcile`] found and did.
 #[derive(Debug, Default)]
@@ -32,14 +31,6 @@ impl ReconcileReport {
     pub fn is_noop(&self) -> bool {
         self.volume_recoveries.is_empty() && self.actions.is_empty()
     }
-}
-
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, Error> + Send + 'static,
-) -> Result<T, Error> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Error::new(eyre!("volume task: {e}"), ErrorKind::Unknown))?
 }
 
 /// Finishes or undoes, for every package entry and every backup on disk,
