@@ -19,20 +19,35 @@
 //! by one, and `rm -rf` still unlinks file by file, which is exactly
 //! upstream's cost on its plain directories.
 //!
+//! Two more sections share one fixture (a subvolume of about 100k small
+//! files and one of a file fragmented to about 500k extents, on one more
+//! btrfs image): `usage` times our space accounting against compsize and
+//! `btrfs filesystem du` ([`usage`]), `migrate` times converting plain
+//! directories into subvolumes against `cp -a --reflink=always` ([`migrate`]).
+//! `--only` picks sections; each prints its own table and target lines.
+//!
 //! The benchmark reports; it does not assert. It exits 0 whatever the figures,
 //! and 1 with one line on stderr if something failed.
 
 mod common;
+#[path = "bench/fixture.rs"]
+mod fixture;
+#[path = "bench/migrate.rs"]
+mod migrate;
+#[path = "bench/usage.rs"]
+mod usage;
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use serde::Serialize;
 
 use crate::common::{
     Result, Scratch, fmt_bytes, fmt_count, fmt_duration, fmt_ratio, scribble, timed,
 };
+use crate::fixture::Fixture;
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
@@ -44,28 +59,58 @@ const OURS_TARGET: Duration = Duration::from_millis(20);
 const SPEEDUP_EXTENTS: u64 = 500_000;
 const SPEEDUP_TARGET: f64 = 200.0;
 
+/// Default timed rounds of the `snapshot` and `usage` sections.
+const DEFAULT_RUNS: u32 = 5;
+/// Default timed rounds of the `migrate` section, whose rounds take longest.
+const DEFAULT_MIGRATE_RUNS: u32 = 3;
+
+/// A part of the benchmark.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Section {
+    /// Install backups: cp --reflink / rm -rf against snapshots.
+    Snapshot,
+    /// Space accounting: ours against compsize and btrfs filesystem du.
+    Usage,
+    /// Converting plain directories: ours against cp --reflink.
+    Migrate,
+}
+
 #[derive(Parser)]
 #[command(
     name = "bench",
-    about = "Install backups: upstream cp --reflink / rm -rf against subvolume snapshots"
+    about = "Install backups (upstream cp --reflink / rm -rf against subvolume snapshots), \
+             usage accounting and volume conversion"
 )]
 struct Args {
-    /// Extent counts to fragment the database file to, comma-separated.
+    /// Sections to run, comma-separated. Default: all.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    only: Vec<Section>,
+    /// Extent counts to fragment the database file to, comma-separated
+    /// (the snapshot section).
     #[arg(long, value_delimiter = ',', default_value = "20,100000,500000")]
     extents: Vec<u64>,
     /// Size of the database file, in bytes or with a K/M/G suffix (3G, 3072M).
     /// Default: 3 GiB, or 6 KiB per extent if that is more.
     #[arg(long, value_parser = parse_size)]
     size: Option<u64>,
-    /// Timed rounds per extent count (after one untimed warm-up); medians are reported.
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
-    runs: u32,
+    /// Timed rounds per measurement; medians are reported. Default: 5 for
+    /// snapshot (per extent count, after one untimed warm-up) and usage, 3 for
+    /// migrate.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    runs: Option<u32>,
     /// Size of the sparse btrfs image. Default: twice the file plus 2 GiB.
     #[arg(long, value_parser = parse_size)]
     image_size: Option<u64>,
     /// Seed for the file's content and fragmentation pattern.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Small files in the usage and migrate sections' tree.
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
+    files: u64,
+    /// Extents of the usage and migrate sections' database file (its size is
+    /// 3 GiB, or 6 KiB per extent if that is more).
+    #[arg(long, default_value_t = 500_000)]
+    db_extents: u64,
     /// Print the results as JSON on stdout (progress still goes to stderr).
     #[arg(long)]
     json: bool,
@@ -218,8 +263,30 @@ struct Verdict {
     detail: String,
 }
 
+impl Verdict {
+    /// A measured target.
+    fn new(target: String, pass: bool, detail: String) -> Verdict {
+        Verdict {
+            target,
+            result: if pass { "pass" } else { "fail" },
+            detail,
+        }
+    }
+
+    /// `PASS  <target>: <detail>`.
+    fn print(&self) {
+        let result = match self.result {
+            "pass" => "PASS",
+            "fail" => "FAIL",
+            _ => "----",
+        };
+        println!("{result}  {}: {}", self.target, self.detail);
+    }
+}
+
+/// The results of the snapshot section.
 #[derive(Serialize)]
-struct Report {
+struct SnapshotReport {
     runs: u32,
     seed: u64,
     cases: Vec<Case>,
@@ -307,13 +374,13 @@ fn run_case(args: &Args, target: u64) -> Result<Case> {
         "{} extents: built in {}, {} rounds after a warm-up ...",
         fmt_count(extents),
         fmt_duration(build),
-        args.runs
+        args.runs.unwrap_or(DEFAULT_RUNS)
     );
 
     let mut warmup: [Samples; 3] = Default::default();
     round(&vol, 0, &mut warmup)?;
     let mut samples: [Samples; 3] = Default::default();
-    for i in 1..=u64::from(args.runs) {
+    for i in 1..=u64::from(args.runs.unwrap_or(DEFAULT_RUNS)) {
         round(&vol, i, &mut samples)?;
     }
     let after = integration::extent_count(&vol.file)?;
@@ -401,7 +468,7 @@ fn verdicts(cases: &[Case]) -> Vec<Verdict> {
     out
 }
 
-fn print_text(report: &Report) {
+fn print_snapshot(report: &SnapshotReport) {
     println!(
         "{:>9}  {:<9} {:>17} {:>9} {:>9}",
         "extents", "op", "upstream (cp/rm)", "ours", "speed-up"
@@ -444,20 +511,11 @@ fn print_text(report: &Report) {
     }
     println!();
     for v in &report.targets {
-        let result = match v.result {
-            "pass" => "PASS",
-            "fail" => "FAIL",
-            _ => "----",
-        };
-        println!("{result}  {}: {}", v.target, v.detail);
+        v.print();
     }
-    println!(
-        "total {}",
-        fmt_duration(Duration::from_secs_f64(report.total_seconds))
-    );
 }
 
-fn run(args: &Args) -> Result<Report> {
+fn run_snapshot(args: &Args) -> Result<SnapshotReport> {
     let start = Instant::now();
     if args.extents.is_empty() {
         return Err("--extents is empty".into());
@@ -466,13 +524,109 @@ fn run(args: &Args) -> Result<Report> {
     for &target in &args.extents {
         cases.push(run_case(args, target)?);
     }
-    Ok(Report {
-        runs: args.runs,
+    Ok(SnapshotReport {
+        runs: args.runs.unwrap_or(DEFAULT_RUNS),
         seed: args.seed,
         targets: verdicts(&cases),
         cases,
         total_seconds: start.elapsed().as_secs_f64(),
     })
+}
+
+/// The binary `name` of this workspace, next to this one (`cargo build
+/// --release <package>` puts it there; `make bench` does).
+fn sibling_binary(name: &str, package: &str) -> Result<PathBuf> {
+    let exe = std::env::current_exe().map_err(|e| format!("locating the bench binary: {e}"))?;
+    let path = exe.with_file_name(name);
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(format!(
+            "{} not found: build it first (cargo build --release {package})",
+            path.display()
+        )
+        .into())
+    }
+}
+
+/// `sync; echo 3 > /proc/sys/vm/drop_caches`: nothing cached afterwards,
+/// neither file data nor filesystem metadata nor binaries.
+fn drop_caches() -> Result<()> {
+    rustix::fs::sync();
+    std::fs::write("/proc/sys/vm/drop_caches", "3")
+        .map_err(|e| format!("dropping caches (/proc/sys/vm/drop_caches): {e}"))?;
+    Ok(())
+}
+
+/// Every section that ran.
+#[derive(Serialize)]
+struct Report {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    snapshot: Option<SnapshotReport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<usage::Report>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    migrate: Option<migrate::Report>,
+    total_seconds: f64,
+}
+
+fn run(args: &Args) -> Result<Report> {
+    let start = Instant::now();
+    let wants = |s: Section| args.only.is_empty() || args.only.contains(&s);
+    let snapshot = wants(Section::Snapshot)
+        .then(|| run_snapshot(args))
+        .transpose()?;
+    let (mut usage, mut migrate) = (None, None);
+    if wants(Section::Usage) || wants(Section::Migrate) {
+        let fx = Fixture::build(&fixture::Spec {
+            files: args.files,
+            extents: args.db_extents,
+            db_bytes: args.size.unwrap_or_else(|| default_size(args.db_extents)),
+            seed: args.seed,
+        })?;
+        // Usage first: migrate's copies would share the extents it counts.
+        if wants(Section::Usage) {
+            usage = Some(usage::run(&fx, args.runs.unwrap_or(DEFAULT_RUNS))?);
+        }
+        if wants(Section::Migrate) {
+            migrate = Some(migrate::run(
+                &fx,
+                args.runs.unwrap_or(DEFAULT_MIGRATE_RUNS),
+            )?);
+        }
+        fx.close()?;
+    }
+    Ok(Report {
+        snapshot,
+        usage,
+        migrate,
+        total_seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+fn print_text(report: &Report) {
+    let mut first = true;
+    let mut gap = || {
+        if !std::mem::take(&mut first) {
+            println!();
+        }
+    };
+    if let Some(r) = &report.snapshot {
+        gap();
+        print_snapshot(r);
+    }
+    if let Some(r) = &report.usage {
+        gap();
+        usage::print(r);
+    }
+    if let Some(r) = &report.migrate {
+        gap();
+        migrate::print(r);
+    }
+    println!(
+        "total {}",
+        fmt_duration(Duration::from_secs_f64(report.total_seconds))
+    );
 }
 
 fn main() -> ExitCode {

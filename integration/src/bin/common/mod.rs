@@ -74,15 +74,7 @@ impl Scratch {
     /// 30 s later; `btrfs subvolume sync` waits until every deleted subvolume
     /// is gone; the last commit writes out what the cleaner changed.
     pub fn settle(&self) -> Result<Duration> {
-        let btrfs =
-            |args: &[&str]| run(Command::new("btrfs").args(args).arg(self.fs.mount_point()));
-        timed(|| {
-            btrfs(&["filesystem", "sync"])?;
-            btrfs(&["subvolume", "sync"])?;
-            btrfs(&["filesystem", "sync"])?;
-            Ok(())
-        })
-        .map(|((), took)| took)
+        settle(self.fs.mount_point())
     }
 
     /// Drops the clean page-cache pages of the database file (call it after
@@ -166,7 +158,22 @@ impl Scratch {
     }
 }
 
-fn cp_reflink(src: &Path, dst: &Path) -> Result<()> {
+/// [`Scratch::settle`] for the btrfs mounted at `mount_point`: commits
+/// everything, waits for the cleaner to finish with deleted subvolumes, commits
+/// what it changed, and returns how long that took.
+pub fn settle(mount_point: &Path) -> Result<Duration> {
+    let btrfs = |args: &[&str]| run(Command::new("btrfs").args(args).arg(mount_point));
+    timed(|| {
+        btrfs(&["filesystem", "sync"])?;
+        btrfs(&["subvolume", "sync"])?;
+        btrfs(&["filesystem", "sync"])?;
+        Ok(())
+    })
+    .map(|((), took)| took)
+}
+
+/// `cp -a --reflink=always <src> <dst>`: upstream's install backup.
+pub fn cp_reflink(src: &Path, dst: &Path) -> Result<()> {
     run(Command::new("cp")
         .args(["-a", "--reflink=always"])
         .arg(src)
@@ -174,7 +181,8 @@ fn cp_reflink(src: &Path, dst: &Path) -> Result<()> {
     Ok(())
 }
 
-fn rm_rf(path: &Path) -> Result<()> {
+/// `rm -rf <path>`: upstream's removal of a backup.
+pub fn rm_rf(path: &Path) -> Result<()> {
     run(Command::new("rm").arg("-rf").arg(path))?;
     Ok(())
 }

@@ -1,0 +1,413 @@
+//! The `usage` section (issue 3): our space accounting of one volume against
+//! `compsize` and `btrfs filesystem du`, each run as a whole process, on the
+//! fixture's two subvolumes (about 100k small files; one file of about 500k
+//! extents).
+//!
+//! Ours is `startos-volume --root R usage PKG --json`, the release binary next
+//! to this one: one TREE_SEARCH_V2 sweep of the subvolume's tree. compsize
+//! walks the directory tree and searches each file's extent items;
+//! `btrfs filesystem du` walks it and calls FIEMAP on every file.
+//!
+//! Warm: each tool runs once untimed, then `runs` times back to back. Cold:
+//! `sync; echo 3 > /proc/sys/vm/drop_caches` (untimed) before every timed
+//! run, the tools taking turns, so each starts with nothing cached: not the
+//! filesystem's metadata, not its own binary. Every run's figures, ours and
+//! compsize's (`-b`, exact bytes), are compared.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::common::{Result, fmt_count, fmt_duration, fmt_ratio, timed};
+use crate::fixture::{Fixture, Tree};
+use crate::{Stats, Verdict, drop_caches, sibling_binary};
+
+/// Ours must be at least this much faster than compsize, warm.
+const COMPSIZE_WARM_TARGET: f64 = 5.0;
+/// ... and cold.
+const COMPSIZE_COLD_TARGET: f64 = 3.0;
+/// Ours must be at least this much faster than `btrfs filesystem du`, warm and cold.
+const DU_TARGET: f64 = 10.0;
+
+/// The three ways to measure a volume.
+#[derive(Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Tool {
+    /// `startos-volume --root R usage PKG --json`.
+    Ours,
+    /// `compsize -b <volume>`.
+    Compsize,
+    /// `btrfs filesystem du -s <volume>`.
+    BtrfsDu,
+}
+
+impl Tool {
+    const ALL: [Tool; 3] = [Tool::Ours, Tool::Compsize, Tool::BtrfsDu];
+
+    fn name(self) -> &'static str {
+        match self {
+            Tool::Ours => "ours (startos-volume usage)",
+            Tool::Compsize => "compsize -b",
+            Tool::BtrfsDu => "btrfs filesystem du -s",
+        }
+    }
+}
+
+/// compsize's three byte figures.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Bytes {
+    disk: u64,
+    uncompressed: u64,
+    referenced: u64,
+}
+
+/// Everything compsize prints, and what ours reports for the same tree.
+#[derive(Debug, Default, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Figures {
+    files: u64,
+    extents: u64,
+    refs: u64,
+    inline: u64,
+    total: Bytes,
+    by_type: BTreeMap<String, Bytes>,
+}
+
+/// `compsize -b` output: "Processed N files, N regular extents (N refs), N
+/// inline." and one row per type (`TOTAL` and each compression type) of
+/// percentage, disk, uncompressed and referenced bytes.
+fn parse_compsize(text: &str) -> Result<Figures> {
+    let bad = |line: &str| format!("unexpected compsize output line {line:?}");
+    let mut f = Figures::default();
+    let mut counts = false;
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("Processed ") {
+            let nums = rest
+                .split(|c: char| !c.is_ascii_digit())
+                .filter(|s| !s.is_empty())
+                .map(str::parse)
+                .collect::<Result<Vec<u64>, _>>()
+                .map_err(|_| bad(line))?;
+            let [files, extents, refs, inline] = nums[..] else {
+                return Err(bad(line).into());
+            };
+            (f.files, f.extents, f.refs, f.inline) = (files, extents, refs, inline);
+            counts = true;
+            continue;
+        }
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if words.len() != 5 || words[0] == "Type" {
+            continue;
+        }
+        let num = |s: &str| s.parse::<u64>().map_err(|_| bad(line));
+        let b = Bytes {
+            disk: num(words[2])?,
+            uncompressed: num(words[3])?,
+            referenced: num(words[4])?,
+        };
+        if words[0] == "TOTAL" {
+            f.total = b;
+        } else {
+            f.by_type.insert(words[0].to_owned(), b);
+        }
+    }
+    if !counts {
+        return Err(format!("compsize printed no counts: {:?}", text.trim()).into());
+    }
+    Ok(f)
+}
+
+/// `startos-volume usage --json`: the live volume's figures.
+fn parse_ours(text: &str) -> Result<Figures> {
+    #[derive(Deserialize)]
+    struct Out {
+        volume: Option<Figures>,
+    }
+    let out: Out = serde_json::from_str(text)
+        .map_err(|e| format!("startos-volume usage --json printed no usage: {e}"))?;
+    out.volume
+        .ok_or_else(|| "startos-volume usage --json reported no volume".into())
+}
+
+/// Warm and cold timings of one tool on one tree.
+#[derive(Serialize)]
+pub struct ToolRow {
+    tool: Tool,
+    warm: Stats,
+    cold: Stats,
+    /// This tool's warm median over ours.
+    warm_vs_ours: f64,
+    /// This tool's cold median over ours.
+    cold_vs_ours: f64,
+}
+
+/// Everything measured on one tree.
+#[derive(Serialize)]
+pub struct Case {
+    tree: String,
+    /// File data bytes in the tree.
+    bytes: u64,
+    /// Our figures (from the first run).
+    ours: Figures,
+    /// compsize's, when they differ from ours in any run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    compsize: Option<Figures>,
+    figures_identical: bool,
+    rows: Vec<ToolRow>,
+}
+
+impl Case {
+    fn row(&self, tool: Tool) -> &ToolRow {
+        &self.rows[tool as usize]
+    }
+}
+
+/// The section's results.
+#[derive(Serialize)]
+pub struct Report {
+    runs: u32,
+    cases: Vec<Case>,
+    targets: Vec<Verdict>,
+    total_seconds: f64,
+}
+
+/// The programs each tool runs.
+struct Runner<'a> {
+    ours: &'a Path,
+    root: &'a Path,
+}
+
+impl Runner<'_> {
+    /// Runs `tool` on `tree` once, timed from spawn to exit, and returns the
+    /// figures it printed (none for `btrfs filesystem du`, whose figures are
+    /// of another kind).
+    fn run(&self, tool: Tool, tree: &Tree) -> Result<(Option<Figures>, Duration)> {
+        let mut cmd = match tool {
+            Tool::Ours => {
+                let mut c = Command::new(self.ours);
+                c.arg("--root")
+                    .arg(self.root)
+                    .args(["usage", tree.pkg.as_str(), "--json"]);
+                c
+            }
+            Tool::Compsize => {
+                let mut c = Command::new("compsize");
+                c.arg("-b").arg(&tree.path);
+                c
+            }
+            Tool::BtrfsDu => {
+                let mut c = Command::new("btrfs");
+                c.args(["filesystem", "du", "-s"]).arg(&tree.path);
+                c
+            }
+        };
+        let (out, took) = timed(|| integration::run(&mut cmd))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let figures = match tool {
+            Tool::Ours => Some(parse_ours(&text)?),
+            Tool::Compsize => Some(parse_compsize(&text)?),
+            Tool::BtrfsDu => None,
+        };
+        Ok((figures, took))
+    }
+}
+
+/// Compares every run's figures with the first of each tool.
+#[derive(Default)]
+struct Check {
+    ours: Option<Figures>,
+    compsize: Option<Figures>,
+    /// Whether some run printed other figures than the tool's first run.
+    varied: bool,
+}
+
+impl Check {
+    fn add(&mut self, tool: Tool, figures: Option<Figures>) {
+        let Some(f) = figures else { return };
+        let slot = match tool {
+            Tool::Ours => &mut self.ours,
+            Tool::Compsize => &mut self.compsize,
+            Tool::BtrfsDu => return,
+        };
+        match slot {
+            Some(first) => self.varied |= *first != f,
+            None => *slot = Some(f),
+        }
+    }
+}
+
+fn measure(runner: &Runner, tree: &Tree, runs: u32) -> Result<Case> {
+    let mut check = Check::default();
+    let mut warm: [Vec<Duration>; 3] = Default::default();
+    let mut cold: [Vec<Duration>; 3] = Default::default();
+    for (i, &tool) in Tool::ALL.iter().enumerate() {
+        let (figures, _) = runner.run(tool, tree)?;
+        check.add(tool, figures);
+        for _ in 0..runs {
+            let (figures, took) = runner.run(tool, tree)?;
+            check.add(tool, figures);
+            warm[i].push(took);
+        }
+    }
+    for _ in 0..runs {
+        for (i, &tool) in Tool::ALL.iter().enumerate() {
+            drop_caches()?;
+            let (figures, took) = runner.run(tool, tree)?;
+            check.add(tool, figures);
+            cold[i].push(took);
+        }
+    }
+    let ours = check.ours.unwrap_or_default();
+    let identical = !check.varied && check.compsize.as_ref() == Some(&ours);
+    let ours_warm = Stats::of(&warm[0]).median;
+    let ours_cold = Stats::of(&cold[0]).median;
+    let rows = Tool::ALL
+        .iter()
+        .zip(warm.iter().zip(&cold))
+        .map(|(&tool, (w, c))| {
+            let (warm, cold) = (Stats::of(w), Stats::of(c));
+            ToolRow {
+                tool,
+                warm_vs_ours: warm.median / ours_warm,
+                cold_vs_ours: cold.median / ours_cold,
+                warm,
+                cold,
+            }
+        })
+        .collect();
+    Ok(Case {
+        tree: tree.label.clone(),
+        bytes: tree.bytes,
+        compsize: if identical { None } else { check.compsize },
+        ours,
+        figures_identical: identical,
+        rows,
+    })
+}
+
+/// Runs the section on the fixture's trees.
+pub fn run(fx: &Fixture, runs: u32) -> Result<Report> {
+    let start = Instant::now();
+    let ours = sibling_binary("startos-volume", "-p volume --bin startos-volume")?;
+    let runner = Runner {
+        ours: &ours,
+        root: &fx.root,
+    };
+    let mut cases = Vec::new();
+    for tree in &fx.trees {
+        eprintln!(
+            "usage: {}: {runs} warm and {runs} cold runs of each tool ...",
+            tree.label
+        );
+        cases.push(measure(&runner, tree, runs)?);
+    }
+    Ok(Report {
+        runs,
+        targets: verdicts(&cases),
+        cases,
+        total_seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+fn verdicts(cases: &[Case]) -> Vec<Verdict> {
+    let mut out = Vec::new();
+    let identical = cases.iter().all(|c| c.figures_identical);
+    out.push(Verdict::new(
+        "usage: our figures identical to compsize -b".to_owned(),
+        identical,
+        cases
+            .iter()
+            .map(|c| {
+                let yes = if c.figures_identical { "yes" } else { "no" };
+                format!("{} {yes}", c.tree)
+            })
+            .collect::<Vec<_>>()
+            .join(", "),
+    ));
+    let speedups = |what: &dyn Fn(&Case) -> Vec<(&'static str, f64)>| {
+        let mut worst = f64::INFINITY;
+        let mut parts = Vec::new();
+        for c in cases {
+            for (label, ratio) in what(c) {
+                worst = worst.min(ratio);
+                parts.push(format!("{}{label} {}", c.tree, fmt_ratio(ratio)));
+            }
+        }
+        (worst, parts.join(", "))
+    };
+    let (worst, detail) = speedups(&|c| vec![("", c.row(Tool::Compsize).warm_vs_ours)]);
+    out.push(Verdict::new(
+        format!("usage: ours >= {COMPSIZE_WARM_TARGET:.0}x faster than compsize, warm"),
+        worst >= COMPSIZE_WARM_TARGET,
+        detail,
+    ));
+    let (worst, detail) = speedups(&|c| vec![("", c.row(Tool::Compsize).cold_vs_ours)]);
+    out.push(Verdict::new(
+        format!("usage: ours >= {COMPSIZE_COLD_TARGET:.0}x faster than compsize, cold"),
+        worst >= COMPSIZE_COLD_TARGET,
+        detail,
+    ));
+    let (worst, detail) = speedups(&|c| {
+        let r = c.row(Tool::BtrfsDu);
+        vec![(" warm", r.warm_vs_ours), (" cold", r.cold_vs_ours)]
+    });
+    out.push(Verdict::new(
+        format!("usage: ours >= {DU_TARGET:.0}x faster than btrfs filesystem du"),
+        worst >= DU_TARGET,
+        detail,
+    ));
+    out
+}
+
+/// The section's table, notes and target lines.
+pub fn print(report: &Report) {
+    println!(
+        "{:<22} {:<28} {:>9} {:>7} {:>9} {:>7}",
+        "usage of one volume", "tool (whole process)", "warm", "/ours", "cold", "/ours"
+    );
+    for case in &report.cases {
+        for (i, row) in case.rows.iter().enumerate() {
+            let ratio = |r: f64| {
+                if row.tool == Tool::Ours {
+                    "-".to_owned()
+                } else {
+                    fmt_ratio(r)
+                }
+            };
+            println!(
+                "{:<22} {:<28} {:>9} {:>7} {:>9} {:>7}",
+                if i == 0 { case.tree.as_str() } else { "" },
+                row.tool.name(),
+                fmt_duration(row.warm.median()),
+                ratio(row.warm_vs_ours),
+                fmt_duration(row.cold.median()),
+                ratio(row.cold_vs_ours),
+            );
+        }
+        let f = &case.ours;
+        println!(
+            "{:<22} figures identical to compsize: {} ({} files, {} extents, {} refs, {} inline)",
+            "",
+            if case.figures_identical { "yes" } else { "no" },
+            fmt_count(f.files),
+            fmt_count(f.extents),
+            fmt_count(f.refs),
+            fmt_count(f.inline)
+        );
+        if let Some(c) = &case.compsize {
+            println!("{:<22}   ours:     {f:?}", "");
+            println!("{:<22}   compsize: {c:?}", "");
+        }
+    }
+    println!(
+        "medians of {} runs; warm: right after a run of the same tool; cold: after\n\
+         \x20 `sync; echo 3 > /proc/sys/vm/drop_caches` (untimed), tools taking turns",
+        report.runs
+    );
+    println!();
+    for v in &report.targets {
+        v.print();
+    }
+}
