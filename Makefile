@@ -15,6 +15,10 @@ BENCH_ARGS ?=
 # Extra cargo arguments for `make test`, e.g. `CARGO_TEST_FLAGS=--release`.
 CARGO_TEST_FLAGS ?=
 
+# Failpoints (named SIGKILL sites for the crash tests) for every crate that has
+# them; a production build has none.
+TEST_FEATURES := volume/failpoints,volume-migrate/failpoints,startos-core/failpoints
+
 .PHONY: all deps build fmt-check clippy test bench demo
 
 all: build
@@ -42,17 +46,23 @@ fmt-check:
 	$(CARGO) fmt --all -- --check
 
 clippy: deps
-	$(CARGO) clippy --workspace --all-targets --features volume/failpoints,volume-migrate/failpoints,startos-core/failpoints -- -D warnings
+	$(CARGO) clippy --workspace --all-targets --features $(TEST_FEATURES) -- -D warnings
 
 # Loop-mounted test filesystems are private to each test, so test threads can run in
 # parallel; 4 keeps the 2-core machines busy while tests wait on I/O.
 # The crash tests SIGKILL the process at named steps: `failpoints` compiles those
 # steps in (a production build has none).
+# The tests also run binaries of other packages (startos-core-service, the CLIs),
+# which `cargo test` only builds for a package that has integration tests of its
+# own: build every binary first, with the same features so nothing is rebuilt.
 test: deps fmt-check clippy
-	$(CARGO) test --workspace --features volume/failpoints,volume-migrate/failpoints,startos-core/failpoints $(CARGO_TEST_FLAGS) -- --test-threads=4
+	$(CARGO) build --workspace --bins --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS)
+	$(CARGO) test --workspace --no-fail-fast --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS) -- --test-threads=4
 
 bench: deps
-	$(CARGO) build --release -p volume --bin startos-volume -p volume-migrate --bin volume-migrate && $(CARGO) run --release -p integration --bin bench -- $(BENCH_ARGS)
+	$(CARGO) build --release -p volume --bin startos-volume -p volume-migrate --bin volume-migrate -p startos-core --bin startos-core-service && $(CARGO) run --release -p integration --bin bench -- $(BENCH_ARGS)
 
+# The demo's update flow runs services as `startos-core-service` processes,
+# found beside the demo binary.
 demo: deps
-	$(CARGO) run --release -p integration --bin demo
+	$(CARGO) build --release -p startos-core --bin startos-core-service && $(CARGO) run --release -p integration --bin demo
