@@ -73,7 +73,7 @@ fn crash_at(root: &Path, package: &str, op: &str, failpoint: &str) {
 }
 
 /// What a package looks like: its live volume and its backup, each absent or with
-/// this ([`comparable`]) digest.
+/// this digest.
 #[derive(Clone)]
 struct State {
     live: Option<TreeDigest>,

@@ -33,7 +33,7 @@ fn create_makes_a_subvolume_with_volume_dirs_and_is_idempotent() {
         .create(&app, &[vol("main"), vol("BACKUP")])
         .expect("create");
     assert_eq!(kind, VolumeKind::Subvolume);
-    let d = raw_digest(&store.volume_path(&app));
+    let d = digest(&store.volume_path(&app));
     assert_eq!(d.get("").map(|e| e.subvolume), Some(Subvolume::Root));
     for dir in ["data", "data/main", "data/BACKUP"] {
         let e = d.get(dir).unwrap_or_else(|| panic!("{dir} missing: {d:?}"));
@@ -47,12 +47,12 @@ fn create_makes_a_subvolume_with_volume_dirs_and_is_idempotent() {
 
     // Second create, with one more volume: the files stay, the new dir appears.
     populate_volume(&store.volume_path(&app), true);
-    let before = raw_digest(&store.volume_path(&app));
+    let before = digest(&store.volume_path(&app));
     let kind = store
         .create(&app, &[vol("main"), vol("extra")])
         .expect("second create");
     assert_eq!(kind, VolumeKind::Subvolume);
-    let after = raw_digest(&store.volume_path(&app));
+    let after = digest(&store.volume_path(&app));
     assert!(matches!(
         after.get("data/extra").map(|e| &e.kind),
         Some(Kind::Dir)
@@ -73,7 +73,7 @@ fn create_makes_a_subvolume_with_volume_dirs_and_is_idempotent() {
         .expect("third create");
     assert_same(
         &after,
-        &raw_digest(&store.volume_path(&app)),
+        &digest(&store.volume_path(&app)),
         "a repeated create",
     );
     assert!(store.recover_all().expect("recover_all").is_empty());
@@ -193,7 +193,7 @@ fn snapshot_over_an_existing_backup_is_incoherent_and_changes_nothing() {
     store.snapshot(&app).expect("first snapshot");
     modify_volume(&store.volume_path(&app), true);
 
-    let before = raw_digest(&root);
+    let before = digest(&root);
     let err = store
         .snapshot(&app)
         .expect_err("a second snapshot must be refused");
@@ -203,7 +203,7 @@ fn snapshot_over_an_existing_backup_is_incoherent_and_changes_nothing() {
         msg.contains(&store.backup_path(&app).display().to_string()),
         "the error must name the backup: {msg}"
     );
-    assert_same(&before, &raw_digest(&root), "after a refused snapshot");
+    assert_same(&before, &digest(&root), "after a refused snapshot");
     assert!(is_read_only(&store.backup_path(&app)));
 }
 
@@ -240,7 +240,7 @@ fn restore_rolls_back_everything_including_nested_subvolumes() {
         "restore returns true"
     );
     assert_same(&at_snapshot, &digest(&live), "restored volume vs snapshot");
-    let d = raw_digest(&live);
+    let d = digest(&live);
     for nested in ["", "data/main/nested", "data/main/nested/deeper/inner"] {
         assert_eq!(
             d.get(nested).map(|e| e.subvolume),
@@ -286,13 +286,13 @@ fn restore_without_a_backup_returns_false_and_changes_nothing() {
     // A package with nothing at all; its first operation creates its lock file.
     let ghost = pkg("ghost");
     assert!(!store.restore(&ghost).expect("restore of nothing"));
-    let before = raw_digest(&root);
+    let before = digest(&root);
     for _ in 0..2 {
         assert!(!store.restore(&app).expect("restore"));
         assert!(!store.restore(&ghost).expect("restore of nothing"));
     }
     assert_eq!(root_names(&root), ["app", "app.lock", "ghost.lock"]);
-    assert_same(&before, &raw_digest(&root), "restore without backup");
+    assert_same(&before, &digest(&root), "restore without backup");
 }
 
 #[test]
@@ -306,11 +306,11 @@ fn drop_removes_the_backup_only() {
     populate_volume(&live, true);
     store.snapshot(&app).expect("snapshot");
     modify_volume(&live, true);
-    let live_before = raw_digest(&live);
+    let live_before = digest(&live);
 
     assert!(store.drop_backup(&app).expect("drop"), "drop returns true");
     assert!(!store.backup_path(&app).exists());
-    assert_same(&live_before, &raw_digest(&live), "live volume after drop");
+    assert_same(&live_before, &digest(&live), "live volume after drop");
     assert_no_transient_names(&root, "after drop");
     let mut subvols = package_subvolumes(&fs, "app");
     subvols.sort();
@@ -324,7 +324,7 @@ fn drop_removes_the_backup_only() {
         "the backup's nested snapshots must go with it"
     );
     assert!(!store.drop_backup(&app).expect("second drop"));
-    assert_same(&live_before, &raw_digest(&live), "after a no-op drop");
+    assert_same(&live_before, &digest(&live), "after a no-op drop");
 }
 
 #[test]
@@ -345,7 +345,7 @@ fn delete_removes_volume_backup_and_nested_subvolumes() {
         .arg(live.join("data/main/nested"))
         .arg(live.join("data/main/nested/own-ro-snapshot")))
     .unwrap();
-    let other_before = raw_digest(&store.volume_path(&other));
+    let other_before = digest(&store.volume_path(&other));
     assert_eq!(package_subvolumes(&fs, "app").len(), 7);
 
     assert!(store.delete(&app).expect("delete"), "delete returns true");
@@ -361,7 +361,7 @@ fn delete_removes_volume_backup_and_nested_subvolumes() {
     // A package whose name starts with the other's is not touched.
     assert_same(
         &other_before,
-        &raw_digest(&store.volume_path(&other)),
+        &digest(&store.volume_path(&other)),
         "the other package",
     );
     assert!(store.backup_path(&other).exists());
@@ -419,10 +419,10 @@ fn ext4_falls_back_to_plain_directories() {
     assert_writable(&live.join("data/main"));
 
     cp_backup();
-    let live_before = raw_digest(&live);
+    let live_before = digest(&live);
     assert!(store.drop_backup(&app).expect("drop"));
     assert!(!store.backup_path(&app).exists());
-    assert_same(&live_before, &raw_digest(&live), "live after drop on ext4");
+    assert_same(&live_before, &digest(&live), "live after drop on ext4");
 
     cp_backup();
     assert!(store.delete(&app).expect("delete"));
@@ -508,7 +508,7 @@ fn plain_directory_gets_a_complete_reflink_copy_and_restores_from_it() {
     );
     populate_volume(&live, false);
     populate_special(&live);
-    let before = raw_digest(&live);
+    let before = digest(&live);
 
     let outcome = store.snapshot(&app).expect("snapshot");
     match outcome {
@@ -517,8 +517,8 @@ fn plain_directory_gets_a_complete_reflink_copy_and_restores_from_it() {
     }
     let backup = store.backup_path(&app);
     // Everything the digest sees, all mtimes included, is the same.
-    assert_same(&before, &raw_digest(&backup), "reflink copy vs source");
-    assert_same(&before, &raw_digest(&live), "source after the copy");
+    assert_same(&before, &digest(&backup), "reflink copy vs source");
+    assert_same(&before, &digest(&live), "source after the copy");
     assert_no_transient_names(&root, "after the reflink copy");
     assert_eq!(
         store.list().expect("list")[0].backup,
@@ -554,7 +554,7 @@ fn plain_directory_gets_a_complete_reflink_copy_and_restores_from_it() {
         (setuid.uid(), setuid.gid(), setuid.mode() & 0o7777),
         (100_000, 100_000, 0o4755)
     );
-    let acl = raw_digest(&bmain);
+    let acl = digest(&bmain);
     assert!(
         acl.get("acl-file")
             .unwrap()
@@ -569,11 +569,7 @@ fn plain_directory_gets_a_complete_reflink_copy_and_restores_from_it() {
     fs::remove_file(live.join("data/main/hard-b")).unwrap();
     fs::write(live.join("data/main/nocow.db"), b"truncated").unwrap();
     assert!(store.restore(&app).expect("restore"));
-    assert_same(
-        &comparable(before),
-        &digest(&live),
-        "restored from the reflink copy",
-    );
+    assert_same(&before, &digest(&live), "restored from the reflink copy");
     assert!(!backup.exists(), "the backup must be gone");
     assert_no_transient_names(&root, "after restoring a reflink copy");
     assert_writable(&live.join("data/main"));
@@ -592,7 +588,7 @@ fn fragmented_plain_directory_is_skipped_above_the_extent_bound() {
     let store = open(&root).with_reflink_extent_limit(1000);
     let app = pkg("app");
     let names = root_names(&root);
-    let live_before = raw_digest(&store.volume_path(&app));
+    let live_before = digest(&store.volume_path(&app));
 
     match store.snapshot(&app).expect("snapshot") {
         SnapshotOutcome::Skipped { reason } => {
@@ -613,7 +609,7 @@ fn fragmented_plain_directory_is_skipped_above_the_extent_bound() {
     assert_eq!(root_names(&root), expected, "no backup and no tmp left");
     assert_same(
         &live_before,
-        &raw_digest(&store.volume_path(&app)),
+        &digest(&store.volume_path(&app)),
         "live volume",
     );
 
@@ -627,7 +623,7 @@ fn fragmented_plain_directory_is_skipped_above_the_extent_bound() {
     }
     assert_same(
         &live_before,
-        &raw_digest(&store.backup_path(&app)),
+        &digest(&store.backup_path(&app)),
         "reflink copy of the fragmented volume",
     );
 }
@@ -636,7 +632,7 @@ fn fragmented_plain_directory_is_skipped_above_the_extent_bound() {
 /// checks the refusal names the mount point and changes nothing.
 fn assert_refused_while_mounted(store: &VolumeStore, app: &volume::PackageId, mount: &MountGuard) {
     let root = store.root();
-    let before = raw_digest(root);
+    let before = digest(root);
     let point = mount.target().display().to_string();
     for (op, result) in [
         ("restore", store.restore(app)),
@@ -650,7 +646,7 @@ fn assert_refused_while_mounted(store: &VolumeStore, app: &volume::PackageId, mo
             "{op}: message must name {point}: {msg}"
         );
         assert!(!msg.contains('\n'), "{op}: one-line message: {msg:?}");
-        assert_same(&before, &raw_digest(root), &format!("after a refused {op}"));
+        assert_same(&before, &digest(root), &format!("after a refused {op}"));
     }
 }
 
@@ -878,7 +874,7 @@ fn recovery_on_a_clean_store_does_nothing() {
     populate_volume(&store.volume_path(&app), true);
     store.snapshot(&app).expect("snapshot");
     store.create(&pkg("other"), &[vol("main")]).expect("create");
-    let before = raw_digest(&root);
+    let before = digest(&root);
     for round in 0..2 {
         assert_eq!(
             store.recover_all().expect("recover_all"),
@@ -890,11 +886,7 @@ fn recovery_on_a_clean_store_does_nothing() {
         // Reopening recovers too.
         drop(open(&root));
     }
-    assert_same(
-        &before,
-        &raw_digest(&root),
-        "after recovery on a clean store",
-    );
+    assert_same(&before, &digest(&root), "after recovery on a clean store");
 }
 
 #[test]

@@ -6,6 +6,8 @@
 //! O(extents) reflink copy. [`Migrator::convert`] turns one such directory
 //! into a subvolume, after which backups are O(1) snapshots:
 //!
+//! 0. **Scan**: count entries, bytes and extents (progress totals and the
+//!    free-space check), on a second thread, beside the clone.
 //! 1. **Clone**: create the subvolume `<pkg>.migrate` beside it and reflink
 //!    every entry into it ([`volume::copy::reflink_into`]: FICLONERANGE in
 //!    offset-ordered chunks, never a byte copy; every attribute kept, nested
@@ -62,7 +64,8 @@ use serde::Serialize;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Phase {
-    /// Counting entries, bytes and extents of the plain directory.
+    /// Flushing the plain directory and starting the count of its
+    /// entries, bytes and extents (which goes on beside the clone).
     Scan,
     /// Reflinking the contents into the new subvolume.
     Clone,
@@ -84,6 +87,10 @@ pub struct Progress {
     pub package: PackageId,
     /// What it is doing.
     pub phase: Phase,
+    /// Whether the `*_total` figures are known. The scan that counts them
+    /// runs beside the clone, so early [`Phase::Clone`] reports have totals
+    /// of 0 (and no ETA); the done figures are right throughout.
+    pub totals_known: bool,
     /// File bytes in place in the new subvolume.
     pub bytes_done: u64,
     /// File bytes to put there (each inode once).
@@ -91,13 +98,15 @@ pub struct Progress {
     /// File extent items in place (exact per finished file, proportional to
     /// bytes within the file being cloned).
     pub extents_done: u64,
-    /// File extent items of the directory, from the scan.
+    /// File extent items of the directory, from the scan (0 until
+    /// `totals_known`).
     pub extents_total: u64,
     /// Entries done (copied, or removed in [`Phase::RemoveOld`]).
     pub entries_done: u64,
     /// Entries in the tree (each name once).
     pub entries_total: u64,
-    /// Estimated time left for this package, once there is a rate to go by.
+    /// Estimated time left for this package, once the totals are known and
+    /// there is a rate to go by.
     #[serde(serialize_with = "ser_secs")]
     pub eta: Option<Duration>,
 }

@@ -6,6 +6,8 @@ use std::io;
 use std::ops::ControlFlow;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::ScopedJoinHandle;
 use std::time::{Duration, Instant};
 
 use color_eyre::eyre::eyre;
@@ -15,7 +17,7 @@ use serde::Serialize;
 use volume::copy::{self, CopyEvent, CopyOptions};
 use volume::layout::{MIGRATE_OLD_SUFFIX, MIGRATE_SUFFIX, package_of};
 use volume::lock::PackageLock;
-use volume::sys::{self, EXTENT_DATA_KEY, KeyRange};
+use volume::sys::{self, EXTENT_DATA_KEY, KeyRange, Searcher};
 
 use crate::failpoint::failpoint;
 use crate::{Estimate, Phase, Progress, ProgressSink};
@@ -91,6 +93,11 @@ impl From<&Error> for ReportError {
         }
     }
 }
+
+/// How often a conversion starts a background commit while cloning (see
+/// [`Migrator::convert`]): often enough that the final, waited-for commit is
+/// short, rarely enough that commits do not dominate.
+const BACKGROUND_COMMIT_EVERY: Duration = Duration::from_millis(500);
 
 /// The result of converting one package ([`Migrator::convert`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -286,7 +293,11 @@ impl Migrator {
                 // Data still in the page cache has no extents yet. A commit
                 // changes nothing anyone can see.
                 sys::commit(fd.as_fd()).with_ctx(io("flushing the volume"))?;
-                Some(scan(fd.as_fd()).with_ctx(io("scanning the volume"))?.0)
+                Some(
+                    scan(fd.as_fd(), &AtomicBool::new(false))
+                        .with_ctx(io("scanning the volume"))?
+                        .0,
+                )
             } else {
                 None
             };
@@ -447,13 +458,23 @@ impl Migrator {
     /// Refuses (`InvalidRequest`, naming the package) while anything is
     /// mounted from inside `<pkg>`, and when `<pkg>` is on another
     /// filesystem than the root. Refuses (`MigrationFailed`) when free space
-    /// is short: statvfs `f_bavail` must cover twice (metadata is DUP) the
-    /// estimated new metadata, 128 bytes per extent item plus 1 KiB per
-    /// entry, plus `opts.reserve_bytes`. A reflink shares data, so only
-    /// metadata grows; statvfs cannot tell metadata from data space on
-    /// btrfs, so this is a first check, and an ENOSPC during the copy
-    /// removes the partial subvolume and leaves `<pkg>` untouched. Other
-    /// errors during the copy keep the partial copy for the next run.
+    /// is short: statvfs `f_bavail`, read before anything is created, must
+    /// cover twice (metadata is DUP) the estimated new metadata, 128 bytes
+    /// per extent item plus 1 KiB per entry, plus `opts.reserve_bytes`. A
+    /// reflink shares data, so only metadata grows; statvfs cannot tell
+    /// metadata from data space on btrfs, so this is a first check, and an
+    /// ENOSPC during the copy removes the partial subvolume and leaves
+    /// `<pkg>` untouched. Other errors during the copy keep the partial copy
+    /// for the next run.
+    ///
+    /// The scan that counts entries, bytes and extents (a stat and a tree
+    /// search per file) runs on a second thread while the clone starts, so
+    /// it costs no wall time: progress totals (and the ETA) arrive when it
+    /// finishes ([`Progress::totals_known`]). The reserve alone is checked
+    /// before anything is created; the full estimate as soon as the scan
+    /// has it, and if short the clone stops there, the partial subvolume is
+    /// removed, and `<pkg>` is untouched, as for an ENOSPC. A dry run scans
+    /// only.
     ///
     /// A crash at any point leaves `<pkg>` complete (old or new); see the
     /// crate docs for what the next run does.
@@ -559,15 +580,96 @@ impl Migrator {
         let mut tracker = Tracker::new(pkg.clone(), Estimate::default(), sink);
         tracker.phase(Phase::Scan);
         sys::commit(src.as_fd()).with_ctx(io("flushing the volume"))?;
-        let (estimate, per_file) = scan(src.as_fd()).with_ctx(io("scanning the volume"))?;
-        report.estimate = Some(estimate);
-        tracker.set_estimate(estimate);
         if opts.dry_run {
+            let (estimate, _) =
+                scan(src.as_fd(), &AtomicBool::new(false)).with_ctx(io("scanning the volume"))?;
+            report.estimate = Some(estimate);
             report.outcome = Outcome::WouldConvert;
             report.elapsed = started.elapsed();
             return Ok(report);
         }
-        self.check_space(pkg, &estimate, opts)?;
+        // Free space is read once, before anything is created, and the
+        // estimate checked against it when the scan has it. The reserve alone
+        // is checked now, so a volumes root short of it is never touched.
+        let free = self.free_space(pkg)?;
+        self.check_space(free, &Estimate::default(), opts)
+            .map_err(|why| {
+                fail(
+                    pkg,
+                    ErrorKind::MigrationFailed,
+                    format!("{why}; nothing was changed"),
+                )
+            })?;
+
+        // The scan (a stat and a tree search per file) runs on a second
+        // thread while the clone starts: it only feeds the progress totals
+        // and the space check, so it need not delay the clone.
+        let stop_scan = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            let src_fd = src.as_fd();
+            let stop = &stop_scan;
+            let scanner = scope.spawn(move || scan(src_fd, stop));
+            let result = self.clone_and_swap(
+                pkg,
+                &names,
+                tmp,
+                &src,
+                opts,
+                free,
+                &mut tracker,
+                &mut report,
+                scanner,
+            );
+            stop_scan.store(true, Ordering::Relaxed);
+            result
+        })?;
+        report.outcome = Outcome::Converted;
+        report.elapsed = started.elapsed();
+        Ok(report)
+    }
+
+    /// [`Migrator::convert`] from the clone on, with the scan of `src`
+    /// running as `scanner`.
+    #[allow(clippy::too_many_arguments)]
+    fn clone_and_swap(
+        &self,
+        pkg: &PackageId,
+        names: &Names,
+        tmp: Kind,
+        src: &OwnedFd,
+        opts: &MigrateOptions,
+        free: u64,
+        tracker: &mut Tracker<'_>,
+        report: &mut PackageReport,
+        scanner: ScopedJoinHandle<'_, io::Result<(Estimate, ExtentsByInode)>>,
+    ) -> Result<(), Error> {
+        let io =
+            |what: &'static str| move |_: &io::Error| (ErrorKind::MigrationFailed, ctx(pkg, what));
+        let live_path = self.root.join(&names.live);
+        let mut scanner = Some(scanner);
+        // Why the scan stopped the clone, when it did.
+        let mut scan_failure: Option<ScanFailure> = None;
+        // Takes the finished scan's result: totals to the tracker, the
+        // estimate to the report, and the space check.
+        let take_scan = |scanner: ScopedJoinHandle<'_, _>,
+                         tracker: &mut Tracker<'_>,
+                         report: &mut PackageReport|
+         -> Option<ScanFailure> {
+            let result = match scanner.join() {
+                Ok(r) => r,
+                Err(panic) => std::panic::resume_unwind(panic),
+            };
+            match result {
+                Err(e) => Some(ScanFailure::Io(e)),
+                Ok((estimate, per_file)) => {
+                    report.estimate = Some(estimate);
+                    tracker.scanned(estimate, per_file);
+                    self.check_space(free, &estimate, opts)
+                        .err()
+                        .map(ScanFailure::Space)
+                }
+            }
+        };
 
         // Clone.
         let mut resume = tmp == Kind::Subvolume;
@@ -577,7 +679,7 @@ impl Migrator {
                 .with_ctx(io("opening the partial copy"))?;
             let since = sys::birth_time(fd.as_fd())
                 .with_ctx(io("reading the partial copy's creation time"))?;
-            let src_full = rustix::fs::fstat(&src)
+            let src_full = rustix::fs::fstat(src)
                 .map_err(io::Error::from)
                 .with_ctx(io("stat of the volume"))?;
             #[allow(clippy::unnecessary_cast)]
@@ -624,40 +726,87 @@ impl Migrator {
             nested_subvolumes: true,
             changed_since: since,
         };
-        let copied = copy::reflink_into(src.as_fd(), dst.as_fd(), &copy_opts, &mut |ev| match ev {
-            CopyEvent::Data {
-                src,
-                size,
-                done,
-                cloned,
-                ..
-            } => {
-                let extents = per_file.get(&src).copied().unwrap_or(0);
-                tracker.file_data(src, extents, size, done, cloned);
-                failpoint("migrate.chunk")
+        let mut poll_scan = |tracker: &mut Tracker<'_>, report: &mut PackageReport| {
+            if scanner.as_ref().is_some_and(|h| h.is_finished()) {
+                let h = scanner.take().expect("checked");
+                if let Some(f) = take_scan(h, tracker, report) {
+                    scan_failure = Some(f);
+                    return Err(io::Error::other("the scan stopped the copy"));
+                }
             }
-            CopyEvent::Entry { .. } => {
-                tracker.entry_done();
-                failpoint("migrate.entry")
+            Ok(())
+        };
+        // The commit before the exchange must write out every cloned
+        // extent reference; starting commits in the background as the clone
+        // goes leaves it only the tail to wait for.
+        let mut last_commit = Instant::now();
+        let dst_fd = dst.as_fd();
+        let copied = copy::reflink_into(src.as_fd(), dst.as_fd(), &copy_opts, &mut |ev| {
+            if last_commit.elapsed() >= BACKGROUND_COMMIT_EVERY {
+                sys::start_commit(dst_fd)?;
+                last_commit = Instant::now();
             }
+            match ev {
+                CopyEvent::Data {
+                    src,
+                    size,
+                    done,
+                    cloned,
+                    ..
+                } => {
+                    tracker.file_data(src, size, done, cloned);
+                    failpoint("migrate.chunk")?;
+                }
+                CopyEvent::Entry { .. } => {
+                    tracker.entry_done();
+                    failpoint("migrate.entry")?;
+                }
+            }
+            poll_scan(tracker, report)
         });
-        let stats = match copied {
-            Err(e) if is_enospc(&e) => {
-                drop(dst);
-                let cleanup = copy::remove_tree_at(self.root_fd(), &names.tmp, &mut |_| Ok(()))
-                    .and_then(|()| sys::commit(self.root_fd()));
-                let msg = format!(
-                    "out of space while cloning into {} ({e}); {} is untouched{}",
-                    self.root.join(&names.tmp).display(),
-                    live_path.display(),
-                    match &cleanup {
-                        Ok(()) => " and the partial subvolume was removed".to_owned(),
-                        Err(c) => format!(", but removing the partial subvolume failed: {c}"),
-                    }
-                );
-                return Err(fail(pkg, ErrorKind::MigrationFailed, msg));
+        let copied = match copied {
+            // The clone is done before the scan: wait for it, it may still
+            // find the space short.
+            Ok(stats) => match scanner.take().and_then(|h| take_scan(h, tracker, report)) {
+                Some(f) => {
+                    scan_failure = Some(f);
+                    Err(io::Error::other("the scan stopped the copy"))
+                }
+                None => Ok(stats),
+            },
+            Err(e) => Err(e),
+        };
+        let abandon = |dst: OwnedFd, why: String| -> Error {
+            drop(dst);
+            let cleanup = copy::remove_tree_at(self.root_fd(), &names.tmp, &mut |_| Ok(()))
+                .and_then(|()| sys::commit(self.root_fd()));
+            let msg = format!(
+                "{why}; {} is untouched{}",
+                live_path.display(),
+                match &cleanup {
+                    Ok(()) => " and the partial subvolume was removed".to_owned(),
+                    Err(c) => format!(", but removing the partial subvolume failed: {c}"),
+                }
+            );
+            fail(pkg, ErrorKind::MigrationFailed, msg)
+        };
+        let stats = match (copied, scan_failure) {
+            (Err(_), Some(ScanFailure::Space(e))) => {
+                return Err(abandon(dst, e));
             }
-            other => other.with_ctx(|_| {
+            (Err(_), Some(ScanFailure::Io(e))) => {
+                return Err(e).with_ctx(io(
+                    "scanning the volume (the partial copy is kept for the next run)",
+                ));
+            }
+            (Err(e), None) if is_enospc(&e) => {
+                let why = format!(
+                    "out of space while cloning into {} ({e})",
+                    self.root.join(&names.tmp).display(),
+                );
+                return Err(abandon(dst, why));
+            }
+            (other, _) => other.with_ctx(|_| {
                 (
                     ErrorKind::MigrationFailed,
                     ctx(
@@ -699,20 +848,15 @@ impl Migrator {
                 )
             })?;
         failpoint("migrate.exchanged").with_ctx(io("failpoint"))?;
-        self.settle_exchanged(pkg, &names)?;
+        self.settle_exchanged(pkg, names)?;
         tracker.phase(Phase::Done);
+        let estimate = report.estimate.unwrap_or_default();
         tracing::info!(package = %pkg, bytes = estimate.bytes, extents = estimate.extents, "volume converted to a subvolume");
-        report.outcome = Outcome::Converted;
-        report.elapsed = started.elapsed();
-        Ok(report)
+        Ok(())
     }
 
-    fn check_space(
-        &self,
-        pkg: &PackageId,
-        est: &Estimate,
-        opts: &MigrateOptions,
-    ) -> Result<(), Error> {
+    /// Free bytes for an unprivileged writer (statvfs `f_bavail`).
+    fn free_space(&self, pkg: &PackageId) -> Result<u64, Error> {
         let vfs = rustix::fs::fstatvfs(self.root_fd())
             .map_err(io::Error::from)
             .with_ctx(|_| {
@@ -721,7 +865,12 @@ impl Migrator {
                     ctx(pkg, "statvfs of the volumes root"),
                 )
             })?;
-        let free = vfs.f_bavail.saturating_mul(vfs.f_frsize);
+        Ok(vfs.f_bavail.saturating_mul(vfs.f_frsize))
+    }
+
+    /// Whether `free` bytes (read before the clone) cover what converting
+    /// `est` needs; see [`Migrator::convert`].
+    fn check_space(&self, free: u64, est: &Estimate, opts: &MigrateOptions) -> Result<(), String> {
         let need = est
             .extents
             .saturating_mul(128)
@@ -729,18 +878,22 @@ impl Migrator {
             .saturating_mul(2)
             .saturating_add(opts.reserve_bytes);
         if free < need {
-            return Err(fail(
-                pkg,
-                ErrorKind::MigrationFailed,
-                format!(
-                    "not enough free space to convert: {free} bytes free, {need} needed \
-                     ({} extents, {} entries, plus {} reserved); nothing was changed",
-                    est.extents, est.entries, opts.reserve_bytes
-                ),
+            return Err(format!(
+                "not enough free space to convert: {free} bytes free, {need} needed \
+                 ({} extents, {} entries, plus {} reserved)",
+                est.extents, est.entries, opts.reserve_bytes
             ));
         }
         Ok(())
     }
+}
+
+/// Why the scan stopped a clone.
+enum ScanFailure {
+    /// The scan itself failed.
+    Io(io::Error),
+    /// The scan's estimate does not fit in the free space: why.
+    Space(String),
 }
 
 /// The names one package's conversion uses.
@@ -766,19 +919,26 @@ type ExtentsByInode = HashMap<(u64, u64), u64>;
 /// Counts what converting the directory open as `dir` involves, with the
 /// extent count of each regular file by (device, inode). Never follows a
 /// symlink, opens nothing but directories; hardlinked files count once.
-fn scan(dir: BorrowedFd<'_>) -> io::Result<(Estimate, ExtentsByInode)> {
+/// Setting `stop` makes it give up (`Interrupted`) at the next entry.
+fn scan(dir: BorrowedFd<'_>, stop: &AtomicBool) -> io::Result<(Estimate, ExtentsByInode)> {
     let mut est = Estimate::default();
     let mut files = HashMap::new();
-    scan_dir(dir, &mut est, &mut files)?;
+    let mut searcher = Searcher::default();
+    scan_dir(dir, &mut est, &mut files, &mut searcher, stop)?;
     Ok((est, files))
 }
 
 fn scan_dir(
     dir: BorrowedFd<'_>,
     est: &mut Estimate,
-    files: &mut HashMap<(u64, u64), u64>,
+    files: &mut ExtentsByInode,
+    searcher: &mut Searcher,
+    stop: &AtomicBool,
 ) -> io::Result<()> {
     for (name, _, _) in sys::read_dir_names(dir)? {
+        if stop.load(Ordering::Relaxed) {
+            return Err(io::ErrorKind::Interrupted.into());
+        }
         let st = match rustix::fs::statat(dir, &name, AtFlags::SYMLINK_NOFOLLOW) {
             Ok(st) => st,
             Err(rustix::io::Errno::NOENT) => continue,
@@ -791,7 +951,7 @@ fn scan_dir(
                     est.nested_subvolumes += 1;
                 }
                 let sub = sys::open_dir_at(dir, &name)?;
-                scan_dir(sub.as_fd(), est, files)?;
+                scan_dir(sub.as_fd(), est, files, searcher, stop)?;
             }
             FileType::RegularFile => {
                 let key = (st.st_dev, st.st_ino);
@@ -802,7 +962,7 @@ fn scan_dir(
                 est.bytes += st.st_size as u64;
                 let mut extents = 0u64;
                 // The search runs in the subvolume of `dir`, the file's.
-                sys::search(
+                searcher.search(
                     dir,
                     KeyRange::inode_items(st.st_ino, EXTENT_DATA_KEY),
                     |key, _| {
@@ -822,6 +982,11 @@ fn scan_dir(
 }
 
 /// Turns copy events into throttled [`Progress`] reports with an ETA.
+///
+/// The scan runs beside the clone, so the per-file extent counts may arrive
+/// after some files are cloned: until then their data events wait in
+/// `pending` (bytes are credited at once), then are credited as if the
+/// counts had been known all along.
 struct Tracker<'s> {
     p: Progress,
     sink: &'s mut dyn ProgressSink,
@@ -831,8 +996,14 @@ struct Tracker<'s> {
     /// Work credited for what an earlier run had done.
     reused_work: u64,
     last_sent: Option<Instant>,
-    /// The file being cloned: its key and the extents credited so far.
-    current: Option<((u64, u64), u64, u64)>,
+    /// Extent items of each file, once the scan is done.
+    per_file: Option<ExtentsByInode>,
+    /// Data events (file, size, done, cloned) seen before the scan was done.
+    pending: Vec<((u64, u64), u64, u64, u64)>,
+    /// The file being cloned and the bytes credited so far.
+    current_bytes: Option<((u64, u64), u64)>,
+    /// The file being cloned and the extents credited so far.
+    current_extents: Option<((u64, u64), u64)>,
 }
 
 impl<'s> Tracker<'s> {
@@ -841,6 +1012,7 @@ impl<'s> Tracker<'s> {
             p: Progress {
                 package,
                 phase: Phase::Scan,
+                totals_known: false,
                 bytes_done: 0,
                 bytes_total: 0,
                 extents_done: 0,
@@ -854,7 +1026,10 @@ impl<'s> Tracker<'s> {
             work_at_start: None,
             reused_work: 0,
             last_sent: None,
-            current: None,
+            per_file: None,
+            pending: Vec::new(),
+            current_bytes: None,
+            current_extents: None,
         };
         t.set_estimate(est);
         t
@@ -866,6 +1041,17 @@ impl<'s> Tracker<'s> {
         self.p.entries_total = est.entries;
     }
 
+    /// The scan is done: totals known, waiting events credited.
+    fn scanned(&mut self, est: Estimate, per_file: ExtentsByInode) {
+        self.set_estimate(est);
+        self.p.totals_known = true;
+        self.per_file = Some(per_file);
+        for (key, size, done, cloned) in std::mem::take(&mut self.pending) {
+            self.credit_extents(key, size, done, cloned);
+        }
+        self.send();
+    }
+
     fn phase(&mut self, phase: Phase) {
         self.p.phase = phase;
         if phase == Phase::Done {
@@ -874,24 +1060,44 @@ impl<'s> Tracker<'s> {
         self.send();
     }
 
-    fn file_data(&mut self, key: (u64, u64), extents: u64, size: u64, done: u64, cloned: u64) {
-        let (prev_bytes, prev_ext) = match self.current {
-            Some((k, b, e)) if k == key => (b, e),
-            _ => (0, 0),
+    fn file_data(&mut self, key: (u64, u64), size: u64, done: u64, cloned: u64) {
+        let prev = match self.current_bytes {
+            Some((k, b)) if k == key => b,
+            _ => 0,
+        };
+        self.p.bytes_done += done.saturating_sub(prev);
+        self.current_bytes = Some((key, done));
+        if self.per_file.is_some() {
+            self.credit_extents(key, size, done, cloned);
+        } else {
+            self.pending.push((key, size, done, cloned));
+        }
+        self.maybe_send();
+    }
+
+    /// Extents are exact per finished file, proportional to bytes within one.
+    fn credit_extents(&mut self, key: (u64, u64), size: u64, done: u64, cloned: u64) {
+        let extents = self
+            .per_file
+            .as_ref()
+            .and_then(|m| m.get(&key))
+            .copied()
+            .unwrap_or(0);
+        let prev = match self.current_extents {
+            Some((k, e)) if k == key => e,
+            _ => 0,
         };
         let ext = if size == 0 {
             extents
         } else {
             (u128::from(extents) * u128::from(done) / u128::from(size)) as u64
         };
-        self.p.bytes_done += done.saturating_sub(prev_bytes);
-        self.p.extents_done += ext.saturating_sub(prev_ext);
-        self.current = Some((key, done, ext));
+        self.p.extents_done += ext.saturating_sub(prev);
+        self.current_extents = Some((key, ext));
         if cloned == 0 {
             // What a resumed copy found in place: no measure of speed.
-            self.reused_work += ext.saturating_sub(prev_ext);
+            self.reused_work += ext.saturating_sub(prev);
         }
-        self.maybe_send();
     }
 
     fn entry_done(&mut self) {
@@ -918,7 +1124,11 @@ impl<'s> Tracker<'s> {
         let done = self.p.work_done().saturating_sub(self.reused_work);
         let start = *self.work_at_start.get_or_insert(done);
         let elapsed = self.started.elapsed();
-        if self.p.phase != Phase::Done && done > start && elapsed > Duration::from_millis(200) {
+        if self.p.phase != Phase::Done
+            && self.p.totals_known
+            && done > start
+            && elapsed > Duration::from_millis(200)
+        {
             let left = self.p.work_total().saturating_sub(self.p.work_done());
             let rate = (done - start) as f64 / elapsed.as_secs_f64();
             self.p.eta = Some(Duration::from_secs_f64(left as f64 / rate));

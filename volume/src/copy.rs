@@ -318,7 +318,22 @@ impl Copier<'_, '_> {
                         format!("{} changed type during the copy", rel.display()),
                     ));
                 }
-                let create = if existing.is_some() {
+                let fresh = existing.is_none();
+                let (create, create_mode) = if fresh {
+                    // Like cp: when the owner will not change, create the
+                    // file with its final permission bits (never the setuid,
+                    // setgid or sticky bit, nor more than the source allows),
+                    // so the chown and chmod below are usually no-ops and
+                    // skipped; otherwise private until the chown.
+                    let same_owner = st.st_uid == rustix::process::geteuid().as_raw()
+                        && st.st_gid == rustix::process::getegid().as_raw();
+                    let mode = if same_owner {
+                        st.st_mode & 0o777
+                    } else {
+                        0o600
+                    };
+                    (OFlags::CREATE | OFlags::EXCL, mode)
+                } else {
                     // An immutable or append-only file cannot be opened for
                     // writing: clear those flags (set again at the end) first.
                     let ro = rustix::fs::openat(
@@ -328,18 +343,22 @@ impl Copier<'_, '_> {
                         Mode::empty(),
                     )?;
                     clear_stuck_flags(ro.as_fd())?;
-                    OFlags::empty()
-                } else {
-                    OFlags::CREATE | OFlags::EXCL
+                    (OFlags::empty(), 0o600)
                 };
                 let dst = rustix::fs::openat(
                     dst_dir,
                     name,
                     OFlags::WRONLY | create | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
-                    Mode::from_raw_mode(0o600),
+                    Mode::from_raw_mode(create_mode),
                 )?;
-                self.copy_data(src.as_fd(), dst.as_fd(), &st, rel)?;
-                finish_metadata(&st, Target::Fd(dst.as_fd()), Some(src.as_fd()))?;
+                let dst_st = rustix::fs::fstat(&dst)?;
+                let src_flags = inode_flags(src.as_fd())?;
+                self.copy_data(src.as_fd(), dst.as_fd(), &st, &dst_st, src_flags, rel)?;
+                // A fresh file has no setuid or setgid bit nor capability for
+                // the clone to clear, so its owner and mode are still those
+                // of `dst_st`; a reused one is set whatever it has.
+                let now = fresh.then_some(&dst_st);
+                finish_file_metadata(&st, dst.as_fd(), src.as_fd(), src_flags, now)?;
                 (self.progress)(CopyEvent::Entry { rel })
             }
             FileType::Symlink => {
@@ -380,17 +399,21 @@ impl Copier<'_, '_> {
         src: BorrowedFd<'_>,
         dst: BorrowedFd<'_>,
         st: &Stat,
+        dst_st: &Stat,
+        src_flags: IFlags,
         rel: &Path,
     ) -> io::Result<()> {
         let size = st.st_size as u64;
         let src_id = (st.st_dev, st.st_ino);
-        let want_nocow = inode_flags(src)?.contains(IFlags::NOCOW);
+        let want_nocow = src_flags.contains(IFlags::NOCOW);
         let dst_flags = inode_flags(dst)?;
-        let mut start = (rustix::fs::fstat(dst)?.st_size as u64).min(size);
+        let mut start = (dst_st.st_size as u64).min(size);
         if dst_flags.contains(IFlags::NOCOW) != want_nocow {
             // Only possible for a file with no data yet; be safe anyway.
             start = 0;
-            rustix::fs::ftruncate(dst, 0)?;
+            if dst_st.st_size != 0 {
+                rustix::fs::ftruncate(dst, 0)?;
+            }
             let flags = if want_nocow {
                 dst_flags | IFlags::NOCOW
             } else {
@@ -402,7 +425,7 @@ impl Copier<'_, '_> {
             // A partial file: its last block may be partial too.
             start -= start % self.block;
         }
-        if rustix::fs::fstat(dst)?.st_size as u64 != start {
+        if dst_st.st_size as u64 != start {
             rustix::fs::ftruncate(dst, start)?;
         }
         self.stats.bytes += size;
@@ -591,29 +614,17 @@ fn inode_flags(fd: BorrowedFd<'_>) -> io::Result<IFlags> {
 /// Owner, mode, xattrs (for fds), timestamps and the remaining inode flags,
 /// in the only order in which each survives the next.
 fn finish_metadata(st: &Stat, target: Target<'_>, src: Option<BorrowedFd<'_>>) -> io::Result<()> {
-    let uid = Some(rustix::fs::Uid::from_raw(st.st_uid));
-    let gid = Some(rustix::fs::Gid::from_raw(st.st_gid));
-    let times = Timestamps {
-        last_access: ts(st.st_atime as _, st.st_atime_nsec as _),
-        last_modification: ts(st.st_mtime as _, st.st_mtime_nsec as _),
-    };
     match target {
         Target::Fd(fd) => {
-            rustix::fs::fchown(fd, uid, gid)?;
-            rustix::fs::fchmod(fd, Mode::from_raw_mode(st.st_mode & 0o7777))?;
-            if let Some(src) = src {
-                copy_xattrs_fd(src, fd)?;
-            }
-            rustix::fs::futimens(fd, &times)?;
-            if let Some(src) = src {
-                let rest = inode_flags(src)?.difference(IFlags::NOCOW);
-                if !rest.is_empty() {
-                    rustix::fs::ioctl_setflags(fd, inode_flags(fd)? | rest)?;
-                }
-            }
-            Ok(())
+            let src_flags = match src {
+                Some(src) => Some(inode_flags(src)?),
+                None => None,
+            };
+            finish_fd_metadata(st, fd, src, src_flags, None)
         }
         Target::At(dir, name) => {
+            let uid = Some(rustix::fs::Uid::from_raw(st.st_uid));
+            let gid = Some(rustix::fs::Gid::from_raw(st.st_gid));
             rustix::fs::chownat(dir, name, uid, gid, AtFlags::SYMLINK_NOFOLLOW)?;
             let ty = FileType::from_raw_mode(st.st_mode);
             if ty != FileType::Symlink {
@@ -625,10 +636,62 @@ fn finish_metadata(st: &Stat, target: Target<'_>, src: Option<BorrowedFd<'_>>) -
                     AtFlags::empty(),
                 )?;
             }
-            rustix::fs::utimensat(dir, name, &times, AtFlags::SYMLINK_NOFOLLOW)?;
+            rustix::fs::utimensat(dir, name, &times(st), AtFlags::SYMLINK_NOFOLLOW)?;
             Ok(())
         }
     }
+}
+
+/// [`finish_metadata`] for a regular file whose source flags are known.
+/// `now`: the file's current owner and mode, when known, to skip a chown or
+/// chmod that would change nothing.
+fn finish_file_metadata(
+    st: &Stat,
+    dst: BorrowedFd<'_>,
+    src: BorrowedFd<'_>,
+    src_flags: IFlags,
+    now: Option<&Stat>,
+) -> io::Result<()> {
+    finish_fd_metadata(st, dst, Some(src), Some(src_flags), now)
+}
+
+#[allow(clippy::unnecessary_cast)]
+fn times(st: &Stat) -> Timestamps {
+    Timestamps {
+        last_access: ts(st.st_atime as _, st.st_atime_nsec as _),
+        last_modification: ts(st.st_mtime as _, st.st_mtime_nsec as _),
+    }
+}
+
+fn finish_fd_metadata(
+    st: &Stat,
+    fd: BorrowedFd<'_>,
+    src: Option<BorrowedFd<'_>>,
+    src_flags: Option<IFlags>,
+    now: Option<&Stat>,
+) -> io::Result<()> {
+    let same_owner = now.is_some_and(|n| (n.st_uid, n.st_gid) == (st.st_uid, st.st_gid));
+    if !same_owner {
+        let uid = Some(rustix::fs::Uid::from_raw(st.st_uid));
+        let gid = Some(rustix::fs::Gid::from_raw(st.st_gid));
+        rustix::fs::fchown(fd, uid, gid)?;
+    }
+    // A chown may clear the setuid and setgid bits: after one, always chmod.
+    let same_mode = same_owner && now.is_some_and(|n| n.st_mode & 0o7777 == st.st_mode & 0o7777);
+    if !same_mode {
+        rustix::fs::fchmod(fd, Mode::from_raw_mode(st.st_mode & 0o7777))?;
+    }
+    if let Some(src) = src {
+        copy_xattrs_fd(src, fd)?;
+    }
+    rustix::fs::futimens(fd, &times(st))?;
+    if let Some(src_flags) = src_flags {
+        let rest = src_flags.difference(IFlags::NOCOW);
+        if !rest.is_empty() {
+            rustix::fs::ioctl_setflags(fd, inode_flags(fd)? | rest)?;
+        }
+    }
+    Ok(())
 }
 
 fn split_names(list: &[u8]) -> impl Iterator<Item = &[u8]> {

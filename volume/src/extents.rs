@@ -10,7 +10,7 @@ use std::io;
 use std::ops::ControlFlow;
 use std::os::fd::BorrowedFd;
 
-use crate::sys::{self, EXTENT_DATA_KEY, KeyRange};
+use crate::sys::{EXTENT_DATA_KEY, KeyRange, Searcher};
 use crate::walk::{Visit, walk_files};
 
 /// Counts file extent items below the directory `dir`, never following a
@@ -18,9 +18,10 @@ use crate::walk::{Visit, walk_files};
 /// than `limit` as soon as one is certain (the exact total is then unknown).
 pub fn count_tree_extents(dir: BorrowedFd<'_>, limit: u64) -> io::Result<u64> {
     let mut count = 0u64;
+    let mut searcher = Searcher::default();
     walk_files(dir, &mut |parent, ino| {
         // The search runs in the subvolume of `parent`, which is the file's.
-        sys::search(
+        searcher.search(
             parent,
             KeyRange::inode_items(ino, EXTENT_DATA_KEY),
             |key, _| {

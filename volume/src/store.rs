@@ -435,6 +435,8 @@ impl VolumeStore {
                 failpoint("snapshot.created");
                 let tmp = sys::open_dir_at(self.root_fd(), &names.backup_tmp)
                     .with_ctx(io_ctx("opening the new snapshot"))?;
+                sys::restore_nested_parent_times(live.as_fd(), tmp.as_fd())
+                    .with_ctx(io_ctx("copying directory times into the snapshot"))?;
                 sys::make_tree_read_only(tmp.as_fd())
                     .with_ctx(io_ctx("making the snapshot read-only"))?;
                 failpoint("snapshot.frozen");
@@ -580,6 +582,12 @@ impl VolumeStore {
                         self.root.join(&names.rollback).display()
                     )))?;
                 failpoint("restore.copied");
+                let copy = sys::open_dir_at(self.root_fd(), &names.rollback)
+                    .with_ctx(io_ctx("opening the rollback copy".into()))?;
+                sys::restore_nested_parent_times(backup.as_fd(), copy.as_fd()).with_ctx(io_ctx(
+                    "copying directory times into the rollback copy".into(),
+                ))?;
+                drop(copy);
                 self.mark_complete(&names.rollback)
                     .with_ctx(io_ctx("marking the rollback copy complete".into()))?;
             }
@@ -607,11 +615,55 @@ impl VolumeStore {
 
     /// Creates the completion marker at the top of `name` and makes it and
     /// everything before it durable.
+    ///
+    /// The marker holds the directory's own access and modification times
+    /// from before it was created, so the restore's last step can put them
+    /// back: the restored volume is then identical to the backup, its top
+    /// directory's mtime included.
     fn mark_complete(&self, name: &OsStr) -> io::Result<()> {
         let dir = sys::open_dir_at(self.root_fd(), name)?;
+        let t = sys::times(dir.as_fd())?;
         let marker = sys::create_file_at(dir.as_fd(), OsStr::new(ROLLBACK_MARKER), 0o600)?;
+        let record = format!(
+            "{} {} {} {}\n",
+            t.last_access.tv_sec,
+            t.last_access.tv_nsec,
+            t.last_modification.tv_sec,
+            t.last_modification.tv_nsec
+        );
+        rustix::fs::ftruncate(&marker, 0)?;
+        sys::write_all(marker.as_fd(), record.as_bytes())?;
         sys::fsync(marker.as_fd())?;
+        // A reflink backup may keep the marker if a crash stops the restore
+        // here; its times stay the backup's all the same.
+        sys::set_times(dir.as_fd(), &t)?;
         sys::fsync(dir.as_fd())
+    }
+
+    /// The times [`VolumeStore::mark_complete`] recorded, if the marker
+    /// holds them.
+    fn marked_times(dir: BorrowedFd<'_>) -> io::Result<Option<rustix::fs::Timestamps>> {
+        let Some(bytes) = sys::read_small_file_at(dir, OsStr::new(ROLLBACK_MARKER), 128)? else {
+            return Ok(None);
+        };
+        let text = String::from_utf8_lossy(&bytes);
+        let n: Vec<i64> = text
+            .split_whitespace()
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        let [a_sec, a_nsec, m_sec, m_nsec] = n[..] else {
+            return Ok(None);
+        };
+        Ok(Some(rustix::fs::Timestamps {
+            last_access: rustix::fs::Timespec {
+                tv_sec: a_sec as _,
+                tv_nsec: a_nsec as _,
+            },
+            last_modification: rustix::fs::Timespec {
+                tv_sec: m_sec as _,
+                tv_nsec: m_nsec as _,
+            },
+        }))
     }
 
     fn has_marker(&self, name: &OsStr) -> io::Result<bool> {
@@ -660,7 +712,11 @@ impl VolumeStore {
         failpoint("restore.backup-dropped");
         let unmark = || -> io::Result<()> {
             let live = sys::open_dir_at(self.root_fd(), &names.live)?;
+            let times = Self::marked_times(live.as_fd())?;
             sys::unlink_if_exists(live.as_fd(), OsStr::new(ROLLBACK_MARKER))?;
+            if let Some(t) = times {
+                sys::set_times(live.as_fd(), &t)?;
+            }
             sys::fsync(live.as_fd())
         };
         unmark().with_ctx(|_| {
@@ -883,7 +939,7 @@ impl VolumeStore {
         let backup = measure(&names.backup)?;
         let split = match (&volume, &backup) {
             (Some((_, live)), Some((_, bak))) => Some(usage::split(live, bak)),
-            (None, Some((_, bak))) => Some(usage::split(&usage::ExtentSet::new(), bak)),
+            (None, Some((_, bak))) => Some(usage::split(&usage::ExtentSet::default(), bak)),
             _ => None,
         };
         Ok(VolumeUsage {

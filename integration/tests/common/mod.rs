@@ -10,7 +10,7 @@ use std::os::unix::fs::{FileExt, symlink};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use integration::{LoopFs, Subvolume, TreeDigest, run, tree_digest};
+use integration::{LoopFs, TreeDigest, run, tree_digest};
 use volume::{PackageId, VolumeId};
 
 pub const MIB: u64 = 1 << 20;
@@ -125,43 +125,12 @@ pub fn assert_no_transient_names(root: &Path, when: &str) {
 /// A digest of a volume for comparing its content across snapshot, restore and
 /// crash recovery.
 ///
-/// Everything is compared (content, types, modes, owners, xattrs, hard links, file
-/// and directory mtimes, which directories are subvolumes) except the mtimes of two
-/// kinds of directories, which the operations under test legitimately touch:
-/// - the volume's top directory: a restore creates its completion marker there and
-///   removes it again as its last step, and each is a directory modification;
-/// - the direct parent of a nested subvolume: a snapshot shows a nested subvolume as
-///   an empty placeholder, and the recursive snapshot replaces that placeholder
-///   (rmdir, then a snapshot of the nested subvolume under the same name), which
-///   updates the parent's mtime inside the new snapshot.
-///
-/// Any other directory mtime, and every file mtime, must survive unchanged.
-pub fn comparable(mut digest: TreeDigest) -> TreeDigest {
-    let parents: Vec<Vec<u8>> = digest
-        .entries()
-        .iter()
-        .filter(|(path, e)| !path.is_empty() && e.subvolume != Subvolume::No)
-        .map(|(path, _)| match path.iter().rposition(|&b| b == b'/') {
-            Some(i) => path[..i].to_vec(),
-            None => Vec::new(),
-        })
-        .collect();
-    let entries = digest.entries_mut();
-    for p in parents.iter().chain(std::iter::once(&Vec::new())) {
-        if let Some(e) = entries.get_mut(p) {
-            e.mtime = None;
-        }
-    }
-    digest
-}
-
-/// [`comparable`] digest of the tree at `path`.
+/// Digest of the tree at `path`, everything compared: content, types, modes,
+/// owners, xattrs, hard links, which directories are subvolumes, and every file
+/// and directory mtime. (A restore puts back the times of the directories it
+/// touches: the top, which held its completion marker, and the parents of nested
+/// subvolumes, whose placeholders a recursive snapshot replaces.)
 pub fn digest(path: &Path) -> TreeDigest {
-    comparable(tree_digest(path).unwrap_or_else(|e| panic!("digest of {}: {e}", path.display())))
-}
-
-/// Raw digest (nothing ignored) of the tree at `path`.
-pub fn raw_digest(path: &Path) -> TreeDigest {
     tree_digest(path).unwrap_or_else(|e| panic!("digest of {}: {e}", path.display()))
 }
 

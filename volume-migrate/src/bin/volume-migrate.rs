@@ -201,16 +201,18 @@ fn run(cli: Cli) -> ExitCode {
                 .eta
                 .map(|d| format!("ETA {}s", d.as_secs()))
                 .unwrap_or_else(|| "ETA ?".to_owned());
+            // Totals arrive when the scan beside the clone finishes.
+            let total = |n: String| if p.totals_known { n } else { "?".to_owned() };
             let line = format!(
                 "{} {:?}: {}/{} {}/{} extents {}/{} entries {eta}",
                 p.package,
                 p.phase,
                 human_bytes(p.bytes_done),
-                human_bytes(p.bytes_total),
+                total(human_bytes(p.bytes_total)),
                 p.extents_done,
-                p.extents_total,
+                total(p.extents_total.to_string()),
                 p.entries_done,
-                p.entries_total,
+                total(p.entries_total.to_string()),
             );
             let mut err = std::io::stderr().lock();
             let _ = write!(err, "\r\x1b[2K{line}");

@@ -113,6 +113,74 @@ pub fn stat(fd: BorrowedFd<'_>) -> io::Result<Stat> {
     })
 }
 
+/// Access and modification times of `fd`, to the nanosecond.
+pub fn times(fd: BorrowedFd<'_>) -> io::Result<rustix::fs::Timestamps> {
+    let st = rustix::fs::fstat(fd)?;
+    #[allow(clippy::unnecessary_cast)] // the field widths differ between targets
+    Ok(rustix::fs::Timestamps {
+        last_access: rustix::fs::Timespec {
+            tv_sec: st.st_atime as _,
+            tv_nsec: st.st_atime_nsec as _,
+        },
+        last_modification: rustix::fs::Timespec {
+            tv_sec: st.st_mtime as _,
+            tv_nsec: st.st_mtime_nsec as _,
+        },
+    })
+}
+
+/// Sets the access and modification times of `fd`.
+pub fn set_times(fd: BorrowedFd<'_>, times: &rustix::fs::Timestamps) -> io::Result<()> {
+    Ok(rustix::fs::futimens(fd, times)?)
+}
+
+/// Writes all of `data` to `fd`.
+pub fn write_all(fd: BorrowedFd<'_>, mut data: &[u8]) -> io::Result<()> {
+    while !data.is_empty() {
+        match rustix::io::write(fd, data) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => data = &data[n..],
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// Reads the small regular file `name` in `dir` (at most `limit` bytes),
+/// refusing a symlink and never blocking on a FIFO; `None` if absent.
+pub fn read_small_file_at(
+    dir: BorrowedFd<'_>,
+    name: &OsStr,
+    limit: usize,
+) -> io::Result<Option<Vec<u8>>> {
+    let fd = match rustix::fs::openat(
+        dir,
+        name,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) {
+        Ok(fd) => fd,
+        Err(Errno::NOENT) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    if stat(fd.as_fd())?.file_type != FileType::RegularFile {
+        return Ok(None);
+    }
+    let mut buf = vec![0u8; limit];
+    let mut len = 0;
+    while len < limit {
+        match rustix::io::read(&fd, &mut buf[len..]) {
+            Ok(0) => break,
+            Ok(n) => len += n,
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    buf.truncate(len);
+    Ok(Some(buf))
+}
+
 /// Whether `fd` lives on a btrfs filesystem.
 pub fn is_btrfs(fd: BorrowedFd<'_>) -> io::Result<bool> {
     let st = rustix::fs::fstatfs(fd)?;
@@ -264,6 +332,27 @@ pub fn make_tree_writable(fd: BorrowedFd<'_>) -> io::Result<()> {
     Ok(())
 }
 
+/// After a recursive snapshot of `source` as `copy`: each nested subvolume
+/// was put in place of an empty placeholder (an rmdir, then a snapshot under
+/// the same name), which changed its parent directory's times in the copy.
+/// Sets them back to the source's, so the copy matches it to the nanosecond.
+pub fn restore_nested_parent_times(source: BorrowedFd<'_>, copy: BorrowedFd<'_>) -> io::Result<()> {
+    for rel in nested_subvolumes(copy)? {
+        let parent = rel.parent().unwrap_or(Path::new(""));
+        let t = if parent.as_os_str().is_empty() {
+            times(source)?
+        } else {
+            times(open_beneath(source, parent)?.as_fd())?
+        };
+        if parent.as_os_str().is_empty() {
+            set_times(copy, &t)?;
+        } else {
+            set_times(open_beneath(copy, parent)?.as_fd(), &t)?;
+        }
+    }
+    Ok(())
+}
+
 /// Sets the read-only flag on every subvolume nested in `fd`, children
 /// first, then on `fd` itself: once the top is read-only, the tree is frozen.
 pub fn make_tree_read_only(fd: BorrowedFd<'_>) -> io::Result<()> {
@@ -340,6 +429,16 @@ pub fn fsync(fd: BorrowedFd<'_>) -> io::Result<()> {
 pub fn commit(fd: BorrowedFd<'_>) -> io::Result<()> {
     // SAFETY: valid fd.
     check(unsafe { bu::btrfs_util_sync_fd(fd.as_raw_fd()) })
+}
+
+/// Starts committing the current btrfs transaction of the filesystem
+/// holding `fd` (BTRFS_IOC_START_SYNC) without waiting for it: long copies
+/// call it now and then so that the commit they must wait for at the end
+/// has little left to write.
+pub fn start_commit(fd: BorrowedFd<'_>) -> io::Result<()> {
+    let mut transid = 0u64;
+    // SAFETY: valid fd and out-pointer.
+    check(unsafe { bu::btrfs_util_start_sync_fd(fd.as_raw_fd(), &mut transid) })
 }
 
 /// Shares all of `src`'s extents with `dst` (FICLONE), a reflink copy.
@@ -424,7 +523,9 @@ pub fn read_dir_names(fd: BorrowedFd<'_>) -> io::Result<Vec<(OsString, FileType,
     Ok(out)
 }
 
-pub use tree_search::{EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, search};
+pub use tree_search::{
+    DEFAULT_BUF_SIZE, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, search,
+};
 
 mod tree_search {
     //! BTRFS_IOC_TREE_SEARCH_V2: reading a subvolume's own b-tree items.
@@ -439,9 +540,13 @@ mod tree_search {
     pub const INODE_ITEM_KEY: u8 = 1;
     /// `BTRFS_EXTENT_DATA_KEY`: one item per file extent reference.
     pub const EXTENT_DATA_KEY: u8 = 108;
-    /// 64 KiB is the largest metadata node, hence the largest item: a bigger
-    /// buffer only costs the kernel time zeroing it (see compsize's history).
-    const BUF_SIZE: usize = 64 * 1024;
+    /// The default result buffer: 64 KiB is the largest metadata node, hence
+    /// the largest item, so any search fits; a bigger buffer only costs the
+    /// kernel time faulting it in on every call (see compsize's history),
+    /// which hurts tight per-inode searches.
+    pub const DEFAULT_BUF_SIZE: usize = 64 * 1024;
+    /// The kernel's limit on a TREE_SEARCH_V2 buffer.
+    const MAX_BUF_SIZE: usize = 16 << 20;
     const HEADER_LEN: usize = 32;
 
     /// A b-tree key: items are sorted by (objectid, type, offset).
@@ -549,14 +654,12 @@ mod tree_search {
         buf_size: u64,
     }
 
-    /// The args header followed by the result buffer, as one allocation.
-    #[repr(C)]
-    struct SearchBuf {
-        args: SearchArgsV2,
-        buf: [u8; BUF_SIZE],
-    }
+    const ARGS_WORDS: usize = std::mem::size_of::<SearchArgsV2>() / 8;
+    const _: () = assert!(std::mem::size_of::<SearchArgsV2>().is_multiple_of(8));
 
-    struct Search<'a>(&'a mut SearchBuf);
+    /// The ioctl's argument: the args header followed by the result buffer,
+    /// as one 8-byte aligned allocation of `ARGS_WORDS + buf_size / 8` words.
+    struct Search<'a>(&'a mut [u64]);
 
     // SAFETY: the opcode is BTRFS_IOC_TREE_SEARCH_V2 (_IOWR(0x94, 17, args_v2));
     // the pointer covers the header plus `buf_size` bytes the kernel may fill.
@@ -567,7 +670,7 @@ mod tree_search {
             opcode::read_write::<SearchArgsV2>(0x94, 17)
         }
         fn as_ptr(&mut self) -> *mut std::ffi::c_void {
-            (self.0 as *mut SearchBuf).cast()
+            self.0.as_mut_ptr().cast()
         }
         unsafe fn output_from_ptr(
             _: IoctlOutput,
@@ -589,65 +692,117 @@ mod tree_search {
         u32::from_ne_bytes(a)
     }
 
-    /// Visits, in key order, every item in `range` of the subvolume holding
-    /// `fd` (tree id 0: the fd's own subvolume), with its key and raw
-    /// (little-endian, on-disk) body, until the range ends or the visitor
-    /// breaks. One ioctl per 64 KiB of items. Needs CAP_SYS_ADMIN.
+    /// A reusable TREE_SEARCH_V2 buffer. Allocating (and zeroing) a fresh
+    /// 64 KiB buffer per search used to cost more than a small file's search
+    /// itself: callers doing one search per inode keep one `Searcher`.
+    pub struct Searcher {
+        mem: Vec<u64>,
+        buf_size: usize,
+    }
+
+    impl Default for Searcher {
+        fn default() -> Self {
+            Searcher::new(DEFAULT_BUF_SIZE)
+        }
+    }
+
+    impl Searcher {
+        /// A searcher whose result buffer holds `buf_size` bytes (at least
+        /// [`DEFAULT_BUF_SIZE`], at most the kernel's 16 MiB limit).
+        pub fn new(buf_size: usize) -> Self {
+            let buf_size = buf_size.clamp(DEFAULT_BUF_SIZE, MAX_BUF_SIZE) / 8 * 8;
+            Searcher {
+                // calloc'd: pages the kernel never fills are never touched.
+                mem: vec![0u64; ARGS_WORDS + buf_size / 8],
+                buf_size,
+            }
+        }
+
+        fn args(&mut self) -> &mut SearchArgsV2 {
+            // SAFETY: `mem` starts with ARGS_WORDS aligned words, the size of
+            // the repr(C) SearchArgsV2, made of plain integers.
+            unsafe { &mut *self.mem.as_mut_ptr().cast::<SearchArgsV2>() }
+        }
+
+        fn buf(&self) -> &[u8] {
+            // SAFETY: the words after the header are `buf_size` plain bytes.
+            unsafe {
+                std::slice::from_raw_parts(
+                    self.mem.as_ptr().add(ARGS_WORDS).cast::<u8>(),
+                    self.buf_size,
+                )
+            }
+        }
+
+        /// Visits, in key order, every item in `range` of the subvolume
+        /// holding `fd` (tree id 0: the fd's own subvolume), with its key and
+        /// raw (little-endian, on-disk) body, until the range ends or the
+        /// visitor breaks. One ioctl per buffer-full of items. Needs
+        /// CAP_SYS_ADMIN.
+        pub fn search(
+            &mut self,
+            fd: BorrowedFd<'_>,
+            range: KeyRange,
+            mut visit: impl FnMut(ItemKey, &[u8]) -> ControlFlow<()>,
+        ) -> io::Result<()> {
+            let mut from = range.min;
+            loop {
+                let buf_size = self.buf_size as u64;
+                let args = self.args();
+                args.key = SearchKey {
+                    tree_id: 0,
+                    min_objectid: from.objectid,
+                    max_objectid: range.max.objectid,
+                    min_offset: from.offset,
+                    max_offset: range.max.offset,
+                    min_transid: 0,
+                    max_transid: u64::MAX,
+                    min_type: u32::from(from.item_type),
+                    max_type: u32::from(range.max.item_type),
+                    nr_items: u32::MAX,
+                    ..SearchKey::default()
+                };
+                args.buf_size = buf_size;
+                // SAFETY: see the `Ioctl` impl; `mem` holds the header and
+                // `buf_size` bytes.
+                unsafe { rustix::ioctl::ioctl(fd, Search(&mut self.mem))? };
+                let nr = self.args().key.nr_items;
+                if nr == 0 {
+                    return Ok(());
+                }
+                let buf = self.buf();
+                let mut pos = 0usize;
+                let mut last = from;
+                for _ in 0..nr {
+                    let h = &buf[pos..pos + HEADER_LEN];
+                    let key = ItemKey {
+                        objectid: u64_at(h, 8),
+                        offset: u64_at(h, 16),
+                        item_type: u32_at(h, 24) as u8,
+                    };
+                    let len = u32_at(h, 28) as usize;
+                    let body = &buf[pos + HEADER_LEN..pos + HEADER_LEN + len];
+                    pos += HEADER_LEN + len;
+                    last = key;
+                    if visit(key, body).is_break() {
+                        return Ok(());
+                    }
+                }
+                match last.successor() {
+                    Some(next) if next <= range.max => from = next,
+                    _ => return Ok(()),
+                }
+            }
+        }
+    }
+
+    /// [`Searcher::search`] with a one-off [`DEFAULT_BUF_SIZE`] buffer. For
+    /// one search per inode, keep a [`Searcher`] instead.
     pub fn search(
         fd: BorrowedFd<'_>,
         range: KeyRange,
-        mut visit: impl FnMut(ItemKey, &[u8]) -> ControlFlow<()>,
+        visit: impl FnMut(ItemKey, &[u8]) -> ControlFlow<()>,
     ) -> io::Result<()> {
-        let mut sb = Box::new(SearchBuf {
-            args: SearchArgsV2 {
-                key: SearchKey::default(),
-                buf_size: BUF_SIZE as u64,
-            },
-            buf: [0; BUF_SIZE],
-        });
-        let mut from = range.min;
-        loop {
-            sb.args.key = SearchKey {
-                tree_id: 0,
-                min_objectid: from.objectid,
-                max_objectid: range.max.objectid,
-                min_offset: from.offset,
-                max_offset: range.max.offset,
-                min_transid: 0,
-                max_transid: u64::MAX,
-                min_type: u32::from(from.item_type),
-                max_type: u32::from(range.max.item_type),
-                nr_items: u32::MAX,
-                ..SearchKey::default()
-            };
-            sb.args.buf_size = BUF_SIZE as u64;
-            // SAFETY: see the `Ioctl` impl.
-            unsafe { rustix::ioctl::ioctl(fd, Search(&mut sb))? };
-            let nr = sb.args.key.nr_items;
-            if nr == 0 {
-                return Ok(());
-            }
-            let mut pos = 0usize;
-            let mut last = from;
-            for _ in 0..nr {
-                let h = &sb.buf[pos..pos + HEADER_LEN];
-                let key = ItemKey {
-                    objectid: u64_at(h, 8),
-                    offset: u64_at(h, 16),
-                    item_type: u32_at(h, 24) as u8,
-                };
-                let len = u32_at(h, 28) as usize;
-                let body = &sb.buf[pos + HEADER_LEN..pos + HEADER_LEN + len];
-                pos += HEADER_LEN + len;
-                last = key;
-                if visit(key, body).is_break() {
-                    return Ok(());
-                }
-            }
-            match last.successor() {
-                Some(next) if next <= range.max => from = next,
-                _ => return Ok(()),
-            }
-        }
+        Searcher::default().search(fd, range, visit)
     }
 }
