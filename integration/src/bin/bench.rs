@@ -24,12 +24,17 @@
 //! btrfs image): `usage` times our space accounting against compsize and
 //! `btrfs filesystem du` ([`usage`]), `migrate` times converting plain
 //! directories into subvolumes against `cp -a --reflink=always` ([`migrate`]).
+//! One more, `finalize`, times a whole update of a running service whose
+//! volume holds the fragmented file, our finalization against upstream's
+//! order, at the same extent counts as the snapshot section ([`finalize`]).
 //! `--only` picks sections; each prints its own table and target lines.
 //!
 //! The benchmark reports; it does not assert. It exits 0 whatever the figures,
 //! and 1 with one line on stderr if something failed.
 
 mod common;
+#[path = "bench/finalize.rs"]
+mod finalize;
 #[path = "bench/fixture.rs"]
 mod fixture;
 #[path = "bench/migrate.rs"]
@@ -73,20 +78,22 @@ enum Section {
     Usage,
     /// Converting plain directories: ours against cp --reflink.
     Migrate,
+    /// A whole update of a running service: ours against upstream's order.
+    Finalize,
 }
 
 #[derive(Parser)]
 #[command(
     name = "bench",
     about = "Install backups (upstream cp --reflink / rm -rf against subvolume snapshots), \
-             usage accounting and volume conversion"
+             usage accounting, volume conversion and update finalization"
 )]
 struct Args {
     /// Sections to run, comma-separated. Default: all.
     #[arg(long, value_enum, value_delimiter = ',')]
     only: Vec<Section>,
     /// Extent counts to fragment the database file to, comma-separated
-    /// (the snapshot section).
+    /// (the snapshot and finalize sections).
     #[arg(long, value_delimiter = ',', default_value = "20,100000,500000")]
     extents: Vec<u64>,
     /// Size of the database file, in bytes or with a K/M/G suffix (3G, 3072M).
@@ -95,7 +102,7 @@ struct Args {
     size: Option<u64>,
     /// Timed rounds per measurement; medians are reported. Default: 5 for
     /// snapshot (per extent count, after one untimed warm-up) and usage, 3 for
-    /// migrate.
+    /// migrate, 5 for finalize (3 at 500k extents or more; after a warm-up).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     runs: Option<u32>,
     /// Size of the sparse btrfs image. Default: twice the file plus 2 GiB.
@@ -567,6 +574,8 @@ struct Report {
     usage: Option<usage::Report>,
     #[serde(skip_serializing_if = "Option::is_none")]
     migrate: Option<migrate::Report>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    finalize: Option<finalize::Report>,
     total_seconds: f64,
 }
 
@@ -596,10 +605,14 @@ fn run(args: &Args) -> Result<Report> {
         }
         fx.close()?;
     }
+    let finalize = wants(Section::Finalize)
+        .then(|| finalize::run(args))
+        .transpose()?;
     Ok(Report {
         snapshot,
         usage,
         migrate,
+        finalize,
         total_seconds: start.elapsed().as_secs_f64(),
     })
 }
@@ -622,6 +635,10 @@ fn print_text(report: &Report) {
     if let Some(r) = &report.migrate {
         gap();
         migrate::print(r);
+    }
+    if let Some(r) = &report.finalize {
+        gap();
+        finalize::print(r);
     }
     println!(
         "total {}",

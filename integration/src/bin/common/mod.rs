@@ -63,6 +63,33 @@ impl Scratch {
         })
     }
 
+    /// The volumes root, `<mnt>/volumes`.
+    pub fn root(&self) -> PathBuf {
+        self.fs.path("volumes")
+    }
+
+    /// `<mnt>/<relative>`, beside the volumes root (for a state database or
+    /// a service's run directory).
+    pub fn path(&self, relative: &str) -> PathBuf {
+        self.fs.path(relative)
+    }
+
+    /// The package, `monerod`.
+    pub fn package(&self) -> &PackageId {
+        &self.pkg
+    }
+
+    /// `<root>/<pkg>`, the live volume.
+    pub fn live(&self) -> &Path {
+        &self.live
+    }
+
+    /// `<root>/<pkg>.install-backup`, where upstream's `cp` and our snapshot
+    /// put the install backup.
+    pub fn backup(&self) -> &Path {
+        &self.backup
+    }
+
     /// Commits everything on the filesystem and waits until the btrfs
     /// cleaner has finished with deleted subvolumes, so that the next timed
     /// operation neither pays for earlier dirty data and metadata nor
