@@ -727,12 +727,11 @@ impl Migrator {
             changed_since: since,
         };
         let mut poll_scan = |tracker: &mut Tracker<'_>, report: &mut PackageReport| {
-            if scanner.as_ref().is_some_and(|h| h.is_finished()) {
-                let h = scanner.take().expect("checked");
-                if let Some(f) = take_scan(h, tracker, report) {
-                    scan_failure = Some(f);
-                    return Err(io::Error::other("the scan stopped the copy"));
-                }
+            if let Some(h) = scanner.take_if(|h| h.is_finished())
+                && let Some(f) = take_scan(h, tracker, report)
+            {
+                scan_failure = Some(f);
+                return Err(io::Error::other("the scan stopped the copy"));
             }
             Ok(())
         };
