@@ -77,8 +77,15 @@ pub async fn reconcile<D: Db>(db: &D, volumes_root: &Path) -> Result<ReconcileRe
         ..Default::default()
     };
     let entries = db.peek().await;
+    // One package that cannot be reconciled must not keep the others
+    // half-done: report it and go on.
     for (pkg, entry) in entries.iter() {
-        reconcile_entry(db, &store, pkg, entry, &mut report).await?;
+        if let Err(e) = reconcile_entry(db, &store, pkg, entry, &mut report).await {
+            tracing::error!(package = %pkg, "reconcile failed: {e}");
+            report
+                .needs_attention
+                .push((pkg.clone(), format!("reconcile failed: {e}")));
+        }
     }
     // Backups nobody's state explains.
     let entries = db.peek().await;
@@ -91,11 +98,15 @@ pub async fn reconcile<D: Db>(db: &D, volumes_root: &Path) -> Result<ReconcileRe
         let pkg = info.package.clone();
         if info.volume.is_none() {
             let (s, p) = (store.clone(), pkg.clone());
-            blocking(move || s.restore(&p)).await?;
-            report.actions.push((
-                pkg,
-                "restored an install backup that had no entry and no live volume".into(),
-            ));
+            match blocking(move || s.restore(&p)).await {
+                Ok(_) => report.actions.push((
+                    pkg,
+                    "restored an install backup that had no entry and no live volume".into(),
+                )),
+                Err(e) => report
+                    .needs_attention
+                    .push((pkg, format!("restoring an orphaned backup failed: {e}"))),
+            }
         } else {
             report.needs_attention.push((
                 pkg,

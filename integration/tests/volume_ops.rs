@@ -1116,3 +1116,51 @@ fn restore_deferring_purge_leaves_only_garbage_behind() {
             .all(|p| !p.contains("replaced"))
     );
 }
+
+/// A plain-directory volume may hold a nested subvolume its package made
+/// read-only: deleting it (uninstall, or a replaced volume after a restore)
+/// must still work, or the transient name would block every later recovery.
+#[test]
+fn plain_volume_with_a_read_only_nested_subvolume_is_deleted() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let main = root.join("plain/data/main");
+    fs::create_dir_all(&main).expect("mkdir");
+    fs::write(main.join("f"), b"data").expect("write");
+    subvolume_create(&main.join("sub"));
+    fs::write(main.join("sub/g"), b"inner").expect("write");
+    run(Command::new("btrfs")
+        .args(["property", "set", "-ts"])
+        .arg(main.join("sub"))
+        .args(["ro", "true"]))
+    .expect("make the nested subvolume read-only");
+    let store = open(&root);
+    assert!(store.delete(&pkg("plain")).expect("delete"));
+    assert_eq!(root_names(&root), ["plain.lock"]);
+    assert!(package_subvolumes(&fs, "plain").is_empty());
+}
+
+/// One package whose recovery fails does not keep the others half-done.
+#[test]
+fn recover_all_goes_on_past_a_package_it_cannot_recover() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    // "aa.delete" cannot be removed while something is mounted in it; "zz"
+    // sorts after it and has a partial backup to discard.
+    fs::create_dir_all(root.join("aa.delete/m")).expect("mkdir");
+    let busy = MountGuard::tmpfs(&root.join("aa.delete/m"));
+    fs::create_dir_all(root.join("zz.install-backup.tmp")).expect("mkdir");
+    let store = VolumeStore::open_without_recovery(&root).expect("open");
+    let done = store.recover_all().expect("recover_all");
+    assert_eq!(done.len(), 2, "{done:?}");
+    assert_eq!(done[0].package.as_str(), "aa");
+    assert!(done[0].error.is_some(), "{done:?}");
+    assert_eq!(done[1].package.as_str(), "zz");
+    assert_eq!(done[1].actions, ["deleted an incomplete install backup"]);
+    assert!(!root.join("zz.install-backup.tmp").exists());
+    drop(busy);
+    let done = store.recover_all().expect("recover_all");
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert_eq!(done[0].error, None);
+    assert_no_transient_names(&root, "after the mount is gone");
+}

@@ -567,41 +567,6 @@ fn remove_inner(
     on_entry(*count)
 }
 
-/// Clears the immutable and append-only flags, which forbid unlinking, on the
-/// directory open as `dir` and on every directory and regular file below it,
-/// so the tree can be removed. Like the copy, never follows a symlink and
-/// opens nothing but directories and regular files.
-pub fn clear_undeletable_flags(dir: BorrowedFd<'_>) -> io::Result<()> {
-    fn clear(fd: BorrowedFd<'_>) -> io::Result<()> {
-        let stuck = IFlags::IMMUTABLE | IFlags::APPEND;
-        let flags = inode_flags(fd)?;
-        if flags.intersects(stuck) {
-            rustix::fs::ioctl_setflags(fd, flags.difference(stuck))?;
-        }
-        Ok(())
-    }
-    clear(dir)?;
-    for (name, ty, _) in sys::read_dir_names(dir)? {
-        match crate::walk::entry_type(dir, &name, ty)? {
-            Some(FileType::Directory) => {
-                let sub = sys::open_dir_at(dir, &name)?;
-                clear_undeletable_flags(sub.as_fd())?;
-            }
-            Some(FileType::RegularFile) => {
-                let file = rustix::fs::openat(
-                    dir,
-                    &name,
-                    OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
-                    Mode::empty(),
-                )?;
-                clear(file.as_fd())?;
-            }
-            _ => {}
-        }
-    }
-    Ok(())
-}
-
 /// Inode flags (chattr), or none where the filesystem has no such notion.
 fn inode_flags(fd: BorrowedFd<'_>) -> io::Result<IFlags> {
     match rustix::fs::ioctl_getflags(fd) {

@@ -104,6 +104,10 @@ pub struct Recovery {
     pub package: PackageId,
     /// One line per action, in order.
     pub actions: Vec<String>,
+    /// Why recovery failed, if it did ([`VolumeStore::recover_all`] only;
+    /// [`VolumeStore::recover`] returns the error).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// Package volumes under one root directory (upstream:
@@ -287,20 +291,13 @@ impl VolumeStore {
                     failpoint("delete-entry.writable");
                     sys::delete_subvolume(self.root_fd(), name, true)
                 } else {
-                    // std's remove_dir_all works through directory fds and
-                    // never follows a symlink out of the tree.
-                    match std::fs::remove_dir_all(self.root.join(name)) {
-                        // An immutable or append-only entry (chattr +i/+a,
-                        // which a reflink copy keeps) cannot be unlinked, and
-                        // would leave this transient name, and so every later
-                        // operation's recovery, stuck on EPERM.
-                        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
-                            crate::copy::clear_undeletable_flags(fd.as_fd())?;
-                            drop(fd);
-                            std::fs::remove_dir_all(self.root.join(name))
-                        }
-                        r => r,
-                    }
+                    drop(fd);
+                    // Never follows a symlink; deletes nested subvolumes
+                    // whole (a package may have made one read-only) and
+                    // clears immutable and append-only flags (which a reflink
+                    // copy keeps): anything less would leave this transient
+                    // name, and every later recovery of the package, stuck.
+                    crate::copy::remove_tree_at(self.root_fd(), name, &mut |_| Ok(()))
                 }
             }
             Some(_) => sys::unlink_if_exists(self.root_fd(), name),
@@ -803,12 +800,24 @@ impl VolumeStore {
     }
 
     /// [`VolumeStore::recover`] for every package with anything under the root.
+    ///
+    /// One package's failure does not stop the others: it is logged and
+    /// returned as a [`Recovery`] with its `error` set, and that package's
+    /// own operations keep failing (each recovers first) until it is fixed.
     pub fn recover_all(&self) -> Result<Vec<Recovery>, Error> {
         let mut out = Vec::new();
         for pkg in self.packages()? {
-            let r = self.recover(&pkg)?;
-            if !r.actions.is_empty() {
-                out.push(r);
+            match self.recover(&pkg) {
+                Ok(r) if r.actions.is_empty() => {}
+                Ok(r) => out.push(r),
+                Err(e) => {
+                    tracing::error!(package = %pkg, "recovery failed: {e}");
+                    out.push(Recovery {
+                        package: pkg,
+                        actions: Vec::new(),
+                        error: Some(e.to_string()),
+                    });
+                }
             }
         }
         Ok(out)
@@ -835,12 +844,15 @@ impl VolumeStore {
             .with_ctx(io_ctx("looking for a rollback"))?
         {
             if restore_pending {
-                // Exchanged already: .rollback holds the replaced volume.
-                restore_pending = true;
+                // Exchanged already: .rollback holds the replaced volume,
+                // which finish_restore below moves aside.
             } else if self
                 .has_marker(&names.rollback)
                 .with_ctx(io_ctx("checking the rollback copy"))?
             {
+                // The same rule as a restore: never swap a volume out from
+                // under a bind mount of it.
+                self.ensure_not_mounted(pkg)?;
                 self.swap_in_rollback(names)
                     .with_ctx(io_ctx("swapping in the complete rollback copy"))?;
                 actions.push("finished an interrupted restore (exchanged)".to_owned());
@@ -883,6 +895,7 @@ impl VolumeStore {
         Ok(Recovery {
             package: pkg.clone(),
             actions,
+            error: None,
         })
     }
 

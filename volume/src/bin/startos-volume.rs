@@ -332,6 +332,20 @@ mod run {
                         }
                     }
                 }
+                let failed: Vec<&str> = done
+                    .iter()
+                    .filter(|r| r.error.is_some())
+                    .map(|r| r.package.as_str())
+                    .collect();
+                if !failed.is_empty() {
+                    return Err(Error::new(
+                        color_eyre::eyre::eyre!(
+                            "recovery failed for {}; see the log above",
+                            failed.join(", ")
+                        ),
+                        volume::ErrorKind::Incoherent,
+                    ));
+                }
             }
         }
         Ok(())
