@@ -494,6 +494,23 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
             format!("{what} to {} failed in {phase}: {cause}", req.version),
         );
         tracing::warn!("{message}; rolling back");
+        // Without a backup (not btrfs, or a plain directory too fragmented
+        // to copy: upstream's fallbacks) nothing can be rolled back once the
+        // old version's uninit or the new one's install has run: say so
+        // rather than claim the old data is back.
+        let unprotected =
+            old.is_some() && had_volume && !progress.backup_taken && phase > Phase::Snapshot;
+        let message = if unprotected {
+            let why = match &progress.snapshot {
+                SnapshotOutcome::Skipped { reason } => reason.clone(),
+                _ => "no backup was taken".to_owned(),
+            };
+            format!(
+                "{message}; there was no install backup ({why}), so the volume keeps what the failed {what} wrote"
+            )
+        } else {
+            message
+        };
         match self.restore_old(pkg, old.as_ref(), had_volume).await {
             Ok(restarted) => {
                 let rolled_back_to = old.map(|(v, _)| v);

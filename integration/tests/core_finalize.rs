@@ -374,3 +374,30 @@ async fn a_failed_fresh_install_leaves_nothing_behind() {
         );
     }
 }
+
+/// Where no backup can be taken (ext4 here, as upstream allows), a failed
+/// update cannot give the old data back: the failure notification says so
+/// instead of claiming a rollback of the data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_update_without_a_backup_says_the_data_was_not_rolled_back() {
+    let Some(env) = env_ext4() else { return };
+    let (fin, mut rx) = env.finalizer();
+    let p = pkg("plain");
+    install_running(&fin, "plain", "1.0", RUN).await;
+    rx.recv().await.unwrap();
+    fin.services().inner.fail_at(&p, Phase::Install);
+    let e = fin
+        .install(&req("plain", "2.0"), &Cancel::new())
+        .await
+        .expect_err("the update must fail");
+    assert_eq!(e.kind, ErrorKind::UpdateFailed, "{e}");
+    match rx.recv().await.unwrap().event {
+        Event::Failed { message, .. } => {
+            assert!(message.contains("there was no install backup"), "{message}");
+            assert!(message.contains("not on btrfs"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_installed(entry(&fin, "plain").await, "1.0", "after the failed update");
+    fin.services().stop(&p).await.unwrap();
+}

@@ -30,7 +30,16 @@ pub struct Env {
 }
 
 pub fn env() -> Option<Env> {
-    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE), None);
+    env_on(LoopFs::btrfs(BTRFS_SIZE))
+}
+
+/// An environment on ext4, where no install backup can be taken.
+pub fn env_ext4() -> Option<Env> {
+    env_on(LoopFs::ext4(128 << 20))
+}
+
+fn env_on(fs: std::io::Result<LoopFs>) -> Option<Env> {
+    let fs = fs_or_skip!(fs, None);
     let root = crate::common::volumes_root(&fs);
     // Outside the volumes root, as upstream keeps its database elsewhere.
     let run = fs.path("run");
