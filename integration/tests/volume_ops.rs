@@ -1164,3 +1164,35 @@ fn recover_all_goes_on_past_a_package_it_cannot_recover() {
     assert_eq!(done[0].error, None);
     assert_no_transient_names(&root, "after the mount is gone");
 }
+
+/// The kernel refuses a link to an immutable or append-only inode; the copy
+/// must still recreate a hardlinked append-only log as a hardlink, flags
+/// kept, instead of giving up the backup.
+#[test]
+fn hardlinked_append_only_and_immutable_files_are_copied() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let main = root.join("plain/data/main");
+    fs::create_dir_all(&main).expect("mkdir");
+    for (name, flag) in [("log", "+a"), ("frozen", "+i")] {
+        fs::write(main.join(name), b"records\n").expect("write");
+        fs::hard_link(main.join(name), main.join(format!("{name}.link"))).expect("link");
+        run(Command::new("chattr").arg(flag).arg(main.join(name))).expect("chattr");
+    }
+    let before = digest(&root.join("plain"));
+    let store = open(&root);
+    let outcome = store.snapshot(&pkg("plain")).expect("snapshot");
+    assert!(
+        matches!(outcome, SnapshotOutcome::ReflinkCopy { .. }),
+        "{outcome:?}"
+    );
+    let bmain = store.backup_path(&pkg("plain")).join("data/main");
+    assert_same(
+        &before,
+        &digest(&store.backup_path(&pkg("plain"))),
+        "the copy",
+    );
+    assert!(has_flags(&bmain.join("log"), IFlags::APPEND));
+    assert!(has_flags(&bmain.join("frozen.link"), IFlags::IMMUTABLE));
+    assert!(store.drop_backup(&pkg("plain")).expect("drop"));
+}

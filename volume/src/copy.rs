@@ -272,7 +272,7 @@ impl Copier<'_, '_> {
                     remove_tree_at(dst_dir, name, &mut |_| Ok(()))?;
                     self.stats.entries_discarded += 1;
                 }
-                rustix::fs::linkat(self.root, first, dst_dir, name, AtFlags::empty())?;
+                link_to(self.root, first, dst_dir, name)?;
                 self.stats.entries += 1;
                 return (self.progress)(CopyEvent::Entry { rel });
             }
@@ -565,6 +565,43 @@ fn remove_inner(
     }
     *count += 1;
     on_entry(*count)
+}
+
+/// Makes `name` in `dir` another link to `first` (relative to `root`, inside
+/// the copy). The kernel refuses to link an immutable or append-only inode,
+/// and the first copy already carries the source's flags, so they are lifted
+/// for the link and put back; a crash in between leaves them off, and a
+/// resumed copy applies every file's metadata again.
+fn link_to(
+    root: BorrowedFd<'_>,
+    first: &Path,
+    dir: BorrowedFd<'_>,
+    name: &OsStr,
+) -> io::Result<()> {
+    let stuck = IFlags::IMMUTABLE | IFlags::APPEND;
+    let st = rustix::fs::statat(root, first, AtFlags::SYMLINK_NOFOLLOW)?;
+    let held = if FileType::from_raw_mode(st.st_mode) == FileType::RegularFile {
+        let fd = rustix::fs::openat(
+            root,
+            first,
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        let flags = inode_flags(fd.as_fd())?;
+        if flags.intersects(stuck) {
+            rustix::fs::ioctl_setflags(&fd, flags.difference(stuck))?;
+            Some((fd, flags))
+        } else {
+            None
+        }
+    } else {
+        None
+    };
+    let linked = rustix::fs::linkat(root, first, dir, name, AtFlags::empty());
+    if let Some((fd, flags)) = held {
+        rustix::fs::ioctl_setflags(&fd, flags)?;
+    }
+    Ok(linked?)
 }
 
 /// Inode flags (chattr), or none where the filesystem has no such notion.
