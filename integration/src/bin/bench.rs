@@ -205,7 +205,7 @@ impl Stats {
     }
 }
 
-/// Raw timings of one operation.
+/// Raw timings of one operation (shared with the migrate section).
 #[derive(Default)]
 struct Samples {
     upstream: Vec<Duration>,

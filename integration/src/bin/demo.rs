@@ -37,7 +37,8 @@ use startos_core::{
 use volume::PackageId;
 
 use crate::common::{
-    Result, Scratch, fmt_bytes, fmt_count, fmt_duration, fmt_ratio, scribble, timed,
+    Result, Scratch, fmt_bytes, fmt_count, fmt_duration, fmt_ratio, install_and_drop, scribble,
+    timed, volume_err,
 };
 
 const FILE_BYTES: u64 = 1 << 30;
@@ -161,11 +162,6 @@ fn run() -> Result<()> {
     vol.close()
 }
 
-/// `volume`'s and `startos-core`'s error as one line.
-fn core_err(e: volume::Error) -> Box<dyn std::error::Error> {
-    e.to_string().into()
-}
-
 /// What the failing update is checked against: read-only snapshots of the
 /// volume taken right after the old service stopped (what it left) and right
 /// before the old version starts again after the rollback (what it gets
@@ -264,13 +260,13 @@ fn request(pkg: &PackageId, version: &str) -> InstallRequest {
 async fn update_flow(vol: &Scratch) -> Result<()> {
     const RUN: Duration = Duration::from_millis(300);
     let pkg = vol.package().clone();
-    let program = ProcessServices::locate_program().map_err(core_err)?;
+    let program = ProcessServices::locate_program().map_err(volume_err)?;
     let recorder = Recorder {
-        inner: ProcessServices::new(vol.root(), vol.path("run"), program).map_err(core_err)?,
+        inner: ProcessServices::new(vol.root(), vol.path("run"), program).map_err(volume_err)?,
         live: vol.live().to_owned(),
         capture: Mutex::new(None),
     };
-    let db = FileDb::open(vol.path("state.json")).map_err(core_err)?;
+    let db = FileDb::open(vol.path("state.json")).map_err(volume_err)?;
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Notification>();
     let fin = Finalizer::new(db, Arc::new(recorder), Arc::new(tx), vol.root());
     println!(
@@ -279,14 +275,7 @@ async fn update_flow(vol: &Scratch) -> Result<()> {
     );
 
     // 1.0: installed over the existing volume, and running.
-    let f = fin
-        .install(&request(&pkg, "1.0"), &Cancel::new())
-        .await
-        .map_err(core_err)?;
-    f.backup_drop
-        .await
-        .map_err(|e| format!("backup drop task: {e}"))?
-        .map_err(core_err)?;
+    install_and_drop(&fin, &request(&pkg, "1.0")).await?;
     rx.recv().await.ok_or("no notification for 1.0")?;
     tokio::time::sleep(RUN).await;
 
@@ -294,7 +283,7 @@ async fn update_flow(vol: &Scratch) -> Result<()> {
     let f = fin
         .install(&request(&pkg, "2.0"), &Cancel::new())
         .await
-        .map_err(core_err)?;
+        .map_err(volume_err)?;
     let installed = rx.recv().await.ok_or("no notification for 2.0")?;
     if installed.event
         != (Event::Installed {
@@ -308,7 +297,7 @@ async fn update_flow(vol: &Scratch) -> Result<()> {
         .backup_drop
         .await
         .map_err(|e| format!("backup drop task: {e}"))?
-        .map_err(core_err)?;
+        .map_err(volume_err)?;
     let drop_took = t.elapsed();
     if !dropped || vol.backup().exists() {
         return Err("the backup of the update to 2.0 was not dropped".into());
@@ -384,7 +373,7 @@ async fn update_flow(vol: &Scratch) -> Result<()> {
         &sha[..12],
     );
     println!("    2.0 installed and running again");
-    fin.services().stop(&pkg).await.map_err(core_err)?;
+    fin.services().stop(&pkg).await.map_err(volume_err)?;
     Ok(())
 }
 

@@ -36,12 +36,15 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use startos_core::{
-    Cancel, Db, Event, FileDb, Finalizer, InstallRequest, InstallingInfo, Notification, Notifier,
+    Db, Event, FileDb, Finalizer, InstallRequest, InstallingInfo, Notification, Notifier,
     PackageDataEntry, Phase, ProcessServices, Services, StateInfo, Timings, finalize_update,
 };
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
-use crate::common::{Result, Scratch, cp_reflink, fmt_count, fmt_duration, fmt_ratio, rm_rf};
+use crate::common::{
+    Result, Scratch, cp_reflink, fmt_count, fmt_duration, fmt_ratio, install_and_drop, rm_rf,
+    volume_err,
+};
 use crate::{Args, GIB, Stats, Verdict, default_size};
 
 /// Our finalization overhead must stay below this median at every extent count.
@@ -54,11 +57,6 @@ const DEFAULT_RUNS_MANY: u32 = 3;
 const RUNNING: Duration = Duration::from_millis(200);
 
 type Fin = Finalizer<FileDb, ProcessServices, UnboundedSender<Notification>>;
-
-/// `volume`'s and `startos-core`'s error as one line.
-fn core_err(e: volume::Error) -> Box<dyn std::error::Error> {
-    e.to_string().into()
-}
 
 /// The figures of one update.
 #[derive(Default, Clone, Copy)]
@@ -241,7 +239,7 @@ impl Bed {
         let to = version(self.version + 1);
         let (t, drop) = finalize_update(&self.fin, &request(self, &to))
             .await
-            .map_err(core_err)?;
+            .map_err(volume_err)?;
         self.expect_installed(&to)?;
         self.version += 1;
         Ok(Sample::ours(&t, drop))
@@ -273,7 +271,7 @@ impl Bed {
             Ok(())
         })
         .await
-        .map_err(core_err)?;
+        .map_err(volume_err)?;
         s.state_writes += t.elapsed();
 
         // service_map.rs:309, the old service still running.
@@ -284,14 +282,18 @@ impl Bed {
 
         // :349, service.uninstall: stop, then uninit towards the new version.
         let t = Instant::now();
-        svc.stop(&pkg).await.map_err(core_err)?;
+        svc.stop(&pkg).await.map_err(volume_err)?;
         s.stop = t.elapsed();
         let t = Instant::now();
-        svc.uninit(&pkg, &from, Some(&to)).await.map_err(core_err)?;
+        svc.uninit(&pkg, &from, Some(&to))
+            .await
+            .map_err(volume_err)?;
         let req = request(self, &to);
-        svc.install(&pkg, &to, &req.s9pk).await.map_err(core_err)?;
-        svc.init(&pkg, &to, Some(&from)).await.map_err(core_err)?;
-        svc.start(&pkg, &to).await.map_err(core_err)?;
+        svc.install(&pkg, &to, &req.s9pk)
+            .await
+            .map_err(volume_err)?;
+        svc.init(&pkg, &to, Some(&from)).await.map_err(volume_err)?;
+        svc.start(&pkg, &to).await.map_err(volume_err)?;
         s.service = t.elapsed();
         let install_done = Instant::now();
 
@@ -309,7 +311,7 @@ impl Bed {
             Ok(())
         })
         .await
-        .map_err(core_err)?;
+        .map_err(volume_err)?;
         s.state_writes += t.elapsed();
 
         // :380, remove_install_backup, before the install future completes.
@@ -366,9 +368,9 @@ async fn run_case(args: &Args, target: u64) -> Result<Case> {
     let build = start.elapsed();
 
     let run_dir = vol.path("run");
-    let program = ProcessServices::locate_program().map_err(core_err)?;
-    let services = ProcessServices::new(vol.root(), &run_dir, program).map_err(core_err)?;
-    let db = FileDb::open(vol.path("state.json")).map_err(core_err)?;
+    let program = ProcessServices::locate_program().map_err(volume_err)?;
+    let services = ProcessServices::new(vol.root(), &run_dir, program).map_err(volume_err)?;
+    let db = FileDb::open(vol.path("state.json")).map_err(volume_err)?;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let fin = Finalizer::new(db, Arc::new(services), Arc::new(tx.clone()), vol.root());
     let mut bed = Bed {
@@ -380,15 +382,7 @@ async fn run_case(args: &Args, target: u64) -> Result<Case> {
     };
     // The old version: installed over the existing volume, and running.
     let v0 = version(0);
-    let f = bed
-        .fin
-        .install(&request(&bed, &v0), &Cancel::new())
-        .await
-        .map_err(core_err)?;
-    f.backup_drop
-        .await
-        .map_err(|e| format!("backup drop task: {e}"))?
-        .map_err(core_err)?;
+    install_and_drop(&bed.fin, &request(&bed, &v0)).await?;
     bed.expect_installed(&v0)?;
 
     let runs = args.runs.unwrap_or(if target >= MANY_EXTENTS {
@@ -407,7 +401,7 @@ async fn run_case(args: &Args, target: u64) -> Result<Case> {
         bed.round(&mut up, &mut ours).await?;
     }
     let pkg = bed.vol.package().clone();
-    bed.fin.services().stop(&pkg).await.map_err(core_err)?;
+    bed.fin.services().stop(&pkg).await.map_err(volume_err)?;
     let Bed { vol, fin, .. } = bed;
     drop(fin);
     vol.close()?;

@@ -31,7 +31,7 @@ use volume_migrate::{Estimate, MigrateOptions, Migrator, Outcome, Phase, Progres
 
 use crate::common::{Result, cp_reflink, fmt_count, fmt_duration, rm_rf, settle, timed};
 use crate::fixture::{Fixture, Tree, TreeKind};
-use crate::{Stats, Verdict, sibling_binary};
+use crate::{Samples, Stats, Verdict, sibling_binary};
 
 /// Ours over cp may be at most this: no slower than upstream's copy.
 const CONVERT_TARGET: f64 = 1.0;
@@ -61,15 +61,6 @@ impl Op {
             Op::RemoveOld => "rm -rf / remove_old",
         }
     }
-}
-
-/// Raw timings of one operation.
-#[derive(Default)]
-struct Samples {
-    upstream: Vec<Duration>,
-    ours: Vec<Duration>,
-    upstream_background: Vec<Duration>,
-    ours_background: Vec<Duration>,
 }
 
 /// The steps of [`Migrator::convert`], timed from its progress reports.
