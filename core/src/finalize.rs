@@ -83,10 +83,6 @@ pub struct Finalizer<D, S, N> {
     locks: Mutex<HashMap<PackageId, Arc<tokio::sync::Mutex<()>>>>,
 }
 
-fn ctx(pkg: &PackageId, what: impl std::fmt::Display) -> String {
-    format!("package {pkg}: {what}")
-}
-
 /// Runs a blocking volume operation off the runtime.
 pub(crate) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, Error> + Send + 'static,
@@ -97,9 +93,10 @@ pub(crate) async fn blocking<T: Send + 'static>(
 }
 
 fn cancelled(pkg: &PackageId, phase: Phase) -> Error {
-    Error::new(
-        eyre!("{}", ctx(pkg, format!("cancelled before {phase} finished"))),
+    Error::for_package(
+        pkg,
         ErrorKind::Cancelled,
+        format!("cancelled before {phase} finished"),
     )
 }
 
@@ -235,26 +232,18 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
             None => None,
             Some(e) if e.state_info == StateInfo::Installed => {
                 let v = e.version.clone().ok_or_else(|| {
-                    Error::new(
-                        eyre!("{}", ctx(pkg, "installed without a version")),
-                        ErrorKind::Incoherent,
-                    )
+                    Error::for_package(pkg, ErrorKind::Incoherent, "installed without a version")
                 })?;
                 Some((v, e.s9pk))
             }
             Some(e) => {
-                return Err(Error::new(
-                    eyre!(
-                        "{}",
-                        ctx(
-                            pkg,
-                            format!(
-                                "is {}; an unfinished operation must be reconciled first",
-                                e.state_info.name()
-                            )
-                        )
-                    ),
+                return Err(Error::for_package(
+                    pkg,
                     ErrorKind::InvalidRequest,
+                    format!(
+                        "is {}; an unfinished operation must be reconciled first",
+                        e.state_info.name()
+                    ),
                 ));
             }
         };
@@ -280,15 +269,10 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
                 let (store, p) = (self.store()?, pkg.clone());
                 blocking(move || store.drop_backup(&p)).await?;
             } else {
-                return Err(Error::new(
-                    eyre!(
-                        "{}",
-                        ctx(
-                            pkg,
-                            "not installed, yet it has an install backup: run reconcile first"
-                        )
-                    ),
+                return Err(Error::for_package(
+                    pkg,
                     ErrorKind::Incoherent,
+                    "not installed, yet it has an install backup: run reconcile first",
                 ));
             }
         }
@@ -489,10 +473,10 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
             failed_kind
         };
         let what = if old.is_some() { "update" } else { "install" };
-        let message = ctx(
-            pkg,
-            format!("{what} to {} failed in {phase}: {cause}", req.version),
-        );
+        let message = pkg.context(format!(
+            "{what} to {} failed in {phase}: {cause}",
+            req.version
+        ));
         tracing::warn!("{message}; rolling back");
         // Without a backup (not btrfs, or a plain directory too fragmented
         // to copy: upstream's fallbacks) nothing can be rolled back once the
@@ -618,21 +602,20 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
     #[instrument(skip_all, fields(package = %pkg, soft))]
     pub async fn uninstall(&self, pkg: &PackageId, soft: bool) -> Result<(), Error> {
         let _guard = self.lock(pkg).await;
-        let entry = self.db.peek().await.get(pkg).cloned().ok_or_else(|| {
-            Error::new(
-                eyre!("{}", ctx(pkg, "is not installed")),
-                ErrorKind::NotFound,
-            )
-        })?;
+        let entry = self
+            .db
+            .peek()
+            .await
+            .get(pkg)
+            .cloned()
+            .ok_or_else(|| Error::for_package(pkg, ErrorKind::NotFound, "is not installed"))?;
         match entry.state_info {
             StateInfo::Installed | StateInfo::Removing { .. } => {}
             other => {
-                return Err(Error::new(
-                    eyre!(
-                        "{}",
-                        ctx(pkg, format!("is {}; cannot uninstall now", other.name()))
-                    ),
+                return Err(Error::for_package(
+                    pkg,
                     ErrorKind::InvalidRequest,
+                    format!("is {}; cannot uninstall now", other.name()),
                 ));
             }
         }
@@ -703,7 +686,7 @@ pub async fn finalize_update<D: Db, S: Services, N: Notifier>(
         .with_ctx(|_| {
             (
                 ErrorKind::DiskManagement,
-                ctx(&req.package, "dropping the backup"),
+                req.package.context("dropping the backup"),
             )
         })?;
     Ok((f.timings, t.elapsed()))

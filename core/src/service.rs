@@ -102,10 +102,6 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn pctx(pkg: &PackageId, what: impl std::fmt::Display) -> String {
-    format!("package {pkg}: {what}")
-}
-
 impl ProcessServices {
     /// Services for the volumes under `volumes_root`, keeping pid and report
     /// files in `run_dir` (created), running `program` (the
@@ -207,9 +203,10 @@ impl ProcessServices {
     }
 
     fn injected(pkg: &PackageId, phase: Phase) -> Error {
-        Error::new(
-            eyre!("{}", pctx(pkg, format!("injected failure in {phase}"))),
+        Error::for_package(
+            pkg,
             ErrorKind::InstallFailed,
+            format!("injected failure in {phase}"),
         )
     }
 
@@ -238,7 +235,7 @@ impl ProcessServices {
         })
         .await
         .map_err(|e| Error::new(eyre!("{e}"), ErrorKind::Unknown))?
-        .with_ctx(|_| (ErrorKind::Filesystem, pctx(&p, "writing into the volume")))
+        .with_ctx(|_| (ErrorKind::Filesystem, p.context("writing into the volume")))
     }
 
     async fn spawn(&self, pkg: &PackageId, version: &str) -> Result<(), Error> {
@@ -250,11 +247,19 @@ impl ProcessServices {
         let _ = std::fs::remove_file(&report);
         // Its own log rather than our stdout/stderr: a service outliving a
         // crashed parent must not hold the parent's pipes open.
-        let log = std::fs::File::create(self.run_dir.join(format!("{pkg}.log")))
-            .with_ctx(|_| (ErrorKind::Filesystem, pctx(pkg, "creating the service log")))?;
-        let log2 = log
-            .try_clone()
-            .with_ctx(|_| (ErrorKind::Filesystem, pctx(pkg, "creating the service log")))?;
+        let log =
+            std::fs::File::create(self.run_dir.join(format!("{pkg}.log"))).with_ctx(|_| {
+                (
+                    ErrorKind::Filesystem,
+                    pkg.context("creating the service log"),
+                )
+            })?;
+        let log2 = log.try_clone().with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                pkg.context("creating the service log"),
+            )
+        })?;
         let child = tokio::process::Command::new(&self.program)
             .arg(&dir)
             .arg(&report)
@@ -267,12 +272,12 @@ impl ProcessServices {
             .with_ctx(|_| {
                 (
                     ErrorKind::Unknown,
-                    pctx(pkg, format!("spawning {}", self.program.display())),
+                    pkg.context(format!("spawning {}", self.program.display())),
                 )
             })?;
         if let Some(pid) = child.id() {
             std::fs::write(self.pid_path(pkg), pid.to_string())
-                .with_ctx(|_| (ErrorKind::Filesystem, pctx(pkg, "writing the pid file")))?;
+                .with_ctx(|_| (ErrorKind::Filesystem, pkg.context("writing the pid file")))?;
         }
         lock(&self.running).insert(pkg.clone(), Running { child });
         Ok(())
@@ -300,7 +305,7 @@ impl Services for ProcessServices {
                 r.child.wait().await
             }
         }
-        .with_ctx(|_| (ErrorKind::Unknown, pctx(pkg, "waiting for the service")))?;
+        .with_ctx(|_| (ErrorKind::Unknown, pkg.context("waiting for the service")))?;
         let _ = std::fs::remove_file(self.pid_path(pkg));
         let report = std::fs::read_to_string(self.report_path(pkg))
             .ok()

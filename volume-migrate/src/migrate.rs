@@ -10,7 +10,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::ScopedJoinHandle;
 use std::time::{Duration, Instant};
 
-use color_eyre::eyre::eyre;
 use models::{Error, ErrorKind, PackageId, ResultExt};
 use rustix::fs::{AtFlags, FileType};
 use serde::Serialize;
@@ -165,14 +164,6 @@ pub struct Migrator {
     btrfs: bool,
 }
 
-fn ctx(pkg: &PackageId, what: impl std::fmt::Display) -> String {
-    format!("package {pkg}: {what}")
-}
-
-fn fail(pkg: &PackageId, kind: ErrorKind, what: impl std::fmt::Display) -> Error {
-    Error::new(eyre!("{}", ctx(pkg, what)), kind)
-}
-
 fn is_enospc(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
 }
@@ -254,7 +245,7 @@ impl Migrator {
             let s = name.to_string_lossy();
             let relevant = if s == pkg.as_str() {
                 self.kind(&name)
-                    .with_ctx(|_| (ErrorKind::Filesystem, ctx(&pkg, "inspecting the volume")))?
+                    .with_ctx(|_| (ErrorKind::Filesystem, pkg.context("inspecting the volume")))?
                     != Kind::Subvolume
             } else {
                 s.ends_with(MIGRATE_SUFFIX) || s.ends_with(MIGRATE_OLD_SUFFIX)
@@ -276,8 +267,9 @@ impl Migrator {
             let pkg = &package;
             let names = Names::new(pkg);
             let _lock = self.lock(pkg)?;
-            let io =
-                |what: &'static str| move |_: &io::Error| (ErrorKind::Filesystem, ctx(pkg, what));
+            let io = |what: &'static str| {
+                move |_: &io::Error| (ErrorKind::Filesystem, pkg.context(what))
+            };
             let live = self
                 .kind(&names.live)
                 .with_ctx(io("inspecting the volume"))?;
@@ -312,8 +304,12 @@ impl Migrator {
     }
 
     fn lock(&self, pkg: &PackageId) -> Result<PackageLock, Error> {
-        PackageLock::for_package(self.root_fd(), pkg)
-            .with_ctx(|_| (ErrorKind::Filesystem, ctx(pkg, "taking the package lock")))
+        PackageLock::for_package(self.root_fd(), pkg).with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                pkg.context("taking the package lock"),
+            )
+        })
     }
 
     /// Converts every package of [`Migrator::packages`], one after the
@@ -388,8 +384,9 @@ impl Migrator {
         let names = Names::new(pkg);
         let _lock = self.lock(pkg)?;
         self.settle_exchanged(pkg, &names)?;
-        let io =
-            |what: &'static str| move |_: &io::Error| (ErrorKind::MigrationFailed, ctx(pkg, what));
+        let io = |what: &'static str| {
+            move |_: &io::Error| (ErrorKind::MigrationFailed, pkg.context(what))
+        };
         if self
             .kind(&names.old)
             .with_ctx(io("inspecting the old directory"))?
@@ -413,8 +410,9 @@ impl Migrator {
     /// After the exchange, `<pkg>.migrate` is the old plain directory: move
     /// it to `<pkg>.migrate-old`. Returns whether it did.
     fn settle_exchanged(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
-        let io =
-            |what: &'static str| move |_: &io::Error| (ErrorKind::MigrationFailed, ctx(pkg, what));
+        let io = |what: &'static str| {
+            move |_: &io::Error| (ErrorKind::MigrationFailed, pkg.context(what))
+        };
         let live = self
             .kind(&names.live)
             .with_ctx(io("inspecting the volume"))?;
@@ -501,8 +499,9 @@ impl Migrator {
         }
         let names = Names::new(pkg);
         let _lock = self.lock(pkg)?;
-        let io =
-            |what: &'static str| move |_: &io::Error| (ErrorKind::MigrationFailed, ctx(pkg, what));
+        let io = |what: &'static str| {
+            move |_: &io::Error| (ErrorKind::MigrationFailed, pkg.context(what))
+        };
         let live = self
             .kind(&names.live)
             .with_ctx(io("inspecting the volume"))?;
@@ -511,7 +510,7 @@ impl Migrator {
             .with_ctx(io("inspecting the partial copy"))?;
         match (live, tmp) {
             (Kind::Other, _) => {
-                return Err(fail(
+                return Err(Error::for_package(
                     pkg,
                     ErrorKind::InvalidRequest,
                     format!(
@@ -521,7 +520,7 @@ impl Migrator {
                 ));
             }
             (_, Kind::Other) | (Kind::Dir, Kind::Dir) => {
-                return Err(fail(
+                return Err(Error::for_package(
                     pkg,
                     ErrorKind::Incoherent,
                     format!(
@@ -545,11 +544,11 @@ impl Migrator {
         let busy = volume::mounts::active_mounts_inside(&live_path).with_ctx(|_| {
             (
                 ErrorKind::Filesystem,
-                ctx(pkg, "reading /proc/self/mountinfo"),
+                pkg.context("reading /proc/self/mountinfo"),
             )
         })?;
         if !busy.is_empty() {
-            return Err(fail(
+            return Err(Error::for_package(
                 pkg,
                 ErrorKind::InvalidRequest,
                 format!(
@@ -565,7 +564,7 @@ impl Migrator {
         if src_st.dev != self.dev
             || !sys::is_btrfs(src.as_fd()).with_ctx(io("statfs of the volume"))?
         {
-            return Err(fail(
+            return Err(Error::for_package(
                 pkg,
                 ErrorKind::InvalidRequest,
                 format!(
@@ -594,7 +593,7 @@ impl Migrator {
         let free = self.free_space(pkg)?;
         self.check_space(free, &Estimate::default(), opts)
             .map_err(|why| {
-                fail(
+                Error::for_package(
                     pkg,
                     ErrorKind::MigrationFailed,
                     format!("{why}; nothing was changed"),
@@ -643,8 +642,9 @@ impl Migrator {
         report: &mut PackageReport,
         scanner: ScopedJoinHandle<'_, io::Result<(Estimate, ExtentsByInode)>>,
     ) -> Result<(), Error> {
-        let io =
-            |what: &'static str| move |_: &io::Error| (ErrorKind::MigrationFailed, ctx(pkg, what));
+        let io = |what: &'static str| {
+            move |_: &io::Error| (ErrorKind::MigrationFailed, pkg.context(what))
+        };
         let live_path = self.root.join(&names.live);
         let mut scanner = Some(scanner);
         // Why the scan stopped the clone, when it did.
@@ -703,13 +703,10 @@ impl Migrator {
                     .with_ctx(|_| {
                         (
                             ErrorKind::MigrationFailed,
-                            ctx(
-                                pkg,
-                                format!(
-                                    "creating subvolume {}",
-                                    self.root.join(&names.tmp).display()
-                                ),
-                            ),
+                            pkg.context(format!(
+                                "creating subvolume {}",
+                                self.root.join(&names.tmp).display()
+                            )),
                         )
                     })?;
                 failpoint("migrate.created").with_ctx(io("failpoint"))?;
@@ -787,7 +784,7 @@ impl Migrator {
                     Err(c) => format!(", but removing the partial subvolume failed: {c}"),
                 }
             );
-            fail(pkg, ErrorKind::MigrationFailed, msg)
+            Error::for_package(pkg, ErrorKind::MigrationFailed, msg)
         };
         let stats = match (copied, scan_failure) {
             (Err(_), Some(ScanFailure::Space(e))) => {
@@ -808,14 +805,11 @@ impl Migrator {
             (other, _) => other.with_ctx(|_| {
                 (
                     ErrorKind::MigrationFailed,
-                    ctx(
-                        pkg,
-                        format!(
-                            "cloning {} into {} (the partial copy is kept for the next run)",
-                            live_path.display(),
-                            self.root.join(&names.tmp).display()
-                        ),
-                    ),
+                    pkg.context(format!(
+                        "cloning {} into {} (the partial copy is kept for the next run)",
+                        live_path.display(),
+                        self.root.join(&names.tmp).display()
+                    )),
                 )
             })?,
         };
@@ -836,14 +830,11 @@ impl Migrator {
             .with_ctx(|_| {
                 (
                     ErrorKind::MigrationFailed,
-                    ctx(
-                        pkg,
-                        format!(
-                            "exchanging {} with {}",
-                            self.root.join(&names.tmp).display(),
-                            live_path.display()
-                        ),
-                    ),
+                    pkg.context(format!(
+                        "exchanging {} with {}",
+                        self.root.join(&names.tmp).display(),
+                        live_path.display()
+                    )),
                 )
             })?;
         failpoint("migrate.exchanged").with_ctx(io("failpoint"))?;
@@ -861,7 +852,7 @@ impl Migrator {
             .with_ctx(|_| {
                 (
                     ErrorKind::Filesystem,
-                    ctx(pkg, "statvfs of the volumes root"),
+                    pkg.context("statvfs of the volumes root"),
                 )
             })?;
         Ok(vfs.f_bavail.saturating_mul(vfs.f_frsize))

@@ -16,7 +16,6 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-use color_eyre::eyre::eyre;
 use models::{Error, ErrorKind, PackageId, ResultExt, VolumeId};
 use serde::Serialize;
 
@@ -145,10 +144,6 @@ pub fn open_root(root: impl AsRef<Path>) -> Result<(PathBuf, OwnedFd), Error> {
     Ok((canonical, dir))
 }
 
-fn ctx(pkg: &PackageId, what: impl std::fmt::Display) -> String {
-    format!("package {pkg}: {what}")
-}
-
 impl VolumeStore {
     /// Opens the store at `root` (which must be an existing directory) and
     /// finishes or undoes every operation a crash interrupted, for all
@@ -210,8 +205,12 @@ impl VolumeStore {
     }
 
     fn lock(&self, pkg: &PackageId, names: &Names) -> Result<PackageLock, Error> {
-        PackageLock::acquire(self.root_fd(), &names.lock)
-            .with_ctx(|_| (ErrorKind::Filesystem, ctx(pkg, "taking the package lock")))
+        PackageLock::acquire(self.root_fd(), &names.lock).with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                pkg.context("taking the package lock"),
+            )
+        })
     }
 
     fn stat(&self, name: &OsStr) -> io::Result<Option<sys::Stat>> {
@@ -252,25 +251,20 @@ impl VolumeStore {
         let busy = mounts::active_mounts_inside(&path).with_ctx(|_| {
             (
                 ErrorKind::Filesystem,
-                ctx(pkg, "reading /proc/self/mountinfo"),
+                pkg.context("reading /proc/self/mountinfo"),
             )
         })?;
         if busy.is_empty() {
             Ok(())
         } else {
-            Err(Error::new(
-                eyre!(
-                    "{}",
-                    ctx(
-                        pkg,
-                        format!(
-                            "volume {} is in use, mounted at {}; stop the service first",
-                            path.display(),
-                            mounts::describe(&busy)
-                        )
-                    )
-                ),
+            Err(Error::for_package(
+                pkg,
                 ErrorKind::InvalidRequest,
+                format!(
+                    "volume {} is in use, mounted at {}; stop the service first",
+                    path.display(),
+                    mounts::describe(&busy)
+                ),
             ))
         }
     }
@@ -316,17 +310,17 @@ impl VolumeStore {
         self.recover_locked(pkg, &names)?;
         let kind = match self
             .kind_of(&names.live)
-            .with_ctx(|_| (ErrorKind::Filesystem, ctx(pkg, "inspecting the volume")))?
+            .with_ctx(|_| (ErrorKind::Filesystem, pkg.context("inspecting the volume")))?
         {
             Some(kind) => kind,
             None if self.btrfs => {
                 sys::create_subvolume(self.root_fd(), &names.live).with_ctx(|_| {
                     (
                         ErrorKind::DiskManagement,
-                        ctx(
-                            pkg,
-                            format!("creating subvolume {}", self.volume_path(pkg).display()),
-                        ),
+                        pkg.context(format!(
+                            "creating subvolume {}",
+                            self.volume_path(pkg).display()
+                        )),
                     )
                 })?;
                 VolumeKind::Subvolume
@@ -335,7 +329,7 @@ impl VolumeStore {
                 sys::mkdir_if_missing(self.root_fd(), &names.live, 0o755).with_ctx(|_| {
                     (
                         ErrorKind::Filesystem,
-                        ctx(pkg, format!("creating {}", self.volume_path(pkg).display())),
+                        pkg.context(format!("creating {}", self.volume_path(pkg).display())),
                     )
                 })?;
                 VolumeKind::Directory
@@ -355,13 +349,10 @@ impl VolumeStore {
         mk().with_ctx(|_| {
             (
                 ErrorKind::Filesystem,
-                ctx(
-                    pkg,
-                    format!(
-                        "creating volume directories in {}",
-                        self.volume_path(pkg).join("data").display()
-                    ),
-                ),
+                pkg.context(format!(
+                    "creating volume directories in {}",
+                    self.volume_path(pkg).join("data").display()
+                )),
             )
         })?;
         tracing::info!(package = %pkg, ?kind, "volume ready");
@@ -388,7 +379,7 @@ impl VolumeStore {
         self.recover_locked(pkg, &names)?;
         let io_ctx = |what: &str| {
             let what = what.to_owned();
-            move |_: &io::Error| (ErrorKind::DiskManagement, ctx(pkg, what))
+            move |_: &io::Error| (ErrorKind::DiskManagement, pkg.context(what))
         };
         let Some(kind) = self
             .kind_of(&names.live)
@@ -400,18 +391,13 @@ impl VolumeStore {
             .exists(&names.backup)
             .with_ctx(io_ctx("looking for a backup"))?
         {
-            return Err(Error::new(
-                eyre!(
-                    "{}",
-                    ctx(
-                        pkg,
-                        format!(
-                            "an install backup already exists at {}; restore or drop it first",
-                            self.backup_path(pkg).display()
-                        )
-                    )
-                ),
+            return Err(Error::for_package(
+                pkg,
                 ErrorKind::Incoherent,
+                format!(
+                    "an install backup already exists at {}; restore or drop it first",
+                    self.backup_path(pkg).display()
+                ),
             ));
         }
         if !self.btrfs {
@@ -423,17 +409,13 @@ impl VolumeStore {
             VolumeKind::Subvolume => {
                 let live = sys::open_dir_at(self.root_fd(), &names.live)
                     .with_ctx(io_ctx("opening the volume"))?;
-                sys::snapshot(live.as_fd(), self.root_fd(), &names.backup_tmp, true, false)
+                let tmp = sys::snapshot_tree(live.as_fd(), self.root_fd(), &names.backup_tmp)
                     .with_ctx(io_ctx(&format!(
                         "snapshotting {} to {}",
                         self.volume_path(pkg).display(),
                         self.root.join(&names.backup_tmp).display()
                     )))?;
                 failpoint("snapshot.created");
-                let tmp = sys::open_dir_at(self.root_fd(), &names.backup_tmp)
-                    .with_ctx(io_ctx("opening the new snapshot"))?;
-                sys::restore_nested_parent_times(live.as_fd(), tmp.as_fd())
-                    .with_ctx(io_ctx("copying directory times into the snapshot"))?;
                 sys::make_tree_read_only(tmp.as_fd())
                     .with_ctx(io_ctx("making the snapshot read-only"))?;
                 failpoint("snapshot.frozen");
@@ -451,16 +433,20 @@ impl VolumeStore {
     /// The fallback for a volume that is still a plain directory on btrfs.
     fn reflink_backup(&self, pkg: &PackageId, names: &Names) -> Result<SnapshotOutcome, Error> {
         let live = sys::open_dir_at(self.root_fd(), &names.live)
-            .with_ctx(|_| (ErrorKind::Filesystem, ctx(pkg, "opening the volume")))?;
+            .with_ctx(|_| (ErrorKind::Filesystem, pkg.context("opening the volume")))?;
         let limit = self.reflink_extent_limit;
         // Data still in the page cache has no extents yet; BTRFS_IOC_SYNC
         // flushes it so the count sees what the copy will have to clone.
-        sys::commit(live.as_fd())
-            .with_ctx(|_| (ErrorKind::DiskManagement, ctx(pkg, "flushing the volume")))?;
+        sys::commit(live.as_fd()).with_ctx(|_| {
+            (
+                ErrorKind::DiskManagement,
+                pkg.context("flushing the volume"),
+            )
+        })?;
         let extents = crate::extents::count_tree_extents(live.as_fd(), limit).with_ctx(|_| {
             (
                 ErrorKind::DiskManagement,
-                ctx(pkg, "counting the extents of the volume"),
+                pkg.context("counting the extents of the volume"),
             )
         })?;
         if extents > limit {
@@ -478,7 +464,7 @@ impl VolumeStore {
             cleanup.with_ctx(|_| {
                 (
                     ErrorKind::Filesystem,
-                    ctx(pkg, "removing the partial reflink copy"),
+                    pkg.context("removing the partial reflink copy"),
                 )
             })?;
             return Ok(SnapshotOutcome::Skipped { reason });
@@ -493,7 +479,7 @@ impl VolumeStore {
         publish().with_ctx(|_| {
             (
                 ErrorKind::Filesystem,
-                ctx(pkg, "putting the reflink copy in place"),
+                pkg.context("putting the reflink copy in place"),
             )
         })?;
         tracing::info!(package = %pkg, extents, "install backup reflink copy taken");
@@ -547,7 +533,7 @@ impl VolumeStore {
         let io_ctx = |_: &io::Error| {
             (
                 ErrorKind::DiskManagement,
-                ctx(pkg, "deleting the volume a restore replaced"),
+                pkg.context("deleting the volume a restore replaced"),
             )
         };
         if !self.exists(&names.replaced).with_ctx(io_ctx)? {
@@ -560,7 +546,7 @@ impl VolumeStore {
 
     fn restore_locked(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
         let io_ctx =
-            |what: String| move |_: &io::Error| (ErrorKind::DiskManagement, ctx(pkg, what));
+            |what: String| move |_: &io::Error| (ErrorKind::DiskManagement, pkg.context(what));
         let Some(backup_kind) = self
             .kind_of(&names.backup)
             .with_ctx(io_ctx("inspecting the backup".into()))?
@@ -572,19 +558,14 @@ impl VolumeStore {
             VolumeKind::Subvolume => {
                 let backup = sys::open_dir_at(self.root_fd(), &names.backup)
                     .with_ctx(io_ctx("opening the backup".into()))?;
-                sys::snapshot(backup.as_fd(), self.root_fd(), &names.rollback, true, false)
-                    .with_ctx(io_ctx(format!(
+                sys::snapshot_tree(backup.as_fd(), self.root_fd(), &names.rollback).with_ctx(
+                    io_ctx(format!(
                         "snapshotting {} to {}",
                         self.backup_path(pkg).display(),
                         self.root.join(&names.rollback).display()
-                    )))?;
+                    )),
+                )?;
                 failpoint("restore.copied");
-                let copy = sys::open_dir_at(self.root_fd(), &names.rollback)
-                    .with_ctx(io_ctx("opening the rollback copy".into()))?;
-                sys::restore_nested_parent_times(backup.as_fd(), copy.as_fd()).with_ctx(io_ctx(
-                    "copying directory times into the rollback copy".into(),
-                ))?;
-                drop(copy);
                 self.mark_complete(&names.rollback)
                     .with_ctx(io_ctx("marking the rollback copy complete".into()))?;
             }
@@ -701,7 +682,7 @@ impl VolumeStore {
         set_aside().with_ctx(|_| {
             (
                 ErrorKind::DiskManagement,
-                ctx(pkg, "moving the replaced volume aside"),
+                pkg.context("moving the replaced volume aside"),
             )
         })?;
         failpoint("restore.replaced-moved");
@@ -719,7 +700,7 @@ impl VolumeStore {
         unmark().with_ctx(|_| {
             (
                 ErrorKind::Filesystem,
-                ctx(pkg, "removing the rollback marker"),
+                pkg.context("removing the rollback marker"),
             )
         })
     }
@@ -739,8 +720,9 @@ impl VolumeStore {
     }
 
     fn drop_locked(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
-        let io_ctx =
-            |what: &'static str| move |_: &io::Error| (ErrorKind::DiskManagement, ctx(pkg, what));
+        let io_ctx = |what: &'static str| {
+            move |_: &io::Error| (ErrorKind::DiskManagement, pkg.context(what))
+        };
         if !self
             .exists(&names.backup)
             .with_ctx(io_ctx("looking for the backup"))?
@@ -767,8 +749,9 @@ impl VolumeStore {
         let names = Names::new(pkg);
         let _lock = self.lock(pkg, &names)?;
         self.recover_locked(pkg, &names)?;
-        let io_ctx =
-            |what: &'static str| move |_: &io::Error| (ErrorKind::DiskManagement, ctx(pkg, what));
+        let io_ctx = |what: &'static str| {
+            move |_: &io::Error| (ErrorKind::DiskManagement, pkg.context(what))
+        };
         let mut deleted = false;
         if self
             .exists(&names.live)
@@ -825,8 +808,9 @@ impl VolumeStore {
 
     fn recover_locked(&self, pkg: &PackageId, names: &Names) -> Result<Recovery, Error> {
         let mut actions = Vec::new();
-        let io_ctx =
-            |what: &'static str| move |_: &io::Error| (ErrorKind::DiskManagement, ctx(pkg, what));
+        let io_ctx = |what: &'static str| {
+            move |_: &io::Error| (ErrorKind::DiskManagement, pkg.context(what))
+        };
         // A backup that never got its real name is incomplete: discard it.
         if self
             .exists(&names.backup_tmp)
@@ -927,22 +911,17 @@ impl VolumeStore {
             let io_ctx = |_: &io::Error| {
                 (
                     ErrorKind::DiskManagement,
-                    ctx(pkg, format!("measuring {}", self.root.join(name).display())),
+                    pkg.context(format!("measuring {}", self.root.join(name).display())),
                 )
             };
-            if self.kind_of(name).with_ctx(io_ctx)?.is_none() {
+            if !self.exists(name).with_ctx(io_ctx)? {
                 return Ok(None);
             }
             if !self.btrfs {
-                return Err(Error::new(
-                    eyre!(
-                        "{}",
-                        ctx(
-                            pkg,
-                            "space accounting needs btrfs; the volumes root is not on btrfs"
-                        )
-                    ),
+                return Err(Error::for_package(
+                    pkg,
                     ErrorKind::InvalidRequest,
+                    "space accounting needs btrfs; the volumes root is not on btrfs",
                 ));
             }
             let fd = sys::open_dir_at(self.root_fd(), name).with_ctx(io_ctx)?;
@@ -970,7 +949,7 @@ impl VolumeStore {
             let names = Names::new(&pkg);
             let kind = |name: &OsStr| {
                 self.kind_of(name)
-                    .with_ctx(|_| (ErrorKind::Filesystem, ctx(&pkg, "inspecting")))
+                    .with_ctx(|_| (ErrorKind::Filesystem, pkg.context("inspecting")))
             };
             let volume = kind(&names.live)?;
             let backup = kind(&names.backup)?;

@@ -2,7 +2,7 @@ use std::fmt::{self, Debug, Display};
 
 use color_eyre::eyre::{self, eyre};
 
-use crate::InvalidId;
+use crate::{InvalidId, PackageId};
 
 /// What went wrong, as a stable number shared with upstream start-core.
 ///
@@ -98,6 +98,11 @@ impl Error {
             source: source.into(),
             kind,
         }
+    }
+
+    /// An error about one package, worded as [`PackageId::context`].
+    pub fn for_package(pkg: &PackageId, kind: ErrorKind, what: impl Display) -> Self {
+        Error::new(eyre!("{}", pkg.context(what)), kind)
     }
 
     /// The underlying OS error number, if the root cause is an I/O error.

@@ -45,6 +45,12 @@ impl PackageId {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// `package <id>: <what>`, the one form every crate's error context and
+    /// log line about a package takes.
+    pub fn context(&self, what: impl fmt::Display) -> String {
+        format!("package {self}: {what}")
+    }
 }
 
 impl FromStr for PackageId {

@@ -216,38 +216,48 @@ pub fn create_subvolume(parent: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> 
     })
 }
 
-/// Snapshots the subvolume open as `source` to `name` inside `parent`.
+/// Snapshots the subvolume open as `source`, and every subvolume nested in
+/// it, to a new writable subvolume `name` inside `parent`, and returns it
+/// open. The copy matches the source to the nanosecond: each nested
+/// subvolume's snapshot replaces an empty placeholder (an rmdir, then a
+/// snapshot under the same name), which changes its parent directory's
+/// times, so those are set back to the source's.
 ///
-/// `recursive` also snapshots every nested subvolume into the new snapshot
-/// (one ioctl each, so a crash can leave a partial tree: callers snapshot under
-/// a temporary name). `read_only` cannot be combined with `recursive`, since
-/// nested snapshots are placed inside the new one.
-pub fn snapshot(
+/// One ioctl per subvolume, so a crash can leave a partial tree: callers
+/// snapshot under a temporary name. Writable because nested snapshots are
+/// placed inside the new one; callers freeze it afterwards if they must
+/// ([`make_tree_read_only`]).
+pub fn snapshot_tree(
     source: BorrowedFd<'_>,
     parent: BorrowedFd<'_>,
     name: &OsStr,
-    recursive: bool,
-    read_only: bool,
-) -> io::Result<()> {
+) -> io::Result<OwnedFd> {
     let c = c_name(name)?;
-    let mut flags = 0;
-    if recursive {
-        flags |= bu::BTRFS_UTIL_CREATE_SNAPSHOT_RECURSIVE as i32;
-    }
-    if read_only {
-        flags |= bu::BTRFS_UTIL_CREATE_SNAPSHOT_READ_ONLY as i32;
-    }
     // SAFETY: valid fds and NUL-terminated name; null async/qgroup pointers are allowed.
     check(unsafe {
         bu::btrfs_util_create_snapshot_fd2(
             source.as_raw_fd(),
             parent.as_raw_fd(),
             c.as_ptr(),
-            flags,
+            bu::BTRFS_UTIL_CREATE_SNAPSHOT_RECURSIVE as i32,
             std::ptr::null_mut(),
             std::ptr::null_mut(),
         )
-    })
+    })?;
+    let copy = open_dir_at(parent, name)?;
+    for rel in nested_subvolumes(copy.as_fd())? {
+        let dir = rel.parent().unwrap_or(Path::new(""));
+        let (t, target) = if dir.as_os_str().is_empty() {
+            (times(source)?, None)
+        } else {
+            (
+                times(open_beneath(source, dir)?.as_fd())?,
+                Some(open_beneath(copy.as_fd(), dir)?),
+            )
+        };
+        set_times(target.as_ref().map_or(copy.as_fd(), |fd| fd.as_fd()), &t)?;
+    }
+    Ok(copy)
 }
 
 /// Sets or clears the read-only flag of the subvolume open as `fd`.
@@ -327,27 +337,6 @@ pub fn make_tree_writable(fd: BorrowedFd<'_>) -> io::Result<()> {
         let sub = open_beneath(fd, &rel)?;
         if is_read_only(sub.as_fd())? {
             set_read_only(sub.as_fd(), false)?;
-        }
-    }
-    Ok(())
-}
-
-/// After a recursive snapshot of `source` as `copy`: each nested subvolume
-/// was put in place of an empty placeholder (an rmdir, then a snapshot under
-/// the same name), which changed its parent directory's times in the copy.
-/// Sets them back to the source's, so the copy matches it to the nanosecond.
-pub fn restore_nested_parent_times(source: BorrowedFd<'_>, copy: BorrowedFd<'_>) -> io::Result<()> {
-    for rel in nested_subvolumes(copy)? {
-        let parent = rel.parent().unwrap_or(Path::new(""));
-        let t = if parent.as_os_str().is_empty() {
-            times(source)?
-        } else {
-            times(open_beneath(source, parent)?.as_fd())?
-        };
-        if parent.as_os_str().is_empty() {
-            set_times(copy, &t)?;
-        } else {
-            set_times(open_beneath(copy, parent)?.as_fd(), &t)?;
         }
     }
     Ok(())
