@@ -6,6 +6,7 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
+use std::ops::ControlFlow;
 use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -13,6 +14,8 @@ use std::process::Command;
 
 use common::{MIB, bytes, pkg, subvolume_create, vol, volumes_root};
 use integration::{FsKind, LoopFs, fs_or_skip, make_fragmented_file, run};
+use volume::sweep;
+use volume::sys::{EXTENT_DATA_KEY, ItemKey, KeyRange, search};
 use volume::usage::{Bytes, Usage};
 use volume::{ErrorKind, VolumeStore};
 
@@ -300,4 +303,83 @@ fn usage_off_btrfs_is_a_clear_error() {
     assert!(err.to_string().contains("btrfs"), "{err}");
     let none = store.usage(&pkg("absent")).expect("usage of nothing");
     assert_eq!((none.volume, none.backup, none.split), (None, None, None));
+}
+
+/// Every item's key, as one thread reads the tree of the subvolume at `dir`.
+fn keys_one_pass(dir: &File) -> Vec<ItemKey> {
+    let mut keys = Vec::new();
+    search(dir.as_fd(), KeyRange::all(), |key, _| {
+        keys.push(key);
+        ControlFlow::Continue(())
+    })
+    .expect("single-threaded search");
+    keys
+}
+
+/// Each thread's keys, from a parallel sweep.
+fn keys_swept(dir: &File, threads: usize) -> Vec<Vec<ItemKey>> {
+    sweep::sweep(dir.as_fd(), threads, Vec::new, |keys, key, _| {
+        keys.push(key);
+        Ok(())
+    })
+    .unwrap_or_else(|e| panic!("sweep on {threads} threads: {e}"))
+}
+
+#[test]
+fn parallel_sweep_reads_every_item_exactly_once() {
+    let fs = fs_or_skip!(LoopFs::btrfs(1024 * MIB));
+    let many = fs.path("many");
+    subvolume_create(&many);
+    populate_mixed(&many);
+    for d in 0..20 {
+        let dir = many.join(format!("d{d}"));
+        fs::create_dir(&dir).expect("mkdir");
+        for f in 0..100 {
+            write(
+                &dir.join(format!("f{f}")),
+                &bytes(d * 100 + f, 100 + f as usize),
+            );
+        }
+    }
+    // One fragmented file alone: the threads can only share it by offset.
+    let one = fs.path("one");
+    subvolume_create(&one);
+    let extents = make_fragmented_file(&one.join("db"), 64 * MIB, 20_000, 3).expect("fragment");
+    assert!(extents > 10_000, "only {extents} extents");
+    sync();
+
+    for tree in [&many, &one] {
+        let dir = File::open(tree).expect("open tree");
+        let expected = keys_one_pass(&dir);
+        for threads in [1, 2, 3, 8, 32] {
+            let per_thread = keys_swept(&dir, threads);
+            assert_eq!(per_thread.len(), threads);
+            let mut all: Vec<ItemKey> = per_thread.concat();
+            all.sort();
+            assert_eq!(
+                all.len(),
+                expected.len(),
+                "{} on {threads} threads: item count",
+                tree.display()
+            );
+            assert!(all == expected, "{} on {threads} threads", tree.display());
+        }
+    }
+
+    // The fragmented file's extent items were shared out by offset.
+    let dir = File::open(&one).expect("open tree");
+    let per_thread = keys_swept(&dir, 4);
+    let sharing = per_thread
+        .iter()
+        .filter(|keys| {
+            keys.iter()
+                .filter(|k| k.item_type == EXTENT_DATA_KEY)
+                .count()
+                > 1000
+        })
+        .count();
+    assert!(
+        sharing >= 2,
+        "only {sharing} of 4 threads read the file's extents"
+    );
 }

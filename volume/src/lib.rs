@@ -30,6 +30,8 @@ pub mod mounts;
 #[cfg(target_os = "linux")]
 mod store;
 #[cfg(target_os = "linux")]
+pub mod sweep;
+#[cfg(target_os = "linux")]
 pub mod sys;
 #[cfg(target_os = "linux")]
 pub mod usage;

@@ -513,7 +513,7 @@ pub fn read_dir_names(fd: BorrowedFd<'_>) -> io::Result<Vec<(OsString, FileType,
 }
 
 pub use tree_search::{
-    DEFAULT_BUF_SIZE, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, search,
+    Batch, DEFAULT_BUF_SIZE, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, search,
 };
 
 mod tree_search {
@@ -551,7 +551,7 @@ mod tree_search {
 
     impl ItemKey {
         /// The smallest key after this one, or `None` at the very end.
-        fn successor(self) -> Option<ItemKey> {
+        pub fn successor(self) -> Option<ItemKey> {
             if let Some(offset) = self.offset.checked_add(1) {
                 return Some(ItemKey { offset, ..self });
             }
@@ -566,6 +566,27 @@ mod tree_search {
                 objectid: self.objectid.checked_add(1)?,
                 item_type: 0,
                 offset: 0,
+            })
+        }
+    }
+
+    impl ItemKey {
+        /// The largest key before this one, or `None` at the very start.
+        pub fn predecessor(self) -> Option<ItemKey> {
+            if let Some(offset) = self.offset.checked_sub(1) {
+                return Some(ItemKey { offset, ..self });
+            }
+            if let Some(item_type) = self.item_type.checked_sub(1) {
+                return Some(ItemKey {
+                    item_type,
+                    offset: u64::MAX,
+                    ..self
+                });
+            }
+            Some(ItemKey {
+                objectid: self.objectid.checked_sub(1)?,
+                item_type: u8::MAX,
+                offset: u64::MAX,
             })
         }
     }
@@ -723,11 +744,48 @@ mod tree_search {
             }
         }
 
+        /// One ioctl: fills the buffer with the first items, in key order,
+        /// from `from` to `max` of the subvolume holding `fd` (tree id 0:
+        /// the fd's own subvolume), at most `limit` of them. An empty batch
+        /// means the range holds nothing more; otherwise the items after
+        /// the batch's last key may follow. Needs CAP_SYS_ADMIN.
+        pub fn fill(
+            &mut self,
+            fd: BorrowedFd<'_>,
+            from: ItemKey,
+            max: ItemKey,
+            limit: u32,
+        ) -> io::Result<Batch<'_>> {
+            let buf_size = self.buf_size as u64;
+            let args = self.args();
+            args.key = SearchKey {
+                tree_id: 0,
+                min_objectid: from.objectid,
+                max_objectid: max.objectid,
+                min_offset: from.offset,
+                max_offset: max.offset,
+                min_transid: 0,
+                max_transid: u64::MAX,
+                min_type: u32::from(from.item_type),
+                max_type: u32::from(max.item_type),
+                nr_items: limit,
+                ..SearchKey::default()
+            };
+            args.buf_size = buf_size;
+            // SAFETY: see the `Ioctl` impl; `mem` holds the header and
+            // `buf_size` bytes.
+            unsafe { rustix::ioctl::ioctl(fd, Search(&mut self.mem))? };
+            let len = self.args().key.nr_items as usize;
+            Ok(Batch {
+                buf: self.buf(),
+                len,
+            })
+        }
+
         /// Visits, in key order, every item in `range` of the subvolume
-        /// holding `fd` (tree id 0: the fd's own subvolume), with its key and
-        /// raw (little-endian, on-disk) body, until the range ends or the
-        /// visitor breaks. One ioctl per buffer-full of items. Needs
-        /// CAP_SYS_ADMIN.
+        /// holding `fd`, with its key and raw (little-endian, on-disk)
+        /// body, until the range ends or the visitor breaks. One ioctl per
+        /// buffer-full of items. Needs CAP_SYS_ADMIN.
         pub fn search(
             &mut self,
             fd: BorrowedFd<'_>,
@@ -736,52 +794,56 @@ mod tree_search {
         ) -> io::Result<()> {
             let mut from = range.min;
             loop {
-                let buf_size = self.buf_size as u64;
-                let args = self.args();
-                args.key = SearchKey {
-                    tree_id: 0,
-                    min_objectid: from.objectid,
-                    max_objectid: range.max.objectid,
-                    min_offset: from.offset,
-                    max_offset: range.max.offset,
-                    min_transid: 0,
-                    max_transid: u64::MAX,
-                    min_type: u32::from(from.item_type),
-                    max_type: u32::from(range.max.item_type),
-                    nr_items: u32::MAX,
-                    ..SearchKey::default()
-                };
-                args.buf_size = buf_size;
-                // SAFETY: see the `Ioctl` impl; `mem` holds the header and
-                // `buf_size` bytes.
-                unsafe { rustix::ioctl::ioctl(fd, Search(&mut self.mem))? };
-                let nr = self.args().key.nr_items;
-                if nr == 0 {
-                    return Ok(());
-                }
-                let buf = self.buf();
-                let mut pos = 0usize;
-                let mut last = from;
-                for _ in 0..nr {
-                    let h = &buf[pos..pos + HEADER_LEN];
-                    let key = ItemKey {
-                        objectid: u64_at(h, 8),
-                        offset: u64_at(h, 16),
-                        item_type: u32_at(h, 24) as u8,
-                    };
-                    let len = u32_at(h, 28) as usize;
-                    let body = &buf[pos + HEADER_LEN..pos + HEADER_LEN + len];
-                    pos += HEADER_LEN + len;
-                    last = key;
+                let batch = self.fill(fd, from, range.max, u32::MAX)?;
+                let mut last = None;
+                for (key, body) in batch.iter() {
+                    last = Some(key);
                     if visit(key, body).is_break() {
                         return Ok(());
                     }
                 }
-                match last.successor() {
+                match last.and_then(ItemKey::successor) {
                     Some(next) if next <= range.max => from = next,
                     _ => return Ok(()),
                 }
             }
+        }
+    }
+
+    /// The items one [`Searcher::fill`] returned, borrowed from its buffer.
+    #[derive(Clone, Copy)]
+    pub struct Batch<'a> {
+        buf: &'a [u8],
+        len: usize,
+    }
+
+    impl<'a> Batch<'a> {
+        /// How many items the batch holds.
+        pub fn len(&self) -> usize {
+            self.len
+        }
+
+        /// Whether the range held nothing more.
+        pub fn is_empty(&self) -> bool {
+            self.len == 0
+        }
+
+        /// The items with their keys and raw bodies, in key order.
+        pub fn iter(&self) -> impl Iterator<Item = (ItemKey, &'a [u8])> + use<'a> {
+            let buf = self.buf;
+            let mut pos = 0usize;
+            (0..self.len).map(move |_| {
+                let h = &buf[pos..pos + HEADER_LEN];
+                let key = ItemKey {
+                    objectid: u64_at(h, 8),
+                    offset: u64_at(h, 16),
+                    item_type: u32_at(h, 24) as u8,
+                };
+                let len = u32_at(h, 28) as usize;
+                let body = &buf[pos + HEADER_LEN..pos + HEADER_LEN + len];
+                pos += HEADER_LEN + len;
+                (key, body)
+            })
         }
     }
 
