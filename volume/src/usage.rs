@@ -7,9 +7,10 @@
 //! files or offsets reference it; referenced bytes count every reference.
 //!
 //! For a subvolume, one TREE_SEARCH_V2 sweep over its own tree reads every
-//! item in key order (no directory walk, no per-inode call), then each nested
-//! subvolume's tree likewise. For a plain directory, a walk that never
-//! follows a symlink does one tight search per inode.
+//! item once, in key order within disjoint key ranges read by several
+//! threads (no directory walk, no per-inode call; see [`crate::sweep`]),
+//! then each nested subvolume's tree likewise. For a plain directory, a walk
+//! that never follows a symlink does one tight search per inode.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};

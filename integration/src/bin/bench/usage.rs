@@ -4,7 +4,8 @@
 //! extents).
 //!
 //! Ours is `startos-volume --root R usage PKG --json`, the release binary next
-//! to this one: one TREE_SEARCH_V2 sweep of the subvolume's tree. compsize
+//! to this one: one TREE_SEARCH_V2 sweep of the subvolume's tree, its key
+//! ranges shared out among threads. compsize
 //! walks the directory tree and searches each file's extent items;
 //! `btrfs filesystem du` walks it and calls FIEMAP on every file.
 //!
