@@ -7,6 +7,7 @@
 mod common;
 
 use std::fs;
+use std::os::fd::AsFd;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -235,9 +236,11 @@ fn refuses_without_enough_free_space_and_changes_nothing() {
     fs::create_dir_all(root.join("full/data/main")).unwrap();
     populate_volume(&root.join("full"), false);
     let before = raw(&root.join("full"));
+    // Committed first, as convert does, so the figure is the one it reads.
+    rustix::fs::sync();
     let free = {
-        let v = rustix::fs::statvfs(&root).unwrap();
-        v.f_bavail * v.f_frsize
+        let dir = fs::File::open(&root).unwrap();
+        volume::sys::metadata_space(dir.as_fd()).unwrap().free()
     };
     let m = Migrator::open(&root).unwrap();
     let opts = MigrateOptions {
@@ -249,7 +252,7 @@ fn refuses_without_enough_free_space_and_changes_nothing() {
         .unwrap_err();
     assert_eq!(e.kind, ErrorKind::MigrationFailed);
     assert!(
-        e.to_string().contains("package full") && e.to_string().contains("free space"),
+        e.to_string().contains("package full") && e.to_string().contains("free metadata space"),
         "{e}"
     );
     assert_same(&before, &raw(&root.join("full")), "untouched");

@@ -383,3 +383,63 @@ fn parallel_sweep_reads_every_item_exactly_once() {
         "only {sharing} of 4 threads read the file's extents"
     );
 }
+
+/// `btrfs filesystem usage -b`: (metadata size, metadata used, global
+/// reserve, device unallocated).
+fn fi_usage(mnt: &Path) -> (u64, u64, u64, u64) {
+    let out = run(Command::new("btrfs")
+        .args(["filesystem", "usage", "-b"])
+        .arg(mnt))
+    .expect("btrfs filesystem usage");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let number_after = |line: &str, label: &str| -> Option<u64> {
+        let rest = &line[line.find(label)? + label.len()..];
+        rest.trim_start()
+            .split(|c: char| !c.is_ascii_digit())
+            .next()?
+            .parse()
+            .ok()
+    };
+    let (mut size, mut used, mut reserve, mut unallocated) = (None, None, None, None);
+    for line in text.lines() {
+        let t = line.trim_start();
+        if t.starts_with("Metadata,") {
+            size = number_after(t, "Size:");
+            used = number_after(t, "Used:");
+        } else if t.starts_with("Global reserve:") {
+            reserve = number_after(t, "Global reserve:");
+        } else if t.starts_with("Device unallocated:") {
+            unallocated = number_after(t, "Device unallocated:");
+        }
+    }
+    match (size, used, reserve, unallocated) {
+        (Some(s), Some(u), Some(r), Some(a)) => (s, u, r, a),
+        _ => panic!("unexpected btrfs filesystem usage output:\n{text}"),
+    }
+}
+
+#[test]
+fn metadata_space_equals_btrfs_filesystem_usage() {
+    let fs = fs_or_skip!(LoopFs::btrfs(1024 * MIB));
+    let dir = fs.path("files");
+    fs::create_dir(&dir).expect("mkdir");
+    for i in 0..2000u64 {
+        write(&dir.join(format!("f{i}")), &bytes(i, 1500));
+    }
+    sync();
+    let root = File::open(fs.mount_point()).expect("open mount point");
+    let ours = volume::sys::metadata_space(root.as_fd()).expect("metadata space");
+    let (size, used, reserve, unallocated) = fi_usage(fs.mount_point());
+    assert_eq!(
+        (ours.total, ours.used, ours.global_reserve, ours.unallocated),
+        (size, used, reserve, unallocated),
+        "ours vs btrfs filesystem usage: {ours:?}"
+    );
+    assert_eq!(ours.copies, 2, "single-device metadata is DUP");
+    assert!(ours.used > 2000 * 1500, "inline data is metadata: {ours:?}");
+    assert_eq!(
+        ours.free(),
+        size - used - reserve + unallocated / 2,
+        "{ours:?}"
+    );
+}

@@ -24,8 +24,9 @@ use crate::{Estimate, Phase, Progress, ProgressSink};
 /// Default FICLONERANGE chunk: 64 MiB. Each chunk is one ioctl costing
 /// O(extents in it); a crash loses at most one chunk of work.
 pub const DEFAULT_CHUNK_BYTES: u64 = 64 << 20;
-/// Default free-space headroom kept on top of the estimated metadata need:
-/// btrfs needs room for new metadata chunks and its global reserve.
+/// Default headroom of free metadata space kept on top of the estimated
+/// need (the global reserve is already held back): what the estimate may
+/// miss, and room for the services' first writes after the conversion.
 pub const DEFAULT_RESERVE_BYTES: u64 = 64 << 20;
 
 /// How to convert.
@@ -36,7 +37,7 @@ pub struct MigrateOptions {
     pub dry_run: bool,
     /// Bytes per FICLONERANGE call (rounded up to the block size).
     pub chunk_bytes: u64,
-    /// Free space (statvfs `f_bavail`) required beyond the estimate; see
+    /// Free metadata space required beyond the estimate; see
     /// [`Migrator::convert`].
     pub reserve_bytes: u64,
     /// [`Migrator::run`]: after converting every package, remove the old
@@ -457,15 +458,17 @@ impl Migrator {
     ///
     /// Refuses (`InvalidRequest`, naming the package) while anything is
     /// mounted from inside `<pkg>`, and when `<pkg>` is on another
-    /// filesystem than the root. Refuses (`MigrationFailed`) when free space
-    /// is short: statvfs `f_bavail`, read before anything is created, must
-    /// cover twice (metadata is DUP) the estimated new metadata, 128 bytes
-    /// per extent item plus 1 KiB per entry, plus `opts.reserve_bytes`. A
-    /// reflink shares data, so only metadata grows; statvfs cannot tell
-    /// metadata from data space on btrfs, so this is a first check, and an
-    /// ENOSPC during the copy removes the partial subvolume and leaves
-    /// `<pkg>` untouched. Other errors during the copy keep the partial copy
-    /// for the next run.
+    /// filesystem than the root. Refuses (`MigrationFailed`) when free
+    /// space is short. A reflink shares data, so no data space is needed
+    /// (inline file data lives in metadata): only metadata grows. The free
+    /// metadata space, read from btrfs's allocator before anything is
+    /// created (free space in metadata block groups beyond the global
+    /// reserve, plus unallocated device space over the metadata profile's
+    /// copies; see [`sys::MetadataSpace`]), must cover the estimated new
+    /// metadata, 128 bytes per extent item plus 1 KiB per entry, plus
+    /// `opts.reserve_bytes`. The estimate can miss, so an ENOSPC during the
+    /// copy removes the partial subvolume and leaves `<pkg>` untouched. Other
+    /// errors during the copy keep the partial copy for the next run.
     ///
     /// The scan that counts entries, bytes and extents (a stat and a tree
     /// search per file) runs on a second thread while the clone starts, so
@@ -592,7 +595,7 @@ impl Migrator {
         // Free space is read once, before anything is created, and the
         // estimate checked against it when the scan has it. The reserve alone
         // is checked now, so a volumes root short of it is never touched.
-        let free = self.free_space(pkg)?;
+        let free = self.free_metadata(pkg)?;
         self.check_space(free, &Estimate::default(), opts)
             .map_err(|why| {
                 Error::for_package(
@@ -849,31 +852,29 @@ impl Migrator {
         Ok(())
     }
 
-    /// Free bytes for an unprivileged writer (statvfs `f_bavail`).
-    fn free_space(&self, pkg: &PackageId) -> Result<u64, Error> {
-        let vfs = rustix::fs::fstatvfs(self.root_fd())
-            .map_err(io::Error::from)
-            .with_ctx(|_| {
-                (
-                    ErrorKind::Filesystem,
-                    pkg.context("statvfs of the volumes root"),
-                )
-            })?;
-        Ok(vfs.f_bavail.saturating_mul(vfs.f_frsize))
+    /// Metadata bytes the filesystem can still take (see
+    /// [`sys::MetadataSpace::free`]).
+    fn free_metadata(&self, pkg: &PackageId) -> Result<u64, Error> {
+        let space = sys::metadata_space(self.root_fd()).with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                pkg.context("reading the filesystem's metadata space"),
+            )
+        })?;
+        Ok(space.free())
     }
 
-    /// Whether `free` bytes (read before the clone) cover what converting
-    /// `est` needs; see [`Migrator::convert`].
+    /// Whether `free` metadata bytes (read before the clone) cover what
+    /// converting `est` needs; see [`Migrator::convert`].
     fn check_space(&self, free: u64, est: &Estimate, opts: &MigrateOptions) -> Result<(), String> {
         let need = est
             .extents
             .saturating_mul(128)
             .saturating_add(est.entries.saturating_mul(1024))
-            .saturating_mul(2)
             .saturating_add(opts.reserve_bytes);
         if free < need {
             return Err(format!(
-                "not enough free space to convert: {free} bytes free, {need} needed \
+                "not enough free metadata space to convert: {free} bytes free, {need} needed \
                  ({} extents, {} entries, plus {} reserved)",
                 est.extents, est.entries, opts.reserve_bytes
             ));

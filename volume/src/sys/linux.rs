@@ -512,6 +512,196 @@ pub fn read_dir_names(fd: BorrowedFd<'_>) -> io::Result<Vec<(OsString, FileType,
     Ok(out)
 }
 
+pub use space::{MetadataSpace, metadata_space};
+
+mod space {
+    //! How much new metadata a btrfs filesystem can take, from the figures
+    //! its allocator keeps: BTRFS_IOC_SPACE_INFO for the block groups,
+    //! BTRFS_IOC_FS_INFO and BTRFS_IOC_DEV_INFO for the raw space not yet
+    //! allocated to any. statvfs cannot tell: it reports data space.
+
+    use std::io;
+    use std::os::fd::BorrowedFd;
+
+    use rustix::ioctl::{Getter, Ioctl, IoctlOutput, Opcode, Updater, opcode};
+
+    const BLOCK_GROUP_METADATA: u64 = 1 << 2;
+    const BLOCK_GROUP_RAID1: u64 = 1 << 4;
+    const BLOCK_GROUP_DUP: u64 = 1 << 5;
+    const BLOCK_GROUP_RAID10: u64 = 1 << 6;
+    const BLOCK_GROUP_RAID5: u64 = 1 << 7;
+    const BLOCK_GROUP_RAID6: u64 = 1 << 8;
+    const BLOCK_GROUP_RAID1C3: u64 = 1 << 9;
+    const BLOCK_GROUP_RAID1C4: u64 = 1 << 10;
+    const SPACE_INFO_GLOBAL_RSV: u64 = 1 << 49;
+
+    /// Metadata space of a filesystem, in logical bytes.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct MetadataSpace {
+        /// Bytes in metadata block groups (mixed ones included).
+        pub total: u64,
+        /// Of which used.
+        pub used: u64,
+        /// The global reserve, held back from metadata for the
+        /// filesystem's own use: not available to new items.
+        pub global_reserve: u64,
+        /// Raw device bytes allocated to no block group yet, summed over
+        /// devices.
+        pub unallocated: u64,
+        /// Raw bytes one metadata byte takes (2 for DUP and RAID1, ...;
+        /// rounded up for RAID5 and RAID6).
+        pub copies: u64,
+    }
+
+    impl MetadataSpace {
+        /// New metadata the filesystem can take: what is free in its
+        /// metadata block groups beyond the global reserve, plus what new
+        /// metadata block groups could hold in the unallocated space.
+        pub fn free(&self) -> u64 {
+            self.total
+                .saturating_sub(self.used)
+                .saturating_sub(self.global_reserve)
+                .saturating_add(self.unallocated / self.copies.max(1))
+        }
+    }
+
+    #[repr(C)]
+    #[derive(Default, Clone, Copy)]
+    struct SpaceInfo {
+        flags: u64,
+        total_bytes: u64,
+        used_bytes: u64,
+    }
+
+    /// `struct btrfs_ioctl_space_args` (space_slots, total_spaces)
+    /// followed by `space_slots` entries, as one allocation of words.
+    struct SpaceArgs<'a>(&'a mut [u64]);
+
+    // SAFETY: BTRFS_IOC_SPACE_INFO is _IOWR(0x94, 20, 16-byte header); the
+    // pointer covers the header plus the `space_slots` entries it announces.
+    unsafe impl Ioctl for SpaceArgs<'_> {
+        type Output = ();
+        const IS_MUTATING: bool = true;
+        fn opcode(&self) -> Opcode {
+            opcode::read_write::<[u64; 2]>(0x94, 20)
+        }
+        fn as_ptr(&mut self) -> *mut std::ffi::c_void {
+            self.0.as_mut_ptr().cast()
+        }
+        unsafe fn output_from_ptr(
+            _: IoctlOutput,
+            _: *mut std::ffi::c_void,
+        ) -> rustix::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn space_infos(fd: BorrowedFd<'_>) -> io::Result<Vec<SpaceInfo>> {
+        const WORDS: usize = std::mem::size_of::<SpaceInfo>() / 8;
+        // Asked with no slots, the kernel says how many there are; a block
+        // group type may appear in between, so ask for a few more.
+        let mut head = [0u64; 2];
+        // SAFETY: zero slots: the kernel only writes the header.
+        unsafe { rustix::ioctl::ioctl(fd, SpaceArgs(&mut head))? };
+        let slots = head[1] as usize + 4;
+        let mut mem = vec![0u64; 2 + slots * WORDS];
+        mem[0] = slots as u64;
+        // SAFETY: `mem` holds the header and `slots` entries.
+        unsafe { rustix::ioctl::ioctl(fd, SpaceArgs(&mut mem))? };
+        let filled = (mem[1] as usize).min(slots);
+        Ok(mem[2..2 + filled * WORDS]
+            .chunks_exact(WORDS)
+            .map(|w| SpaceInfo {
+                flags: w[0],
+                total_bytes: w[1],
+                used_bytes: w[2],
+            })
+            .collect())
+    }
+
+    /// `struct btrfs_ioctl_fs_info_args`, of which the first two fields.
+    #[repr(C)]
+    struct FsInfo {
+        max_id: u64,
+        num_devices: u64,
+        rest: [u8; 1024 - 16],
+    }
+
+    /// `struct btrfs_ioctl_dev_info_args`, of which devid, bytes_used and
+    /// total_bytes.
+    #[repr(C)]
+    struct DevInfo {
+        devid: u64,
+        uuid: [u8; 16],
+        bytes_used: u64,
+        total_bytes: u64,
+        rest: [u8; 4096 - 40],
+    }
+
+    const FS_INFO: Opcode = opcode::read::<FsInfo>(0x94, 31);
+    const DEV_INFO: Opcode = opcode::read_write::<DevInfo>(0x94, 30);
+
+    fn unallocated(fd: BorrowedFd<'_>) -> io::Result<u64> {
+        // SAFETY: FS_INFO fills a `struct btrfs_ioctl_fs_info_args`, which
+        // FsInfo matches in size; every bit pattern is valid for it.
+        let fs: FsInfo = unsafe { rustix::ioctl::ioctl(fd, Getter::<FS_INFO, FsInfo>::new())? };
+        let mut free = 0u64;
+        for devid in 1..=fs.max_id {
+            let mut dev = DevInfo {
+                devid,
+                uuid: [0; 16],
+                bytes_used: 0,
+                total_bytes: 0,
+                rest: [0; 4096 - 40],
+            };
+            // SAFETY: DEV_INFO reads and fills a `struct
+            // btrfs_ioctl_dev_info_args`, which DevInfo matches in size.
+            match unsafe { rustix::ioctl::ioctl(fd, Updater::<DEV_INFO, DevInfo>::new(&mut dev)) } {
+                Ok(()) => free += dev.total_bytes.saturating_sub(dev.bytes_used),
+                // Ids of removed devices leave gaps.
+                Err(rustix::io::Errno::NODEV) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(free)
+    }
+
+    /// The metadata space of the btrfs filesystem holding `fd`.
+    pub fn metadata_space(fd: BorrowedFd<'_>) -> io::Result<MetadataSpace> {
+        let mut out = MetadataSpace {
+            total: 0,
+            used: 0,
+            global_reserve: 0,
+            unallocated: unallocated(fd)?,
+            copies: 1,
+        };
+        for info in space_infos(fd)? {
+            if info.flags & SPACE_INFO_GLOBAL_RSV != 0 {
+                out.global_reserve = info.total_bytes;
+            } else if info.flags & BLOCK_GROUP_METADATA != 0 {
+                out.total += info.total_bytes;
+                out.used += info.used_bytes;
+                let copies = match info.flags {
+                    f if f & BLOCK_GROUP_RAID1C4 != 0 => 4,
+                    f if f & (BLOCK_GROUP_RAID1C3 | BLOCK_GROUP_RAID6) != 0 => 3,
+                    f if f
+                        & (BLOCK_GROUP_DUP
+                            | BLOCK_GROUP_RAID1
+                            | BLOCK_GROUP_RAID10
+                            | BLOCK_GROUP_RAID5)
+                        != 0 =>
+                    {
+                        2
+                    }
+                    _ => 1,
+                };
+                out.copies = out.copies.max(copies);
+            }
+        }
+        Ok(out)
+    }
+}
+
 pub use tree_search::{
     Batch, DEFAULT_BUF_SIZE, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, search,
 };
