@@ -316,8 +316,8 @@ fn keys_one_pass(dir: &File) -> Vec<ItemKey> {
     keys
 }
 
-/// Each thread's keys, from a parallel sweep.
-fn keys_swept(dir: &File, threads: usize) -> Vec<Vec<ItemKey>> {
+/// Each range's first key and keys, from a parallel sweep.
+fn keys_swept(dir: &File, threads: usize) -> Vec<(ItemKey, Vec<ItemKey>)> {
     sweep::sweep(dir.as_fd(), threads, Vec::new, |keys, key, _| {
         keys.push(key);
         Ok(())
@@ -352,10 +352,16 @@ fn parallel_sweep_reads_every_item_exactly_once() {
         let dir = File::open(tree).expect("open tree");
         let expected = keys_one_pass(&dir);
         for threads in [1, 2, 3, 8, 32] {
-            let per_thread = keys_swept(&dir, threads);
-            assert_eq!(per_thread.len(), threads);
-            let mut all: Vec<ItemKey> = per_thread.concat();
-            all.sort();
+            let ranges = keys_swept(&dir, threads);
+            for (start, keys) in &ranges {
+                assert!(
+                    keys.first().is_none_or(|k| k >= start),
+                    "a key before its range"
+                );
+            }
+            // Ranges in key order, each read in key order: together, the
+            // order one thread reads the tree in.
+            let all: Vec<ItemKey> = ranges.into_iter().flat_map(|(_, keys)| keys).collect();
             assert_eq!(
                 all.len(),
                 expected.len(),
@@ -368,10 +374,10 @@ fn parallel_sweep_reads_every_item_exactly_once() {
 
     // The fragmented file's extent items were shared out by offset.
     let dir = File::open(&one).expect("open tree");
-    let per_thread = keys_swept(&dir, 4);
-    let sharing = per_thread
+    let ranges = keys_swept(&dir, 4);
+    let sharing = ranges
         .iter()
-        .filter(|keys| {
+        .filter(|(_, keys)| {
             keys.iter()
                 .filter(|k| k.item_type == EXTENT_DATA_KEY)
                 .count()
@@ -380,7 +386,7 @@ fn parallel_sweep_reads_every_item_exactly_once() {
         .count();
     assert!(
         sharing >= 2,
-        "only {sharing} of 4 threads read the file's extents"
+        "only {sharing} ranges read the file's extents"
     );
 }
 
@@ -442,4 +448,82 @@ fn metadata_space_equals_btrfs_filesystem_usage() {
         size - used - reserve + unallocated / 2,
         "{ours:?}"
     );
+}
+
+#[test]
+fn a_panicking_visitor_stops_the_sweep_with_an_error() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 * MIB));
+    let tree = fs.path("tree");
+    subvolume_create(&tree);
+    for i in 0..4u64 {
+        write(&tree.join(format!("f{i}")), &bytes(i, 100));
+    }
+    sync();
+    let dir = File::open(&tree).expect("open tree");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let out = sweep::sweep(
+            dir.as_fd(),
+            2,
+            || (),
+            |_, key, _| {
+                assert!(key.objectid != 258, "the visitor fails on inode 258");
+                Ok(())
+            },
+        );
+        let _ = tx.send(out.map(|ranges| ranges.len()));
+    });
+    let out = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the sweep must return, not wait for the dead thread");
+    let err = out.expect_err("a panic must be an error");
+    assert!(err.to_string().contains("panicked"), "{err}");
+}
+
+#[test]
+fn partly_written_preallocation_is_booked_as_compsize_books_it() {
+    let fs = fs_or_skip!(LoopFs::btrfs(1024 * MIB));
+    let tree = fs.path("tree");
+    subvolume_create(&tree);
+    // Writes into a preallocated extent split it into regular and prealloc
+    // references to the same disk extent; compsize books its bytes under
+    // the type of the first reference in key order, whichever thread of a
+    // parallel sweep reads it.
+    let db = File::options()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(tree.join("db"))
+        .expect("create db");
+    rustix::fs::fallocate(&db, rustix::fs::FallocateFlags::empty(), 0, 64 * MIB)
+        .expect("fallocate");
+    for i in 0..(64 * MIB / (16 << 10)) {
+        db.write_all_at(&bytes(i, 4096), i * (16 << 10))
+            .expect("write");
+    }
+    db.sync_all().expect("sync db");
+    // A later file whose first reference to that extent is a prealloc one
+    // (a clone of an unwritten part), among many extents of its own.
+    let other = File::options()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(tree.join("other"))
+        .expect("create other");
+    volume::sys::ficlone_range(other.as_fd(), db.as_fd(), 4096, 12 << 10).expect("clone");
+    for i in 0..2000u64 {
+        other
+            .write_all_at(&bytes(1000 + i, 4096), MIB + i * (8 << 10))
+            .expect("write");
+    }
+    drop((db, other));
+    sync();
+    let theirs = compsize(&[], &tree);
+    let dir = File::open(&tree).expect("open tree");
+    for run in 0..10 {
+        let (ours, _) = volume::usage::subvolume_usage(dir.as_fd()).expect("usage");
+        assert_eq!(ours, theirs, "run {run}: ours vs compsize");
+    }
 }

@@ -28,7 +28,7 @@ use crate::sys::{EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, Searcher};
 const FIRST_INODE: u64 = 256;
 /// `BTRFS_LAST_FREE_OBJECTID`: the highest inode number. Objectids above it
 /// are special (orphan items, at `-5`) and hold few items.
-const LAST_INODE: u64 = u64::MAX - 256;
+const LAST_INODE: u64 = u64::MAX - 255;
 /// `size` in `struct btrfs_inode_item`.
 const INODE_SIZE_AT: usize = 16;
 /// A file is split by offset only if at least this much of it is left: a
@@ -121,6 +121,16 @@ impl Range {
     }
 }
 
+/// What a thread is to read next, `from..=end`.
+enum Work {
+    /// More of the range it was reading.
+    Continue(ItemKey, ItemKey),
+    /// A range newly split off another thread's.
+    New(ItemKey, ItemKey),
+    /// Nothing: the sweep is over.
+    Stop,
+}
+
 /// The ranges of all threads, and the highest inode number.
 struct Plan {
     ranges: Mutex<Vec<Range>>,
@@ -136,20 +146,24 @@ impl Plan {
         self.ranges.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Gives the idle thread `me` new work, waiting while none can be split
+    /// What thread `me` reads next: the rest of its range, or, once that is
+    /// done, a new range split off another, waiting while none can be split
     /// off yet (the last file's size is known only once its inode item is
-    /// read). Returns false once every range is done, or a thread failed.
-    fn take_work(&self, me: usize) -> bool {
+    /// read). `Stop` once every range is done, or a thread failed.
+    fn take_work(&self, me: usize) -> Work {
         let mut ranges = self.lock();
         loop {
             if self.failed.load(Ordering::Relaxed) {
-                return false;
+                return Work::Stop;
             }
-            if !ranges[me].done || self.steal(&mut ranges, me) {
-                return true;
+            if !ranges[me].done {
+                return Work::Continue(ranges[me].next, ranges[me].end);
+            }
+            if self.steal(&mut ranges, me) {
+                return Work::New(ranges[me].next, ranges[me].end);
             }
             if ranges.iter().all(|r| r.done) {
-                return false;
+                return Work::Stop;
             }
             ranges = self
                 .changed
@@ -191,25 +205,45 @@ impl Plan {
 }
 
 /// Reads every item of the tree of the subvolume holding `fd` exactly once,
-/// on `threads` threads (at least one). Each thread starts from `init()` and
-/// calls `visit` for each item of its ranges, in key order within a range;
-/// the threads' states are returned for the caller to merge. The first error
-/// (of the ioctl or of `visit`) stops every thread and is returned. Needs
-/// CAP_SYS_ADMIN.
-pub fn sweep<S, I, V>(fd: BorrowedFd<'_>, threads: usize, init: I, visit: V) -> io::Result<Vec<S>>
+/// on `threads` threads (at least one). The key space ends up cut into
+/// disjoint ranges, each read in key order into its own state, made by
+/// `init()` and fed each item by `visit`. Returns each range's state with
+/// its first key, in key order: folding them in that order sees every item
+/// in the order one thread sweeping the whole tree would (what "the first
+/// reference to an extent" means depends on it). The first error (of the
+/// ioctl or of `visit`), or a panic in `visit`, stops every thread and is
+/// returned. Needs CAP_SYS_ADMIN.
+pub fn sweep<S, I, V>(
+    fd: BorrowedFd<'_>,
+    threads: usize,
+    init: I,
+    visit: V,
+) -> io::Result<Vec<(ItemKey, S)>>
 where
     S: Send,
     I: Fn() -> S + Sync,
     V: Fn(&mut S, ItemKey, &[u8]) -> io::Result<()> + Sync,
 {
+    /// Stops the other threads when its thread unwinds: they would
+    /// otherwise wait forever for the dead thread's range.
+    struct FailOnPanic<'a>(&'a Plan);
+    impl Drop for FailOnPanic<'_> {
+        fn drop(&mut self) {
+            if std::thread::panicking() {
+                self.0.fail();
+            }
+        }
+    }
+
     let threads = threads.max(1);
     let plan = first_ranges(fd, threads)?;
-    std::thread::scope(|scope| {
+    let per_thread = std::thread::scope(|scope| {
         let workers: Vec<_> = (0..threads)
             .map(|me| {
                 let (plan, init, visit) = (&plan, &init, &visit);
                 scope.spawn(move || {
-                    let out = work(fd, plan, me, init(), visit);
+                    let _guard = FailOnPanic(plan);
+                    let out = work(fd, plan, me, init, visit);
                     if out.is_err() {
                         plan.fail();
                     }
@@ -223,8 +257,11 @@ where
                 w.join()
                     .unwrap_or_else(|_| Err(io::Error::other("a tree sweep thread panicked")))
             })
-            .collect()
-    })
+            .collect::<io::Result<Vec<_>>>()
+    })?;
+    let mut ranges: Vec<(ItemKey, S)> = per_thread.into_iter().flatten().collect();
+    ranges.sort_by_key(|&(start, _)| start);
+    Ok(ranges)
 }
 
 /// Equal slices of the inode numbers in use, one per thread; the first
@@ -313,19 +350,26 @@ fn highest_inode(fd: BorrowedFd<'_>) -> io::Result<Option<u64>> {
 }
 
 /// One thread: reads its range a buffer at a time, then takes over half of
-/// another's, until nothing is worth taking.
+/// another's, until nothing is worth taking. Returns each range it read,
+/// with its first key and state.
 fn work<S>(
     fd: BorrowedFd<'_>,
     plan: &Plan,
     me: usize,
-    mut state: S,
+    init: &(impl Fn() -> S + Sync),
     visit: &(impl Fn(&mut S, ItemKey, &[u8]) -> io::Result<()> + Sync),
-) -> io::Result<S> {
+) -> io::Result<Vec<(ItemKey, S)>> {
     let mut searcher = Searcher::new(BUF_SIZE);
-    while plan.take_work(me) {
-        let (from, end) = {
-            let ranges = plan.lock();
-            (ranges[me].next, ranges[me].end)
+    let mut done = Vec::new();
+    let mut current: Option<(ItemKey, S)> = None;
+    loop {
+        let (from, end) = match plan.take_work(me) {
+            Work::Stop => break,
+            Work::Continue(from, end) if current.is_some() => (from, end),
+            Work::Continue(from, end) | Work::New(from, end) => {
+                done.extend(current.replace((from, init())));
+                (from, end)
+            }
         };
         let batch = searcher.fill(fd, from, end, u32::MAX)?;
         // Another thread may have taken the top of this range while the
@@ -357,11 +401,14 @@ fn work<S>(
             plan.changed.notify_all();
             keep
         };
-        for (key, body) in batch.iter().take(keep) {
-            visit(&mut state, key, body)?;
+        if let Some((_, state)) = current.as_mut() {
+            for (key, body) in batch.iter().take(keep) {
+                visit(state, key, body)?;
+            }
         }
     }
-    Ok(state)
+    done.extend(current);
+    Ok(done)
 }
 
 #[cfg(test)]

@@ -82,7 +82,7 @@ pub struct Extent {
 #[derive(Debug, Default, Clone)]
 pub struct ExtentSet {
     list: Vec<(u64, Extent)>,
-    pages: HashMap<u64, Box<[u64; PAGE_WORDS]>, BuildHasherDefault<PageHasher>>,
+    pages: HashMap<u64, [u64; PAGE_WORDS], BuildHasherDefault<PageHasher>>,
     /// Byte numbers not on a 4 KiB boundary (sectors smaller than 4 KiB are
     /// an experimental btrfs option): kept exactly.
     odd: HashSet<u64>,
@@ -100,10 +100,7 @@ impl ExtentSet {
         let new = if bytenr & ((1 << SECTOR_SHIFT) - 1) != 0 {
             self.odd.insert(bytenr)
         } else {
-            let page = self
-                .pages
-                .entry(bytenr >> PAGE_SHIFT)
-                .or_insert_with(|| Box::new([0; PAGE_WORDS]));
+            let page = self.pages.entry(bytenr >> PAGE_SHIFT).or_default();
             let bit = (bytenr >> SECTOR_SHIFT) & ((PAGE_WORDS as u64 * 64) - 1);
             let (word, mask) = ((bit / 64) as usize, 1u64 << (bit % 64));
             let new = page[word] & mask == 0;
@@ -281,7 +278,10 @@ impl Tally {
         Ok(())
     }
 
-    /// Adds another tally of a disjoint part of the same trees.
+    /// Adds the tally of the part of the trees that comes after this one
+    /// in key order: an extent both reference stays booked under this
+    /// tally's type for it, as a one-thread sweep would book it (a partly
+    /// written preallocated extent has both regular and prealloc references).
     fn merge(mut self, other: Tally) -> Tally {
         self.files += other.files;
         self.refs += other.refs;
@@ -289,13 +289,7 @@ impl Tally {
         for (b, o) in self.by_type.iter_mut().zip(other.by_type) {
             b.add(o);
         }
-        let (mut into, from) = if self.extents.len() >= other.extents.len() {
-            (self.extents, other.extents)
-        } else {
-            (other.extents, self.extents)
-        };
-        into.extend(from);
-        self.extents = into;
+        self.extents.extend(other.extents);
         self
     }
 
@@ -313,10 +307,13 @@ impl Tally {
             ..Usage::default()
         };
         for (slot, b) in self.by_type.into_iter().enumerate() {
-            if b == Bytes::default() {
+            usage.total.add(b);
+            // compsize lists a type only if it holds uncompressed bytes: a
+            // type with references alone (to extents booked under another)
+            // counts in the total only.
+            if b.uncompressed == 0 {
                 continue;
             }
-            usage.total.add(b);
             let name = match slot {
                 0 => "none".to_owned(),
                 1 => "zlib".to_owned(),
@@ -352,10 +349,10 @@ fn sweep_threads() -> usize {
 
 /// Sweeps the whole tree of the subvolume holding `fd` into `tally`.
 fn sweep(fd: BorrowedFd<'_>, tally: Tally) -> io::Result<Tally> {
-    let parts = crate::sweep::sweep(fd, sweep_threads(), Tally::new, |t, key, body| {
+    let ranges = crate::sweep::sweep(fd, sweep_threads(), Tally::new, |t, key, body| {
         t.item(key, body)
     })?;
-    Ok(parts.into_iter().fold(tally, Tally::merge))
+    Ok(ranges.into_iter().map(|(_, t)| t).fold(tally, Tally::merge))
 }
 
 /// Usage of the subvolume open as `fd` and every subvolume nested in it, as

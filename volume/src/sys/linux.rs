@@ -523,7 +523,7 @@ mod space {
     use std::io;
     use std::os::fd::BorrowedFd;
 
-    use rustix::ioctl::{Getter, Ioctl, IoctlOutput, Opcode, Updater, opcode};
+    use rustix::ioctl::{Ioctl, IoctlOutput, Opcode, Updater, opcode};
 
     const BLOCK_GROUP_METADATA: u64 = 1 << 2;
     const BLOCK_GROUP_RAID1: u64 = 1 << 4;
@@ -556,7 +556,10 @@ mod space {
     impl MetadataSpace {
         /// New metadata the filesystem can take: what is free in its
         /// metadata block groups beyond the global reserve, plus what new
-        /// metadata block groups could hold in the unallocated space.
+        /// metadata block groups could hold in the unallocated space. An
+        /// upper bound where devices differ in size (mirrored copies must
+        /// land on different devices) or data chunks claim the unallocated
+        /// space first; exact on one device.
         pub fn free(&self) -> u64 {
             self.total
                 .saturating_sub(self.used)
@@ -619,45 +622,69 @@ mod space {
             .collect())
     }
 
-    /// `struct btrfs_ioctl_fs_info_args`, of which the first two fields.
+    /// `struct btrfs_ioctl_fs_info_args`: max_id, num_devices, fsid, then
+    /// fields not needed here (`flags`, read by the kernel, left zero).
     #[repr(C)]
     struct FsInfo {
         max_id: u64,
         num_devices: u64,
-        rest: [u8; 1024 - 16],
+        fsid: [u8; 16],
+        rest: [u8; 1024 - 32],
     }
 
-    /// `struct btrfs_ioctl_dev_info_args`, of which devid, bytes_used and
-    /// total_bytes.
+    /// `struct btrfs_ioctl_dev_info_args`: devid, uuid, bytes_used,
+    /// total_bytes, fsid, then the unused words and the path.
     #[repr(C)]
     struct DevInfo {
         devid: u64,
         uuid: [u8; 16],
         bytes_used: u64,
         total_bytes: u64,
-        rest: [u8; 4096 - 40],
+        fsid: [u8; 16],
+        rest: [u8; 4096 - 56],
     }
+
+    const _: () = assert!(std::mem::size_of::<FsInfo>() == 1024);
+    const _: () = assert!(std::mem::size_of::<DevInfo>() == 4096);
 
     const FS_INFO: Opcode = opcode::read::<FsInfo>(0x94, 31);
     const DEV_INFO: Opcode = opcode::read_write::<DevInfo>(0x94, 30);
 
+    /// Raw bytes allocated to no block group, over the filesystem's own
+    /// devices (a seed device, read-only, has its own fsid and is skipped).
     fn unallocated(fd: BorrowedFd<'_>) -> io::Result<u64> {
-        // SAFETY: FS_INFO fills a `struct btrfs_ioctl_fs_info_args`, which
-        // FsInfo matches in size; every bit pattern is valid for it.
-        let fs: FsInfo = unsafe { rustix::ioctl::ioctl(fd, Getter::<FS_INFO, FsInfo>::new())? };
-        let mut free = 0u64;
+        let mut fs = FsInfo {
+            max_id: 0,
+            num_devices: 0,
+            fsid: [0; 16],
+            rest: [0; 1024 - 32],
+        };
+        // SAFETY: FS_INFO reads and fills a `struct btrfs_ioctl_fs_info_args`,
+        // which FsInfo matches in size and layout; zeroed, as the kernel
+        // reads its `flags`.
+        unsafe { rustix::ioctl::ioctl(fd, Updater::<FS_INFO, FsInfo>::new(&mut fs))? };
+        let (mut free, mut found) = (0u64, 0u64);
         for devid in 1..=fs.max_id {
+            if found >= fs.num_devices {
+                break;
+            }
             let mut dev = DevInfo {
                 devid,
                 uuid: [0; 16],
                 bytes_used: 0,
                 total_bytes: 0,
-                rest: [0; 4096 - 40],
+                fsid: [0; 16],
+                rest: [0; 4096 - 56],
             };
             // SAFETY: DEV_INFO reads and fills a `struct
-            // btrfs_ioctl_dev_info_args`, which DevInfo matches in size.
+            // btrfs_ioctl_dev_info_args`, which DevInfo matches in size and
+            // layout.
             match unsafe { rustix::ioctl::ioctl(fd, Updater::<DEV_INFO, DevInfo>::new(&mut dev)) } {
-                Ok(()) => free += dev.total_bytes.saturating_sub(dev.bytes_used),
+                Ok(()) if dev.fsid == fs.fsid => {
+                    found += 1;
+                    free += dev.total_bytes.saturating_sub(dev.bytes_used);
+                }
+                Ok(()) => {}
                 // Ids of removed devices leave gaps.
                 Err(rustix::io::Errno::NODEV) => {}
                 Err(e) => return Err(e.into()),

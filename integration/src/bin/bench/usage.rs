@@ -13,7 +13,9 @@
 //! `sync; echo 3 > /proc/sys/vm/drop_caches` (untimed) before every timed
 //! run, the tools taking turns, so each starts with nothing cached: not the
 //! filesystem's metadata, not its own binary. Every run's figures, ours and
-//! compsize's (`-b`, exact bytes), are compared.
+//! compsize's (`-b`, exact bytes), are compared, and each run's CPU time
+//! (user + system, from `getrusage(RUSAGE_CHILDREN)`) is reported beside
+//! its wall time.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -138,6 +140,11 @@ pub struct ToolRow {
     tool: Tool,
     warm: Stats,
     cold: Stats,
+    /// CPU time (user + system, every thread) of the warm runs...
+    warm_cpu: Stats,
+    /// ... and of the cold runs: against the wall time, how busy the
+    /// machine's cores kept the tool.
+    cold_cpu: Stats,
     /// This tool's warm median over ours.
     warm_vs_ours: f64,
     /// This tool's cold median over ours.
@@ -183,8 +190,8 @@ struct Runner<'a> {
 impl Runner<'_> {
     /// Runs `tool` on `tree` once, timed from spawn to exit, and returns the
     /// figures it printed (none for `btrfs filesystem du`, whose figures are
-    /// of another kind).
-    fn run(&self, tool: Tool, tree: &Tree) -> Result<(Option<Figures>, Duration)> {
+    /// of another kind) and the CPU time it used.
+    fn run(&self, tool: Tool, tree: &Tree) -> Result<(Option<Figures>, Duration, Duration)> {
         let mut cmd = match tool {
             Tool::Ours => {
                 let mut c = Command::new(self.ours);
@@ -204,15 +211,32 @@ impl Runner<'_> {
                 c
             }
         };
+        let cpu_before = children_cpu();
         let (out, took) = timed(|| integration::run(&mut cmd))?;
+        let cpu = children_cpu().saturating_sub(cpu_before);
         let text = String::from_utf8_lossy(&out.stdout);
         let figures = match tool {
             Tool::Ours => Some(parse_ours(&text)?),
             Tool::Compsize => Some(parse_compsize(&text)?),
             Tool::BtrfsDu => None,
         };
-        Ok((figures, took))
+        Ok((figures, took, cpu))
     }
+}
+
+/// User plus system time of every waited-for child process so far.
+fn children_cpu() -> Duration {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage fills the rusage it is given; RUSAGE_CHILDREN is a
+    // valid `who`, so it cannot fail, and a zeroed rusage is valid anyway.
+    let usage = unsafe {
+        libc::getrusage(libc::RUSAGE_CHILDREN, usage.as_mut_ptr());
+        usage.assume_init()
+    };
+    let tv = |t: libc::timeval| {
+        Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64)
+    };
+    tv(usage.ru_utime) + tv(usage.ru_stime)
 }
 
 /// Compares every run's figures with the first of each tool.
@@ -241,33 +265,36 @@ impl Check {
 
 fn measure(runner: &Runner, tree: &Tree, runs: u32) -> Result<Case> {
     let mut check = Check::default();
-    let mut warm: [Vec<Duration>; 3] = Default::default();
-    let mut cold: [Vec<Duration>; 3] = Default::default();
+    // Wall and CPU time of each tool's runs.
+    let mut warm: [(Vec<Duration>, Vec<Duration>); 3] = Default::default();
+    let mut cold: [(Vec<Duration>, Vec<Duration>); 3] = Default::default();
     for (i, &tool) in Tool::ALL.iter().enumerate() {
-        let (figures, _) = runner.run(tool, tree)?;
+        let (figures, ..) = runner.run(tool, tree)?;
         check.add(tool, figures);
         for _ in 0..runs {
-            let (figures, took) = runner.run(tool, tree)?;
+            let (figures, took, cpu) = runner.run(tool, tree)?;
             check.add(tool, figures);
-            warm[i].push(took);
+            warm[i].0.push(took);
+            warm[i].1.push(cpu);
         }
     }
     for _ in 0..runs {
         for (i, &tool) in Tool::ALL.iter().enumerate() {
             drop_caches()?;
-            let (figures, took) = runner.run(tool, tree)?;
+            let (figures, took, cpu) = runner.run(tool, tree)?;
             check.add(tool, figures);
-            cold[i].push(took);
+            cold[i].0.push(took);
+            cold[i].1.push(cpu);
         }
     }
     let ours = check.ours.unwrap_or_default();
     let identical = !check.varied && check.compsize.as_ref() == Some(&ours);
-    let ours_warm = Stats::of(&warm[0]).median;
-    let ours_cold = Stats::of(&cold[0]).median;
+    let ours_warm = Stats::of(&warm[0].0).median;
+    let ours_cold = Stats::of(&cold[0].0).median;
     let rows = Tool::ALL
         .iter()
         .zip(warm.iter().zip(&cold))
-        .map(|(&tool, (w, c))| {
+        .map(|(&tool, ((w, w_cpu), (c, c_cpu)))| {
             let (warm, cold) = (Stats::of(w), Stats::of(c));
             ToolRow {
                 tool,
@@ -275,6 +302,8 @@ fn measure(runner: &Runner, tree: &Tree, runs: u32) -> Result<Case> {
                 cold_vs_ours: cold.median / ours_cold,
                 warm,
                 cold,
+                warm_cpu: Stats::of(w_cpu),
+                cold_cpu: Stats::of(c_cpu),
             }
         })
         .collect();
@@ -365,8 +394,15 @@ fn verdicts(cases: &[Case]) -> Vec<Verdict> {
 /// The section's table, notes and target lines.
 pub fn print(report: &Report) {
     println!(
-        "{:<22} {:<28} {:>9} {:>7} {:>9} {:>7}",
-        "usage of one volume", "tool (whole process)", "warm", "/ours", "cold", "/ours"
+        "{:<22} {:<28} {:>9} {:>7} {:>8} {:>9} {:>7} {:>8}",
+        "usage of one volume",
+        "tool (whole process)",
+        "warm",
+        "/ours",
+        "cpu",
+        "cold",
+        "/ours",
+        "cpu"
     );
     for case in &report.cases {
         for (i, row) in case.rows.iter().enumerate() {
@@ -378,13 +414,15 @@ pub fn print(report: &Report) {
                 }
             };
             println!(
-                "{:<22} {:<28} {:>9} {:>7} {:>9} {:>7}",
+                "{:<22} {:<28} {:>9} {:>7} {:>8} {:>9} {:>7} {:>8}",
                 if i == 0 { case.tree.as_str() } else { "" },
                 row.tool.name(),
                 fmt_duration(row.warm.median()),
                 ratio(row.warm_vs_ours),
+                fmt_duration(row.warm_cpu.median()),
                 fmt_duration(row.cold.median()),
                 ratio(row.cold_vs_ours),
+                fmt_duration(row.cold_cpu.median()),
             );
         }
         let f = &case.ours;
@@ -404,7 +442,9 @@ pub fn print(report: &Report) {
     }
     println!(
         "medians of {} runs; warm: right after a run of the same tool; cold: after\n\
-         \x20 `sync; echo 3 > /proc/sys/vm/drop_caches` (untimed), tools taking turns",
+         \x20 `sync; echo 3 > /proc/sys/vm/drop_caches` (untimed), tools taking turns;\n\
+         \x20 cpu: the process's user + system time, all its threads (kernel threads\n\
+         \x20 reading for it not included)",
         report.runs
     );
     println!();
