@@ -152,6 +152,11 @@ impl Fixture {
         self.fs.mount_point()
     }
 
+    /// The loop device the filesystem is on.
+    pub fn device(&self) -> &Path {
+        self.fs.device()
+    }
+
     /// Unmounts and removes the filesystem, reporting any problem.
     pub fn close(self) -> Result<()> {
         // The store holds the root open: close it before unmounting.

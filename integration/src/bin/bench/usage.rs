@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::common::{Result, fmt_count, fmt_duration, fmt_ratio, timed};
+use crate::common::{Result, fmt_bytes, fmt_count, fmt_duration, fmt_ratio, timed};
 use crate::fixture::{Fixture, Tree};
 use crate::{Stats, Verdict, drop_caches, sibling_binary};
 
@@ -164,6 +164,67 @@ pub struct Case {
     compsize: Option<Figures>,
     figures_identical: bool,
     rows: Vec<ToolRow>,
+    /// The subvolume's b-tree: what a cold run of ours must read.
+    tree_blocks: TreeBlocks,
+}
+
+/// Blocks of a subvolume's b-tree, as `btrfs inspect-internal dump-tree`
+/// lists them.
+#[derive(Serialize)]
+pub struct TreeBlocks {
+    leaves: u64,
+    nodes: u64,
+    /// Both together, in bytes.
+    bytes: u64,
+}
+
+/// Counts the blocks of the tree of the subvolume at `path` on `device`
+/// (read from the device: the filesystem is synced first).
+fn tree_blocks(device: &Path, path: &Path) -> Result<TreeBlocks> {
+    rustix::fs::sync();
+    let out = integration::run(
+        Command::new("btrfs")
+            .args(["inspect-internal", "rootid"])
+            .arg(path),
+    )?;
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    let super_block = integration::run(
+        Command::new("btrfs")
+            .args(["inspect-internal", "dump-super"])
+            .arg(device),
+    )?;
+    let nodesize = String::from_utf8_lossy(&super_block.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("nodesize")?.trim().parse::<u64>().ok())
+        .ok_or("dump-super printed no nodesize")?;
+    let mut child = Command::new("btrfs")
+        .args(["inspect-internal", "dump-tree", "-t", &id])
+        .arg(device)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .map_err(|e| format!("running btrfs inspect-internal dump-tree: {e}"))?;
+    let stdout = child.stdout.take().ok_or("dump-tree: no stdout")?;
+    let (mut leaves, mut nodes) = (0, 0);
+    for line in std::io::BufRead::split(std::io::BufReader::new(stdout), b'\n') {
+        let line = line.map_err(|e| format!("reading dump-tree output: {e}"))?;
+        if line.starts_with(b"leaf ") {
+            leaves += 1;
+        } else if line.starts_with(b"node ") {
+            nodes += 1;
+        }
+    }
+    let status = child
+        .wait()
+        .map_err(|e| format!("waiting for dump-tree: {e}"))?;
+    if !status.success() || leaves == 0 {
+        return Err(format!("btrfs inspect-internal dump-tree -t {id} failed ({status})").into());
+    }
+    Ok(TreeBlocks {
+        leaves,
+        nodes,
+        bytes: (leaves + nodes) * nodesize,
+    })
 }
 
 impl Case {
@@ -263,7 +324,7 @@ impl Check {
     }
 }
 
-fn measure(runner: &Runner, tree: &Tree, runs: u32) -> Result<Case> {
+fn measure(runner: &Runner, device: &Path, tree: &Tree, runs: u32) -> Result<Case> {
     let mut check = Check::default();
     // Wall and CPU time of each tool's runs.
     let mut warm: [(Vec<Duration>, Vec<Duration>); 3] = Default::default();
@@ -314,6 +375,7 @@ fn measure(runner: &Runner, tree: &Tree, runs: u32) -> Result<Case> {
         ours,
         figures_identical: identical,
         rows,
+        tree_blocks: tree_blocks(device, &tree.path)?,
     })
 }
 
@@ -331,7 +393,7 @@ pub fn run(fx: &Fixture, runs: u32) -> Result<Report> {
             "usage: {}: {runs} warm and {runs} cold runs of each tool ...",
             tree.label
         );
-        cases.push(measure(&runner, tree, runs)?);
+        cases.push(measure(&runner, fx.device(), tree, runs)?);
     }
     Ok(Report {
         runs,
@@ -434,6 +496,14 @@ pub fn print(report: &Report) {
             fmt_count(f.extents),
             fmt_count(f.refs),
             fmt_count(f.inline)
+        );
+        let t = &case.tree_blocks;
+        println!(
+            "{:<22} its b-tree: {} leaves and {} nodes, {} (btrfs inspect-internal dump-tree)",
+            "",
+            fmt_count(t.leaves),
+            fmt_count(t.nodes),
+            fmt_bytes(t.bytes)
         );
         if let Some(c) = &case.compsize {
             println!("{:<22}   ours:     {f:?}", "");
