@@ -451,7 +451,7 @@ fn metadata_space_equals_btrfs_filesystem_usage() {
 }
 
 #[test]
-fn a_panicking_visitor_stops_the_sweep_with_an_error() {
+fn a_panicking_visitor_stops_the_sweep_and_the_panic_reaches_the_caller() {
     let fs = fs_or_skip!(LoopFs::btrfs(512 * MIB));
     let tree = fs.path("tree");
     subvolume_create(&tree);
@@ -460,9 +460,8 @@ fn a_panicking_visitor_stops_the_sweep_with_an_error() {
     }
     sync();
     let dir = File::open(&tree).expect("open tree");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let out = sweep::sweep(
+    let caller = std::thread::spawn(move || {
+        sweep::sweep(
             dir.as_fd(),
             2,
             || (),
@@ -470,14 +469,26 @@ fn a_panicking_visitor_stops_the_sweep_with_an_error() {
                 assert!(key.objectid != 258, "the visitor fails on inode 258");
                 Ok(())
             },
-        );
-        let _ = tx.send(out.map(|ranges| ranges.len()));
+        )
+        .map(|ranges| ranges.len())
     });
-    let out = rx
-        .recv_timeout(std::time::Duration::from_secs(60))
-        .expect("the sweep must return, not wait for the dead thread");
-    let err = out.expect_err("a panic must be an error");
-    assert!(err.to_string().contains("panicked"), "{err}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !caller.is_finished() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the sweep must end, not wait for the dead thread"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let panic = caller
+        .join()
+        .expect_err("the visitor's panic must reach the caller");
+    let msg = panic
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| panic.downcast_ref::<&str>().copied())
+        .unwrap_or_default();
+    assert!(msg.contains("inode 258"), "unexpected panic: {msg:?}");
 }
 
 #[test]

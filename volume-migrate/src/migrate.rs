@@ -96,9 +96,10 @@ impl From<&Error> for ReportError {
 
 /// How often a conversion starts a background commit while cloning (see
 /// [`Migrator::convert`]): often enough that the final, waited-for commit is
-/// short, rarely enough that commits do not dominate. Measured (`make bench`,
-/// 500k-extent file): the final commit took a median 42.6 ms at 500 ms, 18.3 ms
-/// at 250 ms, with the clone itself unchanged at 2.99 s.
+/// short, rarely enough that commits do not dominate. Measured once, with a
+/// temporary knob, on the bench's 500k-extent file: the final commit took a
+/// median of 42.6 ms at 500 ms and 18.3 ms at 250 ms, the clone 2.99 s at
+/// both.
 const BACKGROUND_COMMIT_EVERY: Duration = Duration::from_millis(250);
 
 /// The result of converting one package ([`Migrator::convert`]).
@@ -704,9 +705,12 @@ impl Migrator {
             Some(d) => d,
             None => {
                 // Not made durable here: a power cut that loses it loses
-                // only the start of the copy, which the next run redoes, and
+                // only the start of the copy (the subvolume and its name go
+                // together, in one transaction), which the next run redoes;
                 // the first background commit comes a fraction of a second
-                // later. Syncing here cost 11-17 ms of a 3 s conversion.
+                // later. The whole-filesystem commit before the exchange is
+                // what makes the name durable: an fsync of the subvolume
+                // alone would not. Syncing here took 11-17 ms (measured once).
                 sys::create_subvolume(self.root_fd(), &names.tmp).with_ctx(|_| {
                     (
                         ErrorKind::MigrationFailed,

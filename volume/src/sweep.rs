@@ -211,8 +211,9 @@ impl Plan {
 /// its first key, in key order: folding them in that order sees every item
 /// in the order one thread sweeping the whole tree would (what "the first
 /// reference to an extent" means depends on it). The first error (of the
-/// ioctl or of `visit`), or a panic in `visit`, stops every thread and is
-/// returned. Needs CAP_SYS_ADMIN.
+/// ioctl or of `visit`) stops every thread and is returned; a panic in
+/// `visit` stops every thread and is resumed on the caller's. Needs
+/// CAP_SYS_ADMIN.
 pub fn sweep<S, I, V>(
     fd: BorrowedFd<'_>,
     threads: usize,
@@ -253,9 +254,9 @@ where
             .collect();
         workers
             .into_iter()
-            .map(|w| {
-                w.join()
-                    .unwrap_or_else(|_| Err(io::Error::other("a tree sweep thread panicked")))
+            .map(|w| match w.join() {
+                Ok(out) => out,
+                Err(panic) => std::panic::resume_unwind(panic),
             })
             .collect::<io::Result<Vec<_>>>()
     })?;

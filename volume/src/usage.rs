@@ -151,7 +151,7 @@ impl ExtentSet {
 /// keys come from our own filesystem, so SipHash's DoS resistance buys
 /// nothing.
 #[derive(Default, Clone, Copy)]
-pub struct PageHasher(u64);
+struct PageHasher(u64);
 
 impl Hasher for PageHasher {
     fn finish(&self) -> u64 {
@@ -329,9 +329,10 @@ impl Tally {
 }
 
 /// Threads sweeping a subvolume's tree (see [`crate::sweep`]): warm, one
-/// per core copies items out; cold, more keep several leaf reads in flight.
-/// Measured on a 2-core VM (loop-mounted btrfs, kernel 6.18), whole
-/// process, medians of 5 cold (`drop_caches`) and 7 warm runs:
+/// per core copies items out; cold, more keep several leaf reads in flight,
+/// so at least 8 whatever the cores. Measured once, with a temporary knob,
+/// on the bench's trees on a 2-core VM (loop-mounted btrfs, kernel 6.18),
+/// whole process, medians of 5 cold (`drop_caches`) and 7 warm runs:
 ///
 /// | threads | 100k small files, cold / warm | one 500k-extent file, cold / warm |
 /// |---------|-------------------------------|-----------------------------------|
@@ -341,8 +342,8 @@ impl Tally {
 /// | 8       | 286-297 ms / 77 ms            | 225-235 ms / 64 ms                |
 /// | 16      | 296 ms / 80 ms                | 214 ms / 66 ms                    |
 ///
-/// Cold, the small-files tree's 15,680 leaves (245 MiB) are then read at
-/// about the disk's sequential rate.
+/// Cold, the small-files tree's leaves (about 15,600, 245 MiB; the bench
+/// prints the count) are then read by 8 threads at once.
 fn sweep_threads() -> usize {
     std::thread::available_parallelism().map_or(8, |n| n.get().clamp(8, 16))
 }

@@ -4,8 +4,8 @@
 //! (`*_fd`, `*_fd2`): a name is always resolved relative to a directory we
 //! already hold open, so nothing a package writes into its volume (a symlink
 //! where a directory was, say) can redirect an operation elsewhere. The few
-//! calls libbtrfsutil lacks (renameat2, FICLONE, TREE_SEARCH_V2) go through
-//! rustix.
+//! calls libbtrfsutil lacks (renameat2, FICLONE, TREE_SEARCH_V2, SPACE_INFO,
+//! FS_INFO, DEV_INFO) go through rustix.
 //!
 //! All functions return plain `io::Error`s carrying the OS error number;
 //! callers add which package and path it was about.
@@ -651,7 +651,9 @@ mod space {
     const DEV_INFO: Opcode = opcode::read_write::<DevInfo>(0x94, 30);
 
     /// Raw bytes allocated to no block group, over the filesystem's own
-    /// devices (a seed device, read-only, has its own fsid and is skipped).
+    /// devices. A seed device (read-only) has its own fsid and is skipped;
+    /// kernels before 6.3 leave DEV_INFO's fsid zero, and there every device
+    /// counts.
     fn unallocated(fd: BorrowedFd<'_>) -> io::Result<u64> {
         let mut fs = FsInfo {
             max_id: 0,
@@ -680,7 +682,7 @@ mod space {
             // btrfs_ioctl_dev_info_args`, which DevInfo matches in size and
             // layout.
             match unsafe { rustix::ioctl::ioctl(fd, Updater::<DEV_INFO, DevInfo>::new(&mut dev)) } {
-                Ok(()) if dev.fsid == fs.fsid => {
+                Ok(()) if dev.fsid == fs.fsid || dev.fsid == [0; 16] => {
                     found += 1;
                     free += dev.total_bytes.saturating_sub(dev.bytes_used);
                 }
@@ -693,7 +695,9 @@ mod space {
         Ok(free)
     }
 
-    /// The metadata space of the btrfs filesystem holding `fd`.
+    /// The metadata space of the btrfs filesystem holding `fd`, as of the
+    /// last commit: what the running transaction has reserved is not taken
+    /// off, so commit first for a figure that holds.
     pub fn metadata_space(fd: BorrowedFd<'_>) -> io::Result<MetadataSpace> {
         let mut out = MetadataSpace {
             total: 0,
