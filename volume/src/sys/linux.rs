@@ -789,9 +789,7 @@ mod tree_search {
                 offset: 0,
             })
         }
-    }
 
-    impl ItemKey {
         /// The largest key before this one, or `None` at the very start.
         pub fn predecessor(self) -> Option<ItemKey> {
             if let Some(offset) = self.offset.checked_sub(1) {
