@@ -170,4 +170,14 @@ impl Estimate {
     pub fn duration(&self) -> Duration {
         Duration::from_micros(self.extents.saturating_mul(7) + self.entries.saturating_mul(30))
     }
+
+    /// The new metadata a conversion is expected to write: 128 bytes per
+    /// extent item plus 1 KiB per entry (a reflink shares the data). What
+    /// [`Migrator::convert`] checks against the free metadata space, with
+    /// the reserve on top.
+    pub fn metadata_bytes(&self) -> u64 {
+        self.extents
+            .saturating_mul(128)
+            .saturating_add(self.entries.saturating_mul(1024))
+    }
 }

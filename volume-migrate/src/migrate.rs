@@ -856,6 +856,27 @@ impl Migrator {
         Ok(())
     }
 
+    /// Metadata bytes the filesystem holding the root can still take, as
+    /// [`Migrator::convert`] reads them before converting (see
+    /// [`volume::sys::MetadataSpace::free`]); for a dry run to show beside
+    /// the estimates' [`Estimate::metadata_bytes`]. Off btrfs, `None`.
+    pub fn free_metadata_space(&self) -> Result<Option<u64>, Error> {
+        if !self.btrfs {
+            return Ok(None);
+        }
+        sys::metadata_space(self.root_fd())
+            .map(|space| Some(space.free()))
+            .with_ctx(|_| {
+                (
+                    ErrorKind::Filesystem,
+                    format!(
+                        "reading the metadata space of the filesystem holding {}",
+                        self.root.display()
+                    ),
+                )
+            })
+    }
+
     /// Metadata bytes the filesystem can still take (see
     /// [`sys::MetadataSpace::free`]).
     fn free_metadata(&self, pkg: &PackageId) -> Result<u64, Error> {
@@ -871,11 +892,7 @@ impl Migrator {
     /// Whether `free` metadata bytes (read before the clone) cover what
     /// converting `est` needs; see [`Migrator::convert`].
     fn check_space(&self, free: u64, est: &Estimate, opts: &MigrateOptions) -> Result<(), String> {
-        let need = est
-            .extents
-            .saturating_mul(128)
-            .saturating_add(est.entries.saturating_mul(1024))
-            .saturating_add(opts.reserve_bytes);
+        let need = est.metadata_bytes().saturating_add(opts.reserve_bytes);
         if free < need {
             return Err(format!(
                 "not enough free metadata space to convert: {free} bytes free, {need} needed \

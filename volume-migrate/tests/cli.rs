@@ -86,6 +86,26 @@ fn dry_run_then_convert_with_json_then_nothing_to_do() {
         "{:?}",
         plan[0]
     );
+    // The space the conversions need, beside what the filesystem has free.
+    let summary = lines.last().unwrap();
+    assert_eq!(summary["event"], "summary");
+    let needed: u64 = plan
+        .iter()
+        .map(|p| p["metadata_bytes"].as_u64().unwrap())
+        .sum();
+    assert!(needed > 0, "{plan:?}");
+    assert_eq!(summary["metadata_needed"].as_u64(), Some(needed));
+    let free = {
+        let dir = fs::File::open(&root).unwrap();
+        volume::sys::metadata_space(std::os::fd::AsFd::as_fd(&dir))
+            .unwrap()
+            .free()
+    };
+    // Equal unless a commit (of the scan's atime updates) fell in between.
+    let reported = summary["metadata_free"].as_u64().unwrap();
+    assert!(reported.abs_diff(free) < 4 << 20, "{summary} vs {free}");
+    assert_eq!(summary["enough_space"], true);
+    assert!(text.contains("metadata space:"), "{text}");
     assert!(
         !root.join("lnd.migrate").exists(),
         "a dry run changes nothing"

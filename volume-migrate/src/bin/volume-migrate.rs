@@ -136,6 +136,7 @@ fn run(cli: Cli) -> ExitCode {
                     "package": entry.package,
                     "estimate": entry.estimate,
                     "estimated_seconds": est_secs,
+                    "metadata_bytes": entry.estimate.map(|e| e.metadata_bytes()),
                     "resume": entry.resume,
                     "old_pending": entry.old_pending,
                 }));
@@ -172,11 +173,51 @@ fn run(cli: Cli) -> ExitCode {
                 }
             }
         }
+        // Packages convert one after another, so together they need the
+        // sum; each is checked against what is free when its turn comes.
+        let needed: u64 = plan
+            .iter()
+            .filter_map(|e| e.estimate)
+            .map(|e| e.metadata_bytes())
+            .sum();
+        let free = match migrator.free_metadata_space() {
+            Ok(free) => free,
+            Err(e) => {
+                eprintln!("volume-migrate: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        let reserve = MigrateOptions::default().reserve_bytes;
+        let short = free.is_some_and(|f| f < needed.saturating_add(reserve));
         if plan.is_empty() && !cli.json {
             println!("nothing to convert");
         }
+        if !cli.json
+            && needed > 0
+            && let Some(free) = free
+        {
+            println!(
+                "metadata space: {} free, about {} needed, plus {} kept in reserve{}",
+                human_bytes(free),
+                human_bytes(needed),
+                human_bytes(reserve),
+                if short {
+                    ": not enough, some conversions would be refused"
+                } else {
+                    ""
+                }
+            );
+        }
         if cli.json {
-            json_line(json!({"event": "summary", "dry_run": true, "packages": plan.len()}));
+            json_line(json!({
+                "event": "summary",
+                "dry_run": true,
+                "packages": plan.len(),
+                "metadata_free": free,
+                "metadata_needed": needed,
+                "metadata_reserve": reserve,
+                "enough_space": !short,
+            }));
         }
         return ExitCode::SUCCESS;
     }
