@@ -21,7 +21,7 @@ use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
-use crate::sys::{EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, Searcher};
+use crate::sys::{EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, Searcher, item};
 
 /// `BTRFS_FIRST_FREE_OBJECTID`: a subvolume's root directory; file inode
 /// numbers follow it.
@@ -29,8 +29,6 @@ const FIRST_INODE: u64 = 256;
 /// `BTRFS_LAST_FREE_OBJECTID`: the highest inode number. Objectids above it
 /// are special (orphan items, at `-5`) and hold few items.
 const LAST_INODE: u64 = u64::MAX - 255;
-/// `size` in `struct btrfs_inode_item`.
-const INODE_SIZE_AT: usize = 16;
 /// A file is split by offset only if at least this much of it is left: a
 /// smaller one holds too few extents to be worth a thread's hand-over.
 const MIN_SPLIT_BYTES: u64 = 1 << 20;
@@ -385,10 +383,10 @@ fn work<S>(
                 if key > r.end {
                     break;
                 }
-                if key.item_type == INODE_ITEM_KEY && body.len() >= INODE_SIZE_AT + 8 {
-                    let mut size = [0u8; 8];
-                    size.copy_from_slice(&body[INODE_SIZE_AT..INODE_SIZE_AT + 8]);
-                    r.inode = Some((key.objectid, u64::from_le_bytes(size)));
+                if key.item_type == INODE_ITEM_KEY
+                    && let Some(size) = item::le64(body, item::INODE_SIZE)
+                {
+                    r.inode = Some((key.objectid, size));
                 }
                 keep += 1;
                 last = Some(key);

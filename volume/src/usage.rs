@@ -20,7 +20,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 
 use serde::Serialize;
 
-use crate::sys::{self, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher};
+use crate::sys::{self, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, item};
 use crate::walk::{Visit, walk_files};
 
 /// compsize's three figures, for one compression type or in total.
@@ -169,36 +169,6 @@ impl Hasher for PageHasher {
     }
 }
 
-/// File extent item layout (`struct btrfs_file_extent_item`, little endian).
-mod item {
-    pub const RAM_BYTES: usize = 8;
-    pub const COMPRESSION: usize = 16;
-    pub const TYPE: usize = 20;
-    pub const DISK_BYTENR: usize = 21;
-    pub const DISK_NUM_BYTES: usize = 29;
-    pub const NUM_BYTES: usize = 45;
-    /// Header size of an inline extent; the data follows.
-    pub const INLINE_HEADER: usize = 21;
-    /// Size of a regular or prealloc extent item.
-    pub const REGULAR_LEN: usize = 53;
-    pub const TYPE_INLINE: u8 = 0;
-    pub const TYPE_PREALLOC: u8 = 2;
-    /// `st_mode` in `struct btrfs_inode_item`.
-    pub const INODE_MODE: usize = 52;
-}
-
-fn le64(b: &[u8], at: usize) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(a)
-}
-
-fn le32(b: &[u8], at: usize) -> u32 {
-    let mut a = [0u8; 4];
-    a.copy_from_slice(&b[at..at + 4]);
-    u32::from_le_bytes(a)
-}
-
 const PREALLOC_SLOT: usize = 256;
 
 /// Accumulates items into compsize's figures and the extent set. An
@@ -226,9 +196,10 @@ impl Tally {
 
     fn item(&mut self, key: ItemKey, body: &[u8]) -> io::Result<()> {
         match key.item_type {
-            INODE_ITEM_KEY if body.len() >= item::INODE_MODE + 4 => {
-                let mode = le32(body, item::INODE_MODE);
-                if mode & libc::S_IFMT == libc::S_IFREG {
+            INODE_ITEM_KEY => {
+                if item::le32(body, item::INODE_MODE)
+                    .is_some_and(|m| m & libc::S_IFMT == libc::S_IFREG)
+                {
                     self.files += 1;
                 }
                 Ok(())
@@ -243,7 +214,8 @@ impl Tally {
         if body.len() < item::DISK_BYTENR {
             return Err(bad());
         }
-        let ram_bytes = le64(body, item::RAM_BYTES);
+        let le64 = |at| item::le64(body, at).ok_or_else(bad);
+        let ram_bytes = le64(item::RAM_BYTES)?;
         let mut slot = usize::from(body[item::COMPRESSION]);
         match body[item::TYPE] {
             item::TYPE_INLINE => {
@@ -260,20 +232,20 @@ impl Tally {
         if body.len() != item::REGULAR_LEN {
             return Err(bad());
         }
-        let disk_bytenr = le64(body, item::DISK_BYTENR);
+        let disk_bytenr = le64(item::DISK_BYTENR)?;
         if disk_bytenr == 0 {
             return Ok(()); // a hole
         }
         self.extents.insert(
             disk_bytenr,
             Extent {
-                disk: le64(body, item::DISK_NUM_BYTES),
+                disk: le64(item::DISK_NUM_BYTES)?,
                 uncompressed: ram_bytes,
                 slot: slot as u16,
             },
         );
         let b = &mut self.by_type[slot];
-        b.referenced += le64(body, item::NUM_BYTES);
+        b.referenced += le64(item::NUM_BYTES)?;
         self.refs += 1;
         Ok(())
     }

@@ -512,6 +512,74 @@ pub fn read_dir_names(fd: BorrowedFd<'_>) -> io::Result<Vec<(OsString, FileType,
     Ok(out)
 }
 
+/// The argument of a btrfs ioctl that is a fixed header followed by a
+/// buffer the header sizes (TREE_SEARCH_V2, SPACE_INFO): one 8-byte aligned
+/// allocation of words, with the opcode its header's size gives.
+struct WordsArg<'a> {
+    opcode: rustix::ioctl::Opcode,
+    words: &'a mut [u64],
+}
+
+// SAFETY: `words` is writable for its whole length; each caller passes the
+// opcode whose header it lays out first, and sizes the buffer after it as
+// that header announces, so the kernel writes nothing beyond it.
+unsafe impl rustix::ioctl::Ioctl for WordsArg<'_> {
+    type Output = ();
+    const IS_MUTATING: bool = true;
+    fn opcode(&self) -> rustix::ioctl::Opcode {
+        self.opcode
+    }
+    fn as_ptr(&mut self) -> *mut std::ffi::c_void {
+        self.words.as_mut_ptr().cast()
+    }
+    unsafe fn output_from_ptr(
+        _: rustix::ioctl::IoctlOutput,
+        _: *mut std::ffi::c_void,
+    ) -> rustix::io::Result<()> {
+        Ok(())
+    }
+}
+
+pub mod item {
+    //! Where the fields of the b-tree items read here sit in an item's body
+    //! (little endian, as on disk), and how to read them.
+
+    /// `ram_bytes` in `struct btrfs_file_extent_item`.
+    pub const RAM_BYTES: usize = 8;
+    /// `compression`.
+    pub const COMPRESSION: usize = 16;
+    /// `type`: inline, regular or prealloc.
+    pub const TYPE: usize = 20;
+    /// `disk_bytenr` (regular and prealloc only, as all that follow).
+    pub const DISK_BYTENR: usize = 21;
+    /// `disk_num_bytes`.
+    pub const DISK_NUM_BYTES: usize = 29;
+    /// `num_bytes`.
+    pub const NUM_BYTES: usize = 45;
+    /// Header size of an inline extent; the data follows.
+    pub const INLINE_HEADER: usize = 21;
+    /// Size of a regular or prealloc extent item.
+    pub const REGULAR_LEN: usize = 53;
+    /// Extent type: data stored in the item itself.
+    pub const TYPE_INLINE: u8 = 0;
+    /// Extent type: allocated, never written.
+    pub const TYPE_PREALLOC: u8 = 2;
+    /// `size` in `struct btrfs_inode_item`.
+    pub const INODE_SIZE: usize = 16;
+    /// `mode` in `struct btrfs_inode_item`.
+    pub const INODE_MODE: usize = 52;
+
+    /// The little-endian u64 at `at`, or `None` past the body's end.
+    pub fn le64(body: &[u8], at: usize) -> Option<u64> {
+        Some(u64::from_le_bytes(body.get(at..at + 8)?.try_into().ok()?))
+    }
+
+    /// The little-endian u32 at `at`, or `None` past the body's end.
+    pub fn le32(body: &[u8], at: usize) -> Option<u32> {
+        Some(u32::from_le_bytes(body.get(at..at + 4)?.try_into().ok()?))
+    }
+}
+
 pub use space::{MetadataSpace, metadata_space};
 
 mod space {
@@ -523,7 +591,9 @@ mod space {
     use std::io;
     use std::os::fd::BorrowedFd;
 
-    use rustix::ioctl::{Ioctl, IoctlOutput, Opcode, Updater, opcode};
+    use rustix::ioctl::{Opcode, Updater, opcode};
+
+    use super::WordsArg;
 
     const BLOCK_GROUP_METADATA: u64 = 1 << 2;
     const BLOCK_GROUP_RAID1: u64 = 1 << 4;
@@ -576,28 +646,9 @@ mod space {
         used_bytes: u64,
     }
 
-    /// `struct btrfs_ioctl_space_args` (space_slots, total_spaces)
-    /// followed by `space_slots` entries, as one allocation of words.
-    struct SpaceArgs<'a>(&'a mut [u64]);
-
-    // SAFETY: BTRFS_IOC_SPACE_INFO is _IOWR(0x94, 20, 16-byte header); the
-    // pointer covers the header plus the `space_slots` entries it announces.
-    unsafe impl Ioctl for SpaceArgs<'_> {
-        type Output = ();
-        const IS_MUTATING: bool = true;
-        fn opcode(&self) -> Opcode {
-            opcode::read_write::<[u64; 2]>(0x94, 20)
-        }
-        fn as_ptr(&mut self) -> *mut std::ffi::c_void {
-            self.0.as_mut_ptr().cast()
-        }
-        unsafe fn output_from_ptr(
-            _: IoctlOutput,
-            _: *mut std::ffi::c_void,
-        ) -> rustix::io::Result<()> {
-            Ok(())
-        }
-    }
+    /// BTRFS_IOC_SPACE_INFO: its argument is `struct btrfs_ioctl_space_args`
+    /// (space_slots, total_spaces) followed by `space_slots` entries.
+    const SPACE_INFO: Opcode = opcode::read_write::<[u64; 2]>(0x94, 20);
 
     fn space_infos(fd: BorrowedFd<'_>) -> io::Result<Vec<SpaceInfo>> {
         const WORDS: usize = std::mem::size_of::<SpaceInfo>() / 8;
@@ -605,12 +656,28 @@ mod space {
         // group type may appear in between, so ask for a few more.
         let mut head = [0u64; 2];
         // SAFETY: zero slots: the kernel only writes the header.
-        unsafe { rustix::ioctl::ioctl(fd, SpaceArgs(&mut head))? };
+        unsafe {
+            rustix::ioctl::ioctl(
+                fd,
+                WordsArg {
+                    opcode: SPACE_INFO,
+                    words: &mut head,
+                },
+            )?
+        };
         let slots = head[1] as usize + 4;
         let mut mem = vec![0u64; 2 + slots * WORDS];
         mem[0] = slots as u64;
-        // SAFETY: `mem` holds the header and `slots` entries.
-        unsafe { rustix::ioctl::ioctl(fd, SpaceArgs(&mut mem))? };
+        // SAFETY: `mem` holds the header and the `slots` entries it announces.
+        unsafe {
+            rustix::ioctl::ioctl(
+                fd,
+                WordsArg {
+                    opcode: SPACE_INFO,
+                    words: &mut mem,
+                },
+            )?
+        };
         let filled = (mem[1] as usize).min(slots);
         Ok(mem[2..2 + filled * WORDS]
             .chunks_exact(WORDS)
@@ -744,7 +811,9 @@ mod tree_search {
     use std::ops::ControlFlow;
     use std::os::fd::BorrowedFd;
 
-    use rustix::ioctl::{Ioctl, IoctlOutput, Opcode, opcode};
+    use rustix::ioctl::{Opcode, opcode};
+
+    use super::WordsArg;
 
     /// `BTRFS_INODE_ITEM_KEY`: one per inode, holding its mode.
     pub const INODE_ITEM_KEY: u8 = 1;
@@ -886,28 +955,9 @@ mod tree_search {
     const ARGS_WORDS: usize = std::mem::size_of::<SearchArgsV2>() / 8;
     const _: () = assert!(std::mem::size_of::<SearchArgsV2>().is_multiple_of(8));
 
-    /// The ioctl's argument: the args header followed by the result buffer,
-    /// as one 8-byte aligned allocation of `ARGS_WORDS + buf_size / 8` words.
-    struct Search<'a>(&'a mut [u64]);
-
-    // SAFETY: the opcode is BTRFS_IOC_TREE_SEARCH_V2 (_IOWR(0x94, 17, args_v2));
-    // the pointer covers the header plus `buf_size` bytes the kernel may fill.
-    unsafe impl Ioctl for Search<'_> {
-        type Output = ();
-        const IS_MUTATING: bool = true;
-        fn opcode(&self) -> Opcode {
-            opcode::read_write::<SearchArgsV2>(0x94, 17)
-        }
-        fn as_ptr(&mut self) -> *mut std::ffi::c_void {
-            self.0.as_mut_ptr().cast()
-        }
-        unsafe fn output_from_ptr(
-            _: IoctlOutput,
-            _: *mut std::ffi::c_void,
-        ) -> rustix::io::Result<()> {
-            Ok(())
-        }
-    }
+    /// BTRFS_IOC_TREE_SEARCH_V2: its argument is the args header followed
+    /// by the result buffer, `ARGS_WORDS + buf_size / 8` words in all.
+    const TREE_SEARCH_V2: Opcode = opcode::read_write::<SearchArgsV2>(0x94, 17);
 
     fn u64_at(b: &[u8], at: usize) -> u64 {
         let mut a = [0u8; 8];
@@ -991,9 +1041,17 @@ mod tree_search {
                 ..SearchKey::default()
             };
             args.buf_size = buf_size;
-            // SAFETY: see the `Ioctl` impl; `mem` holds the header and
-            // `buf_size` bytes.
-            unsafe { rustix::ioctl::ioctl(fd, Search(&mut self.mem))? };
+            // SAFETY: `mem` holds the header and the `buf_size` bytes it
+            // announces.
+            unsafe {
+                rustix::ioctl::ioctl(
+                    fd,
+                    WordsArg {
+                        opcode: TREE_SEARCH_V2,
+                        words: &mut self.mem,
+                    },
+                )?
+            };
             let len = self.args().key.nr_items as usize;
             Ok(Batch {
                 buf: self.buf(),
