@@ -198,8 +198,14 @@ impl Copier<'_, '_> {
             if nested && sys::is_read_only(dst)? {
                 sys::set_read_only(dst, false)?;
             }
-        } else if inode_flags(src)?.contains(IFlags::NOCOW) {
-            rustix::fs::ioctl_setflags(dst, inode_flags(dst)? | IFlags::NOCOW)?;
+        } else {
+            // A new directory inherits NOCOW from its parent; it must carry
+            // the source's (its children inherit it in turn).
+            let want = inode_flags(src)?.contains(IFlags::NOCOW);
+            let have = inode_flags(dst)?;
+            if have.contains(IFlags::NOCOW) != want {
+                rustix::fs::ioctl_setflags(dst, have ^ IFlags::NOCOW)?;
+            }
         }
         let children = sys::read_dir_names(src)?;
         for (name, _, _) in &children {
@@ -493,7 +499,7 @@ fn stat_opt(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Stat>> {
 
 /// Clears the immutable and append-only flags of the file or directory open
 /// as `fd`, which forbid changing it (or, on a directory, its entries).
-fn clear_stuck_flags(fd: BorrowedFd<'_>) -> io::Result<()> {
+pub(crate) fn clear_stuck_flags(fd: BorrowedFd<'_>) -> io::Result<()> {
     let stuck = IFlags::IMMUTABLE | IFlags::APPEND;
     let flags = inode_flags(fd)?;
     if flags.intersects(stuck) {
@@ -605,7 +611,7 @@ fn link_to(
 }
 
 /// Inode flags (chattr), or none where the filesystem has no such notion.
-fn inode_flags(fd: BorrowedFd<'_>) -> io::Result<IFlags> {
+pub(crate) fn inode_flags(fd: BorrowedFd<'_>) -> io::Result<IFlags> {
     match rustix::fs::ioctl_getflags(fd) {
         Ok(f) => Ok(f),
         Err(Errno::NOTTY | Errno::OPNOTSUPP | Errno::INVAL) => Ok(IFlags::empty()),
@@ -665,7 +671,11 @@ fn times(st: &Stat) -> Timestamps {
     }
 }
 
-fn finish_fd_metadata(
+/// Owner, mode, xattrs (copied from `src`, when given), timestamps, then
+/// `src_flags` but NOCOW added to the fd's flags: the order in which each
+/// survives the next. `now`: the fd's current owner and mode, when known,
+/// to skip a chown or chmod that would change nothing.
+pub(crate) fn finish_fd_metadata(
     st: &Stat,
     fd: BorrowedFd<'_>,
     src: Option<BorrowedFd<'_>>,
@@ -691,6 +701,23 @@ fn finish_fd_metadata(
         let rest = src_flags.difference(IFlags::NOCOW);
         if !rest.is_empty() {
             rustix::fs::ioctl_setflags(fd, inode_flags(fd)? | rest)?;
+        }
+    }
+    Ok(())
+}
+
+/// Removes every xattr of `dst` that `src` does not have (both open fds).
+pub(crate) fn remove_xattrs_missing_from(
+    src: BorrowedFd<'_>,
+    dst: BorrowedFd<'_>,
+) -> io::Result<()> {
+    let keep = read_list(|buf| rustix::fs::flistxattr(src, buf))?;
+    let keep: HashSet<&[u8]> = split_names(&keep).collect();
+    let have = read_list(|buf| rustix::fs::flistxattr(dst, buf))?;
+    for name in split_names(&have).filter(|n| !keep.contains(n)) {
+        match rustix::fs::fremovexattr(dst, OsStr::from_bytes(name)) {
+            Ok(()) | Err(Errno::NODATA) => {}
+            Err(e) => return Err(e.into()),
         }
     }
     Ok(())
