@@ -12,15 +12,16 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use common::rich::{build_rich_tree, expected_after, flags_and_blocks};
+use common::rich::{build_carve_tree, build_rich_tree, expected_after, flags_and_blocks, setflags};
 use common::*;
 use integration::{LoopFs, Subvolume, TreeDigest, fs_or_skip, tree_digest};
 use volume::{ErrorKind, SnapshotOutcome, VolumeKind, VolumeStore};
-use volume_migrate::{MigrateOptions, Migrator, Outcome, Phase, Progress};
+use volume_migrate::{Method, MigrateOptions, Migrator, Outcome, Phase, Progress};
 
 const CHILD_ROOT_ENV: &str = "MIGRATE_CHILD_ROOT";
 const CHILD_PKG_ENV: &str = "MIGRATE_CHILD_PKG";
 const CHILD_CHUNK_ENV: &str = "MIGRATE_CHILD_CHUNK";
+const CHILD_METHOD_ENV: &str = "MIGRATE_CHILD_METHOD";
 
 fn new_fs() -> Option<(LoopFs, PathBuf)> {
     let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE), None);
@@ -50,7 +51,11 @@ fn opts(chunk: u64) -> MigrateOptions {
 fn migrate_names(root: &Path) -> Vec<String> {
     root_names(root)
         .into_iter()
-        .filter(|n| n.ends_with(".migrate") || n.ends_with(".migrate-old"))
+        .filter(|n| {
+            [".migrate", ".migrate-parent", ".migrate-old"]
+                .iter()
+                .any(|s| n.ends_with(s))
+        })
         .collect()
 }
 
@@ -296,9 +301,21 @@ fn migrate_child() {
         .ok()
         .and_then(|c| c.parse().ok())
         .unwrap_or(1 << 20);
+    let method = match std::env::var(CHILD_METHOD_ENV).as_deref() {
+        Ok("clone") => Method::Clone,
+        Ok("snapshot-parent") => Method::SnapshotParent,
+        _ => Method::Auto,
+    };
     let m = Migrator::open(&root).expect("child: open");
     let r = m
-        .convert(&p, &opts(chunk), &mut no_progress)
+        .convert(
+            &p,
+            &MigrateOptions {
+                method,
+                ..opts(chunk)
+            },
+            &mut no_progress,
+        )
         .and_then(|r| m.remove_old(&p, &mut no_progress).map(|_| r));
     match r {
         Ok(r) => println!("CHILD-RESULT ok {:?}", r.outcome),
@@ -309,6 +326,17 @@ fn migrate_child() {
 /// Runs the child on `package` with `failpoint`; returns its stdout and
 /// whether it was SIGKILLed.
 fn child(root: &Path, package: &str, failpoint: &str, chunk: u64) -> (bool, String) {
+    child_with(root, package, failpoint, chunk, "auto")
+}
+
+/// [`child`] with a method: `auto`, `clone` or `snapshot-parent`.
+fn child_with(
+    root: &Path,
+    package: &str,
+    failpoint: &str,
+    chunk: u64,
+    method: &str,
+) -> (bool, String) {
     let out = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -319,6 +347,7 @@ fn child(root: &Path, package: &str, failpoint: &str, chunk: u64) -> (bool, Stri
         .env(CHILD_ROOT_ENV, root)
         .env(CHILD_PKG_ENV, package)
         .env(CHILD_CHUNK_ENV, chunk.to_string())
+        .env(CHILD_METHOD_ENV, method)
         .env(volume::FAILPOINT_ENV, failpoint)
         .env_remove("RUST_LOG")
         .stdin(Stdio::null())
@@ -508,4 +537,396 @@ fn enospc_mid_copy_removes_the_partial_subvolume() {
         3,
         "only the original's nested subvolumes"
     );
+}
+
+// ---- the parent-snapshot method ----
+
+fn method_opts(method: Method) -> MigrateOptions {
+    MigrateOptions {
+        method,
+        ..opts(1 << 20)
+    }
+}
+
+/// Fills the rest of the filesystem beside the volumes: at the top, a
+/// directory with a plain file, an immutable one, an append-only directory
+/// and a nested subvolume; in the volumes root, another package's plain
+/// directory and a converted package; an xattr and a mode on the top
+/// directory itself. Returns the trees to check untouched afterwards.
+fn build_rest(fs: &LoopFs, root: &Path) -> Vec<PathBuf> {
+    let elsewhere = fs.path("elsewhere");
+    fs::create_dir(&elsewhere).unwrap();
+    fs::write(elsewhere.join("a"), b"a").unwrap();
+    fs::write(elsewhere.join("frozen"), b"f").unwrap();
+    fs::create_dir(elsewhere.join("append-only")).unwrap();
+    fs::write(elsewhere.join("append-only/child"), b"c").unwrap();
+    subvolume_create(&elsewhere.join("sub"));
+    fs::write(elsewhere.join("sub/file"), b"in a subvolume").unwrap();
+    setflags(&elsewhere.join("frozen"), rustix::fs::IFlags::IMMUTABLE);
+    setflags(&elsewhere.join("append-only"), rustix::fs::IFlags::APPEND);
+    fs::create_dir(root.join("other")).unwrap();
+    fs::write(root.join("other/data"), b"other package").unwrap();
+    subvolume_create(&root.join("conv"));
+    fs::write(root.join("conv/data"), b"converted package").unwrap();
+    rustix::fs::setxattr(
+        fs.mount_point(),
+        "user.top-of-fs",
+        b"not the volume's",
+        rustix::fs::XattrFlags::empty(),
+    )
+    .unwrap();
+    vec![elsewhere, root.join("other"), root.join("conv")]
+}
+
+/// Every subvolume on the filesystem, by path from the mount point.
+fn all_subvolumes(fs: &LoopFs) -> Vec<String> {
+    let out = integration::run(
+        Command::new("btrfs")
+            .args(["subvolume", "list"])
+            .arg(fs.mount_point()),
+    )
+    .expect("btrfs subvolume list");
+    let mut paths: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| line.split_once(" path ").map(|(_, p)| p.to_owned()))
+        .collect();
+    paths.sort();
+    paths
+}
+
+/// The converted digest of a carve tree whose `data.mdb` also has a link
+/// outside the volume, which the volume no longer counts.
+fn expected_without_outside_link(before: &TreeDigest) -> TreeDigest {
+    let mut expected = expected_after(before);
+    for name in [
+        "data/main/db/data.mdb",
+        "data/main/db/data.link",
+        "data/main/elsewhere/third-name",
+    ] {
+        expected
+            .entries_mut()
+            .get_mut(name.as_bytes())
+            .unwrap_or_else(|| panic!("{name} in the digest"))
+            .nlink -= 1;
+    }
+    expected
+}
+
+#[test]
+fn snapshot_parent_converts_losslessly_and_leaves_the_rest_alone() {
+    let Some((fs, root)) = new_fs() else { return };
+    let vol = root.join("lnd");
+    build_carve_tree(&vol, 3 << 20);
+    let rest = build_rest(&fs, &root);
+    fs::hard_link(
+        vol.join("data/main/db/data.mdb"),
+        fs.path("elsewhere/outside-link"),
+    )
+    .unwrap();
+    let before = raw(&vol);
+    let flags = flags_and_blocks(&vol);
+    let rest_before: Vec<TreeDigest> = rest.iter().map(|p| raw(p)).collect();
+    let subvolumes_before = all_subvolumes(&fs);
+
+    let m = Migrator::open(&root).unwrap();
+    let mut phases = Vec::new();
+    let mut sink = |p: &Progress| {
+        if phases.last() != Some(&p.phase) {
+            phases.push(p.phase);
+        }
+    };
+    let r = m
+        .convert(&pkg("lnd"), &method_opts(Method::SnapshotParent), &mut sink)
+        .expect("convert");
+    assert_eq!(r.outcome, Outcome::Converted);
+    assert_eq!(r.method, Some(Method::SnapshotParent));
+    assert_eq!(
+        phases,
+        [
+            Phase::Scan,
+            Phase::Carve,
+            Phase::Sync,
+            Phase::Exchange,
+            Phase::Done
+        ]
+    );
+    assert!(is_subvolume(&vol));
+    let expected = expected_without_outside_link(&before);
+    assert_same(
+        &expected,
+        &raw(&vol),
+        "converted by snapshotting the parent",
+    );
+    assert_eq!(flags, flags_and_blocks(&vol), "inode flags or holes differ");
+    assert_eq!(
+        root_names(&root),
+        ["conv", "lnd", "lnd.lock", "lnd.migrate-old", "other"]
+    );
+    assert_same(
+        &before,
+        &raw(&root.join("lnd.migrate-old")),
+        "old directory",
+    );
+    for (path, d) in rest.iter().zip(&rest_before) {
+        assert_same(d, &raw(path), &format!("{} untouched", path.display()));
+    }
+    let mut subvolumes_after = subvolumes_before.clone();
+    subvolumes_after.push("volumes/lnd".to_owned());
+    subvolumes_after.sort();
+    assert_eq!(all_subvolumes(&fs), subvolumes_after, "no stray subvolume");
+
+    assert!(m.remove_old(&pkg("lnd"), &mut no_progress).unwrap());
+    assert_eq!(root_names(&root), ["conv", "lnd", "lnd.lock", "other"]);
+    assert_same(&expected, &raw(&vol), "after removing the old directory");
+    // The outside link now counts one name fewer: the old directory's.
+    for (path, d) in rest.iter().zip(&rest_before) {
+        assert_same(
+            &d.clone().without("outside-link"),
+            &raw(path).without("outside-link"),
+            &format!("{} untouched", path.display()),
+        );
+    }
+    let store = VolumeStore::open(&root).unwrap();
+    assert_eq!(
+        store.snapshot(&pkg("lnd")).unwrap(),
+        SnapshotOutcome::Snapshot
+    );
+    assert!(store.drop_backup(&pkg("lnd")).unwrap());
+}
+
+/// Auto clones a small volume, snapshots the parent for a large one with
+/// little beside it, also where the volumes root is itself a subvolume's
+/// root, and clones again once the rest outweighs the volume.
+#[test]
+fn auto_snapshots_the_parent_only_when_that_is_cheaper() {
+    let Some((fs, root)) = new_fs() else { return };
+    let auto = method_opts(Method::Auto);
+    let m = Migrator::open(&root).unwrap();
+    let fragmented = |vol: &Path, extents: u64, seed: u64| {
+        fs::create_dir_all(vol.join("data/main")).unwrap();
+        let got = integration::make_fragmented_file(
+            &vol.join("data/main/db.mdb"),
+            extents * 8192,
+            extents,
+            seed,
+        )
+        .expect("fragmenting");
+        assert!(got >= extents * 9 / 10, "{got} extents");
+        populate_volume(vol, false);
+    };
+    let convert = |m: &Migrator, root: &Path, name: &str| -> Method {
+        let vol = root.join(name);
+        let before = raw(&vol);
+        let r = m
+            .convert(&pkg(name), &auto, &mut no_progress)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(r.outcome, Outcome::Converted, "{name}");
+        assert_same(&expected_after(&before), &raw(&vol), name);
+        r.method.expect("a method")
+    };
+
+    fs::create_dir_all(root.join("small/data/main")).unwrap();
+    populate_volume(&root.join("small"), false);
+    fragmented(&root.join("big"), 8000, 1);
+    assert_eq!(convert(&m, &root, "small"), Method::Clone);
+    assert_eq!(convert(&m, &root, "big"), Method::SnapshotParent);
+
+    // The volumes root as the root of its own subvolume.
+    let own = fs.path("own-volumes");
+    subvolume_create(&own);
+    fragmented(&own.join("solo"), 8000, 2);
+    let own_m = Migrator::open(&own).unwrap();
+    assert_eq!(convert(&own_m, &own, "solo"), Method::SnapshotParent);
+    assert_eq!(root_names(&own), ["solo", "solo.lock", "solo.migrate-old"]);
+
+    // More beside it than half the volume: a clone.
+    fragmented(&root.join("big2"), 8000, 3);
+    fs::create_dir(fs.path("ballast")).unwrap();
+    integration::make_fragmented_file(&fs.path("ballast/file"), 5000 * 8192, 5000, 4)
+        .expect("fragmenting");
+    assert_eq!(convert(&m, &root, "big2"), Method::Clone);
+    assert!(
+        migrate_names(&root)
+            .iter()
+            .all(|n| n.ends_with(".migrate-old"))
+    );
+}
+
+/// A volume holding a nested subvolume, or a volumes root whose
+/// subvolume's root is out of reach (a bind mount of a subdirectory), is
+/// refused by the forced method with nothing changed, and cloned by Auto.
+#[test]
+fn snapshot_parent_is_refused_where_it_cannot_apply() {
+    let Some((fs, root)) = new_fs() else { return };
+    let vol = root.join("nested");
+    build_rich_tree(&vol, 0);
+    let before = raw(&vol);
+    let m = Migrator::open(&root).unwrap();
+    let e = m
+        .convert(
+            &pkg("nested"),
+            &method_opts(Method::SnapshotParent),
+            &mut no_progress,
+        )
+        .expect_err("nested subvolumes");
+    assert_eq!(e.kind, ErrorKind::InvalidRequest);
+    assert!(e.to_string().contains("nested subvolumes"), "{e}");
+    assert_same(&before, &raw(&vol), "refused: untouched");
+    assert_eq!(root_names(&root), ["nested", "nested.lock"]);
+
+    // Bind-mount a subdirectory: `..` from the volumes root leaves the mount.
+    let inner = fs.path("deep/volumes");
+    fs::create_dir_all(inner.join("db/data/main")).unwrap();
+    populate_volume(&inner.join("db"), false);
+    let mount = MountGuard::bind(&inner, &fs.path("bound"));
+    let bound = Migrator::open(mount.target()).unwrap();
+    let e = bound
+        .convert(
+            &pkg("db"),
+            &method_opts(Method::SnapshotParent),
+            &mut no_progress,
+        )
+        .expect_err("unreachable parent root");
+    assert_eq!(e.kind, ErrorKind::InvalidRequest);
+    assert!(e.to_string().contains("not reachable"), "{e}");
+    let r = bound
+        .convert(&pkg("db"), &method_opts(Method::Auto), &mut no_progress)
+        .unwrap();
+    assert_eq!(r.method, Some(Method::Clone));
+    drop(bound);
+    mount.unmount();
+    let r = m
+        .convert(&pkg("nested"), &method_opts(Method::Auto), &mut no_progress)
+        .unwrap();
+    assert_eq!(r.method, Some(Method::Clone));
+    assert_same(&expected_after(&before), &raw(&vol), "cloned instead");
+}
+
+#[test]
+fn snapshot_parent_survives_a_crash_at_every_step() {
+    let Some((fs, root)) = new_fs() else { return };
+    let rest = build_rest(&fs, &root);
+    // Where it dies, and whether `<pkg>` is then the new subvolume.
+    let cases: &[(&str, bool)] = &[
+        ("migrate.parent-snapshot", false),
+        ("migrate.carve-held", false),
+        ("migrate.carve-removed@1", false),
+        ("migrate.carve-removed@2", false),
+        ("migrate.carve-lifted@1", false),
+        ("migrate.carve-lifted@3", false),
+        ("migrate.durable", false),
+        ("migrate.exchanged", true),
+        ("migrate.old-renamed", true),
+    ];
+    for (i, (fp, swapped)) in cases.iter().enumerate() {
+        let package = format!("p{i}");
+        let vol = root.join(&package);
+        build_carve_tree(&vol, 1 << 20);
+        let before = raw(&vol);
+        let flags = flags_and_blocks(&vol);
+        let rest_before: Vec<TreeDigest> = rest.iter().map(|p| raw(p)).collect();
+        let subvolumes_before = all_subvolumes(&fs);
+        let (killed, out) = child_with(&root, &package, fp, 1 << 20, "snapshot-parent");
+        assert!(
+            killed,
+            "not killed at `{fp}`: failpoints compiled in?\n{out}"
+        );
+        let when = format!("killed at `{fp}`");
+        if *swapped {
+            assert!(is_subvolume(&vol), "{when}: must be the new subvolume");
+            assert_same(&expected_after(&before), &raw(&vol), &when);
+        } else {
+            assert!(
+                !is_subvolume(&vol),
+                "{when}: must still be the plain directory"
+            );
+            assert_same(&before, &raw(&vol), &when);
+        }
+        for (path, d) in rest.iter().zip(&rest_before) {
+            assert_same(
+                d,
+                &raw(path),
+                &format!("{when}: {} untouched", path.display()),
+            );
+        }
+        // The next run finishes from what is on disk, whatever the method.
+        let m = Migrator::open(&root).unwrap();
+        let r = m
+            .convert(&pkg(&package), &method_opts(Method::Auto), &mut no_progress)
+            .unwrap_or_else(|e| panic!("{when}: rerun: {e}"));
+        let outcome = if *fp == "migrate.old-renamed" {
+            Outcome::AlreadySubvolume
+        } else if *swapped {
+            Outcome::Finished
+        } else {
+            Outcome::Converted
+        };
+        assert_eq!(r.outcome, outcome, "{when}: {r:?}");
+        m.remove_old(&pkg(&package), &mut no_progress).unwrap();
+        assert!(is_subvolume(&vol), "{when}");
+        assert_same(&expected_after(&before), &raw(&vol), &when);
+        assert_eq!(flags, flags_and_blocks(&vol), "{when}: flags or holes");
+        assert!(
+            migrate_names(&root).is_empty(),
+            "{when}: {:?}",
+            migrate_names(&root)
+        );
+        let mut expected = subvolumes_before.clone();
+        if !subvolumes_before.contains(&format!("volumes/{package}")) {
+            expected.push(format!("volumes/{package}"));
+            expected.sort();
+        }
+        assert_eq!(all_subvolumes(&fs), expected, "{when}: no stray subvolume");
+        for (path, d) in rest.iter().zip(&rest_before) {
+            assert_same(
+                d,
+                &raw(path),
+                &format!("{when}: {} untouched", path.display()),
+            );
+        }
+    }
+}
+
+/// A failing cut (injected after the first removal) deletes the snapshot and
+/// leaves `<pkg>` untouched: the forced method reports it, Auto clones
+/// instead, except when space ran out.
+#[test]
+fn a_failed_cut_deletes_the_snapshot() {
+    let Some((_fs, root)) = new_fs() else { return };
+    let vol = root.join("db");
+    fs::create_dir_all(vol.join("data/main")).unwrap();
+    integration::make_fragmented_file(&vol.join("data/main/db.mdb"), 8000 * 8192, 8000, 5)
+        .expect("fragmenting");
+    let before = raw(&vol);
+    for (fp, method, converted) in [
+        ("migrate.carve-removed@1=eio", "snapshot-parent", false),
+        ("migrate.carve-removed@1=enospc", "auto", false),
+        ("migrate.carve-removed@1=eio", "auto", true),
+    ] {
+        let when = format!("{fp} with {method}");
+        let (killed, out) = child_with(&root, "db", fp, 1 << 20, method);
+        assert!(!killed, "{when}: {out}");
+        assert!(
+            migrate_names(&root)
+                .iter()
+                .all(|n| n.ends_with(".migrate-old")),
+            "{when}: {:?}",
+            migrate_names(&root)
+        );
+        if converted {
+            assert!(out.contains("CHILD-RESULT ok Converted"), "{when}: {out}");
+            assert!(is_subvolume(&vol), "{when}");
+            assert_same(&expected_after(&before), &raw(&vol), &when);
+        } else {
+            assert!(
+                out.contains(&format!(
+                    "CHILD-RESULT err {}",
+                    ErrorKind::MigrationFailed.code()
+                )) && out.contains("is untouched and the snapshot was deleted"),
+                "failpoints compiled in? {when}:\n{out}"
+            );
+            assert!(!is_subvolume(&vol), "{when}");
+            assert_same(&before, &raw(&vol), &when);
+        }
+    }
 }

@@ -3,13 +3,13 @@
 //! Same variable as the volume crate's ([`volume::FAILPOINT_ENV`]), with two
 //! extensions, since the conversion's steps repeat (one per clone range, one
 //! per removed entry): `name@N` fires on the N-th hit of `name` in this
-//! process, and a trailing `=enospc` makes the site fail with ENOSPC instead
-//! of killing the process. Without the `failpoints` feature, nothing fires.
+//! process, and a trailing `=enospc` or `=eio` makes the site fail with
+//! that error instead of killing the process. Without the `failpoints` feature, nothing fires.
 
 use std::io;
 
 /// With the `failpoints` feature, SIGKILLs the process (or, for
-/// `...=enospc`, returns ENOSPC) when `STARTOS_VOLUME_FAILPOINT` names this
+/// `...=enospc` and `...=eio`, returns that error) when `STARTOS_VOLUME_FAILPOINT` names this
 /// hit of `name`. Without it, does nothing.
 #[inline]
 pub(crate) fn failpoint(name: &str) -> io::Result<()> {
@@ -22,9 +22,10 @@ pub(crate) fn failpoint(name: &str) -> io::Result<()> {
             return Ok(());
         };
         let spec = spec.to_string_lossy().into_owned();
-        let (site, enospc) = match spec.strip_suffix("=enospc") {
-            Some(s) => (s, true),
-            None => (spec.as_str(), false),
+        let (site, errno) = match spec.rsplit_once('=') {
+            Some((s, "enospc")) => (s, Some(libc::ENOSPC)),
+            Some((s, "eio")) => (s, Some(libc::EIO)),
+            _ => (spec.as_str(), None),
         };
         let (site, nth) = match site.split_once('@') {
             Some((s, n)) => (s, n.parse::<u64>().unwrap_or(1)),
@@ -43,8 +44,8 @@ pub(crate) fn failpoint(name: &str) -> io::Result<()> {
         if hit != nth {
             return Ok(());
         }
-        if enospc {
-            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+        if let Some(errno) = errno {
+            return Err(io::Error::from_raw_os_error(errno));
         }
         let _ =
             rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);

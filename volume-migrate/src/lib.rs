@@ -4,7 +4,10 @@
 //! After the ext4-to-btrfs conversion every `<root>/<pkg>` is a plain
 //! directory on the top-level subvolume, so its install backup is an
 //! O(extents) reflink copy. [`Migrator::convert`] turns one such directory
-//! into a subvolume, after which backups are O(1) snapshots:
+//! into a subvolume, after which backups are O(1) snapshots. It has two
+//! methods ([`Method`]); [`Method::Auto`] picks the cheaper.
+//!
+//! **Clone**, O(the package's extents and entries):
 //!
 //! 0. **Scan**: count entries, bytes and extents (progress totals and the
 //!    free-space check), on a second thread, beside the clone.
@@ -12,8 +15,22 @@
 //!    every entry into it ([`volume::copy::reflink_into`]: FICLONERANGE in
 //!    offset-ordered chunks, never a byte copy; every attribute kept, nested
 //!    subvolumes recreated as subvolumes).
-//! 2. **Sync**: commit the btrfs transaction, so the copy is durable.
-//! 3. **Exchange**: swap `<pkg>.migrate` and `<pkg>` with one
+//!
+//! **Snapshot the parent**, O(everything else in the subvolume holding the
+//! volumes root), whatever the package holds; for a package with little
+//! beside it, such as the one large database of a single-service box:
+//!
+//! 0. **Scan**: count the package and the rest of its subvolume, each only
+//!    as far as the choice needs.
+//! 1. **Carve**: snapshot that subvolume as `<pkg>.migrate-parent` (O(1))
+//!    and cut the snapshot down to `<pkg>`'s contents
+//!    ([`volume::carve::carve`]): the very same inodes, nothing copied.
+//!
+//! Then, for both:
+//!
+//! 2. **Sync**: commit the btrfs transaction, so the new subvolume is
+//!    durable.
+//! 3. **Exchange**: swap it and `<pkg>` with one
 //!    `renameat2(RENAME_EXCHANGE)`, then rename the old directory to
 //!    `<pkg>.migrate-old`.
 //! 4. **RemoveOld** ([`Migrator::remove_old`]), a separate call that can run
@@ -27,10 +44,12 @@
 //! `<pkg>` is a partial copy, resumed (files continue from their destination
 //! size, aligned down to the block size; entries whose source changed since
 //! the partial copy was started, by ctime against the subvolume's creation
-//! time, are copied again); a *plain directory* `<pkg>.migrate` beside a
-//! subvolume `<pkg>` is the old directory after the exchange; anything named
-//! `<pkg>.migrate-old` is garbage. Every step takes the package's volume
-//! lock ([`volume::lock::PackageLock`]), so it never interleaves with a
+//! time, are copied again); a *subvolume* `<pkg>.migrate-parent` is a cut
+//! that did not finish, deleted in O(1) (a new snapshot costs nothing); a
+//! *plain directory* under either name beside a subvolume `<pkg>` is the old
+//! directory after the exchange; anything named `<pkg>.migrate-old` is
+//! garbage. Every step takes the package's volume lock
+//! ([`volume::lock::PackageLock`]), so it never interleaves with a
 //! [`volume::VolumeStore`] operation on the same package.
 //!
 //! ## Progress and upstream's `FullProgressTracker`
@@ -51,6 +70,8 @@
 mod failpoint;
 #[cfg(target_os = "linux")]
 mod migrate;
+#[cfg(target_os = "linux")]
+mod scan;
 
 #[cfg(target_os = "linux")]
 pub use migrate::*;
@@ -67,8 +88,11 @@ pub enum Phase {
     /// Flushing the plain directory and starting the count of its
     /// entries, bytes and extents (which goes on beside the clone).
     Scan,
-    /// Reflinking the contents into the new subvolume.
+    /// Reflinking the contents into the new subvolume ([`Method::Clone`]).
     Clone,
+    /// Snapshotting the parent subvolume and cutting the snapshot down to
+    /// the package ([`Method::SnapshotParent`]).
+    Carve,
     /// Making the new subvolume durable (a btrfs commit).
     Sync,
     /// Swapping the new subvolume in (renameat2 RENAME_EXCHANGE).
@@ -77,6 +101,27 @@ pub enum Phase {
     RemoveOld,
     /// This package is finished.
     Done,
+}
+
+/// How a plain directory becomes a subvolume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Method {
+    /// [`Method::SnapshotParent`] where it applies and costs less than
+    /// cloning, by the rule documented on [`Migrator::convert`]; otherwise
+    /// [`Method::Clone`].
+    #[default]
+    Auto,
+    /// Reflink every entry into a new subvolume: O(extents and entries of
+    /// the package), resumable after a crash where it stopped.
+    Clone,
+    /// Snapshot the subvolume holding the volumes root and cut the snapshot
+    /// down to the package ([`volume::carve`]): O(everything else in that
+    /// subvolume), whatever the package holds. Needs the subvolume's root
+    /// reachable from the volumes root's mount and no subvolume nested in
+    /// the package. Never resumed: an interrupted one is deleted (O(1)) and
+    /// started over.
+    SnapshotParent,
 }
 
 /// One progress report for one package. Figures cover the whole package,

@@ -1,9 +1,7 @@
 //! The conversion itself (Linux only).
 
-use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
 use std::io;
-use std::ops::ControlFlow;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,15 +9,16 @@ use std::thread::ScopedJoinHandle;
 use std::time::{Duration, Instant};
 
 use models::{Error, ErrorKind, PackageId, ResultExt};
-use rustix::fs::{AtFlags, FileType};
 use serde::Serialize;
+use volume::carve::{self, CarveEvent};
 use volume::copy::{self, CopyEvent, CopyOptions};
-use volume::layout::{MIGRATE_OLD_SUFFIX, MIGRATE_SUFFIX, package_of};
+use volume::layout::{MIGRATE_OLD_SUFFIX, MIGRATE_PARENT_SUFFIX, MIGRATE_SUFFIX, package_of};
 use volume::lock::PackageLock;
-use volume::sys::{self, EXTENT_DATA_KEY, KeyRange, Searcher};
+use volume::sys;
 
 use crate::failpoint::failpoint;
-use crate::{Estimate, Phase, Progress, ProgressSink};
+use crate::scan::{ExtentsByInode, Limits, scan, scan_within};
+use crate::{Estimate, Method, Phase, Progress, ProgressSink};
 
 /// Default FICLONERANGE chunk: 64 MiB. Each chunk is one ioctl costing
 /// O(extents in it); a crash loses at most one chunk of work.
@@ -28,6 +27,16 @@ pub const DEFAULT_CHUNK_BYTES: u64 = 64 << 20;
 /// need (the global reserve is already held back): what the estimate may
 /// miss, and room for the services' first writes after the conversion.
 pub const DEFAULT_RESERVE_BYTES: u64 = 64 << 20;
+/// [`Method::Auto`] clones a package with less work than this (entries plus
+/// extent items): a clone of it takes a few milliseconds, about what the
+/// snapshot's commit alone costs.
+pub const PARENT_MIN_WORK: u64 = 4096;
+/// [`Method::Auto`] snapshots the parent subvolume only if everything else
+/// in it is at most this much work (entries plus extent items), and at most
+/// half the package's. Removing that from the snapshot then costs about as
+/// much as cloning as many entries, well under a second; counting it stops
+/// here too, so deciding costs little whatever the parent holds.
+pub const PARENT_MAX_REST: u64 = 16_384;
 
 /// How to convert.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,6 +52,8 @@ pub struct MigrateOptions {
     /// [`Migrator::run`]: after converting every package, remove the old
     /// directories too (otherwise call [`Migrator::remove_all_old`] later).
     pub remove_old: bool,
+    /// How to convert; see [`Migrator::convert`].
+    pub method: Method,
 }
 
 impl Default for MigrateOptions {
@@ -52,6 +63,7 @@ impl Default for MigrateOptions {
             chunk_bytes: DEFAULT_CHUNK_BYTES,
             reserve_bytes: DEFAULT_RESERVE_BYTES,
             remove_old: true,
+            method: Method::Auto,
         }
     }
 }
@@ -111,6 +123,8 @@ pub struct PackageReport {
     pub outcome: Outcome,
     /// The scan of the plain directory, when there was one to scan.
     pub estimate: Option<Estimate>,
+    /// How it was converted, when it was now.
+    pub method: Option<Method>,
     /// Whether an interrupted earlier run's partial copy was reused.
     pub resumed: bool,
     /// Bytes cloned by this run (a resumed run skips what was in place).
@@ -229,8 +243,8 @@ impl Migrator {
     }
 
     /// Packages with anything for the conversion to do, sorted: `<pkg>` a
-    /// plain directory, or a `<pkg>.migrate` / `<pkg>.migrate-old` left by an
-    /// interrupted run. Empty off btrfs.
+    /// plain directory, or a `<pkg>.migrate`, `<pkg>.migrate-parent` or
+    /// `<pkg>.migrate-old` left by an interrupted run. Empty off btrfs.
     pub fn packages(&self) -> Result<Vec<PackageId>, Error> {
         if !self.btrfs {
             return Ok(Vec::new());
@@ -252,7 +266,9 @@ impl Migrator {
                     .with_ctx(|_| (ErrorKind::Filesystem, pkg.context("inspecting the volume")))?
                     != Kind::Subvolume
             } else {
-                s.ends_with(MIGRATE_SUFFIX) || s.ends_with(MIGRATE_OLD_SUFFIX)
+                [MIGRATE_SUFFIX, MIGRATE_PARENT_SUFFIX, MIGRATE_OLD_SUFFIX]
+                    .iter()
+                    .any(|suffix| s.ends_with(suffix))
             };
             if relevant {
                 out.push(pkg);
@@ -280,6 +296,9 @@ impl Migrator {
             let tmp = self
                 .kind(&names.tmp)
                 .with_ctx(io("inspecting the partial copy"))?;
+            let parent = self
+                .kind(&names.parent)
+                .with_ctx(io("inspecting the parent snapshot"))?;
             let old = self
                 .kind(&names.old)
                 .with_ctx(io("inspecting the old directory"))?;
@@ -301,7 +320,8 @@ impl Migrator {
                 package: pkg.clone(),
                 estimate,
                 resume: live == Kind::Dir && tmp == Kind::Subvolume,
-                old_pending: old != Kind::Absent || (tmp == Kind::Dir && live != Kind::Dir),
+                old_pending: old != Kind::Absent
+                    || ((tmp == Kind::Dir || parent == Kind::Dir) && live != Kind::Dir),
             });
         }
         Ok(out)
@@ -336,6 +356,7 @@ impl Migrator {
                     package: pkg.clone(),
                     outcome: Outcome::Failed,
                     estimate: None,
+                    method: None,
                     resumed: false,
                     bytes_cloned: 0,
                     entries_reused: 0,
@@ -411,8 +432,10 @@ impl Migrator {
         Ok(true)
     }
 
-    /// After the exchange, `<pkg>.migrate` is the old plain directory: move
-    /// it to `<pkg>.migrate-old`. Returns whether it did.
+    /// After the exchange, `<pkg>.migrate` (or `<pkg>.migrate-parent`) is
+    /// the old plain directory: move it to `<pkg>.migrate-old`. A subvolume
+    /// under either name beside no plain `<pkg>` is a partial copy whose
+    /// source is gone: removed. Returns whether an old directory was moved.
     fn settle_exchanged(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
         let io = |what: &'static str| {
             move |_: &io::Error| (ErrorKind::MigrationFailed, pkg.context(what))
@@ -420,35 +443,38 @@ impl Migrator {
         let live = self
             .kind(&names.live)
             .with_ctx(io("inspecting the volume"))?;
-        let tmp = self
-            .kind(&names.tmp)
-            .with_ctx(io("inspecting the partial copy"))?;
-        match (live, tmp) {
-            (Kind::Subvolume | Kind::Absent, Kind::Dir) => {
-                if self
-                    .kind(&names.old)
-                    .with_ctx(io("inspecting the old directory"))?
-                    != Kind::Absent
-                {
-                    copy::remove_tree_at(self.root_fd(), &names.old, &mut |_| Ok(()))
-                        .with_ctx(io("removing an older old directory"))?;
-                }
-                sys::rename_noreplace(self.root_fd(), &names.tmp, &names.old)
-                    .and_then(|()| sys::fsync(self.root_fd()))
-                    .with_ctx(io("moving the old directory aside"))?;
-                failpoint("migrate.old-renamed").with_ctx(io("failpoint"))?;
-                Ok(true)
-            }
-            (Kind::Subvolume | Kind::Absent, Kind::Subvolume) => {
-                // A partial copy whose source is gone or was replaced by a
-                // subvolume (a volume operation since): worthless.
-                copy::remove_tree_at(self.root_fd(), &names.tmp, &mut |_| Ok(()))
-                    .and_then(|()| sys::fsync(self.root_fd()))
-                    .with_ctx(io("removing a stale partial copy"))?;
-                Ok(false)
-            }
-            _ => Ok(false),
+        if live == Kind::Dir {
+            return Ok(false);
         }
+        let mut moved = false;
+        for tmp in [&names.tmp, &names.parent] {
+            match self.kind(tmp).with_ctx(io("inspecting the partial copy"))? {
+                Kind::Dir => {
+                    if self
+                        .kind(&names.old)
+                        .with_ctx(io("inspecting the old directory"))?
+                        != Kind::Absent
+                    {
+                        copy::remove_tree_at(self.root_fd(), &names.old, &mut |_| Ok(()))
+                            .with_ctx(io("removing an older old directory"))?;
+                    }
+                    sys::rename_noreplace(self.root_fd(), tmp, &names.old)
+                        .and_then(|()| sys::fsync(self.root_fd()))
+                        .with_ctx(io("moving the old directory aside"))?;
+                    failpoint("migrate.old-renamed").with_ctx(io("failpoint"))?;
+                    moved = true;
+                }
+                Kind::Subvolume => {
+                    // A partial copy whose source is gone or was replaced by
+                    // a subvolume (a volume operation since): worthless.
+                    copy::remove_tree_at(self.root_fd(), tmp, &mut |_| Ok(()))
+                        .and_then(|()| sys::fsync(self.root_fd()))
+                        .with_ctx(io("removing a stale partial copy"))?;
+                }
+                Kind::Absent | Kind::Other => {}
+            }
+        }
+        Ok(moved)
     }
 
     /// Converts `<pkg>`, if it is a plain directory, into a subvolume with
@@ -480,6 +506,25 @@ impl Migrator {
     /// removed, and `<pkg>` is untouched, as for an ENOSPC. A dry run scans
     /// only.
     ///
+    /// The method ([`MigrateOptions::method`]): [`Method::Auto`] resumes an
+    /// interrupted clone, and otherwise snapshots the parent subvolume when
+    /// all of these hold, else clones:
+    /// - the package is at least [`PARENT_MIN_WORK`] entries and extent
+    ///   items (a scan that stops at twice [`PARENT_MAX_REST`]);
+    /// - the root of the subvolume holding the volumes root is reachable
+    ///   from the volumes root's mount by `..`;
+    /// - no subvolume is nested in the package;
+    /// - everything else in that subvolume (other packages' plain
+    ///   directories, old directories waiting for removal, whatever else it
+    ///   holds; nested subvolumes count as one entry) is at most
+    ///   [`PARENT_MAX_REST`] and at most half the package's work.
+    ///
+    /// Should the cut fail for any reason but space, Auto deletes the
+    /// snapshot and clones instead. The free-space check for the cut counts
+    /// what it removes, which is what it rewrites. [`Method::SnapshotParent`]
+    /// forces the method, without the size rules: `InvalidRequest` where it
+    /// cannot apply.
+    ///
     /// A crash at any point leaves `<pkg>` complete (old or new); see the
     /// crate docs for what the next run does.
     pub fn convert(
@@ -493,6 +538,7 @@ impl Migrator {
             package: pkg.clone(),
             outcome: Outcome::AlreadySubvolume,
             estimate: None,
+            method: None,
             resumed: false,
             bytes_cloned: 0,
             entries_reused: 0,
@@ -514,6 +560,22 @@ impl Migrator {
         let tmp = self
             .kind(&names.tmp)
             .with_ctx(io("inspecting the partial copy"))?;
+        let parent = self
+            .kind(&names.parent)
+            .with_ctx(io("inspecting the parent snapshot"))?;
+        let incoherent = [(&names.tmp, tmp), (&names.parent, parent)]
+            .into_iter()
+            .find(|&(_, kind)| kind == Kind::Other || (live, kind) == (Kind::Dir, Kind::Dir));
+        if let Some((name, _)) = incoherent {
+            return Err(Error::for_package(
+                pkg,
+                ErrorKind::Incoherent,
+                format!(
+                    "{} is neither a partial copy nor the old directory; move it away",
+                    self.root.join(name).display()
+                ),
+            ));
+        }
         match (live, tmp) {
             (Kind::Other, _) => {
                 return Err(Error::for_package(
@@ -522,16 +584,6 @@ impl Migrator {
                     format!(
                         "{} is not a directory",
                         self.root.join(&names.live).display()
-                    ),
-                ));
-            }
-            (_, Kind::Other) | (Kind::Dir, Kind::Dir) => {
-                return Err(Error::for_package(
-                    pkg,
-                    ErrorKind::Incoherent,
-                    format!(
-                        "{} is neither a partial copy nor the old directory; move it away",
-                        self.root.join(&names.tmp).display()
                     ),
                 ));
             }
@@ -606,6 +658,51 @@ impl Migrator {
                 )
             })?;
 
+        if parent == Kind::Subvolume {
+            // An interrupted cut: a new snapshot costs nothing, so start over.
+            copy::remove_tree_at(self.root_fd(), &names.parent, &mut |_| Ok(()))
+                .with_ctx(io("removing an interrupted parent snapshot"))?;
+        }
+        let parent_plan = match (opts.method, tmp) {
+            (Method::Clone, _) | (Method::Auto, Kind::Subvolume) => None,
+            (Method::Auto, _) => self.plan_parent(pkg, &names, &src, true)?.ok(),
+            (Method::SnapshotParent, _) => {
+                let plan = self.plan_parent(pkg, &names, &src, false)?.map_err(|why| {
+                    Error::for_package(
+                        pkg,
+                        ErrorKind::InvalidRequest,
+                        format!(
+                            "cannot convert {} by snapshotting its parent: {why}",
+                            live_path.display()
+                        ),
+                    )
+                })?;
+                if tmp == Kind::Subvolume {
+                    copy::remove_tree_at(self.root_fd(), &names.tmp, &mut |_| Ok(()))
+                        .with_ctx(io("removing a partial copy"))?;
+                }
+                Some(plan)
+            }
+        };
+        if let Some(plan) = parent_plan {
+            match self.carve_parent(&names, plan, free, opts, &mut tracker) {
+                Ok(carved) => {
+                    self.swap_in(pkg, &names, &names.parent, carved, &mut tracker)?;
+                    report.method = Some(Method::SnapshotParent);
+                    report.outcome = Outcome::Converted;
+                    report.elapsed = started.elapsed();
+                    return Ok(report);
+                }
+                Err(failure) => {
+                    if opts.method != Method::Auto || !failure.can_clone() {
+                        return Err(failure.into_error(pkg, &live_path));
+                    }
+                    let e = failure.into_error(pkg, &live_path);
+                    tracing::warn!(package = %pkg, error = %e, "cutting a parent snapshot failed: cloning instead");
+                }
+            }
+        }
+
         // The scan (a stat and a tree search per file) runs on a second
         // thread while the clone starts: it only feeds the progress totals
         // and the space check, so it need not delay the clone.
@@ -628,6 +725,7 @@ impl Migrator {
             stop_scan.store(true, Ordering::Relaxed);
             result
         })?;
+        report.method = Some(Method::Clone);
         report.outcome = Outcome::Converted;
         report.elapsed = started.elapsed();
         Ok(report)
@@ -828,32 +926,165 @@ impl Migrator {
         report.entries_reused = stats.entries_reused;
         failpoint("migrate.copied").with_ctx(io("failpoint"))?;
 
+        let estimate = report.estimate.unwrap_or_default();
+        tracing::info!(package = %pkg, bytes = estimate.bytes, extents = estimate.extents, "volume cloned into a subvolume");
+        self.swap_in(pkg, names, &names.tmp, dst, tracker)
+    }
+
+    /// The last steps of either method: commit the new subvolume `tmp`
+    /// (open as `dst`), exchange it with `<pkg>`, move the old directory to
+    /// `<pkg>.migrate-old`.
+    fn swap_in(
+        &self,
+        pkg: &PackageId,
+        names: &Names,
+        tmp: &OsStr,
+        dst: OwnedFd,
+        tracker: &mut Tracker<'_>,
+    ) -> Result<(), Error> {
+        let io = |what: &'static str| {
+            move |_: &io::Error| (ErrorKind::MigrationFailed, pkg.context(what))
+        };
         // Sync: the copy must be durable before its name says "volume".
         tracker.phase(Phase::Sync);
         sys::commit(dst.as_fd()).with_ctx(io("committing the new subvolume"))?;
         drop(dst);
         failpoint("migrate.durable").with_ctx(io("failpoint"))?;
 
-        // Exchange.
         tracker.phase(Phase::Exchange);
-        sys::rename_exchange(self.root_fd(), &names.tmp, &names.live)
+        sys::rename_exchange(self.root_fd(), tmp, &names.live)
             .and_then(|()| sys::fsync(self.root_fd()))
             .with_ctx(|_| {
                 (
                     ErrorKind::MigrationFailed,
                     pkg.context(format!(
                         "exchanging {} with {}",
-                        self.root.join(&names.tmp).display(),
-                        live_path.display()
+                        self.root.join(tmp).display(),
+                        self.root.join(&names.live).display()
                     )),
                 )
             })?;
         failpoint("migrate.exchanged").with_ctx(io("failpoint"))?;
         self.settle_exchanged(pkg, names)?;
         tracker.phase(Phase::Done);
-        let estimate = report.estimate.unwrap_or_default();
-        tracing::info!(package = %pkg, bytes = estimate.bytes, extents = estimate.extents, "volume converted to a subvolume");
+        tracing::info!(package = %pkg, "volume converted to a subvolume");
         Ok(())
+    }
+
+    /// Whether `<pkg>` (open as `src`) can be converted by snapshotting the
+    /// subvolume that holds it, and what that takes; else why not. With
+    /// `auto`, also whether that is the cheaper method (see
+    /// [`Migrator::convert`]): counting stops at the rule's bounds, so this
+    /// costs at most about [`PARENT_MAX_REST`] entries' worth of stats.
+    fn plan_parent(
+        &self,
+        pkg: &PackageId,
+        names: &Names,
+        src: &OwnedFd,
+        auto: bool,
+    ) -> Result<Result<ParentPlan, String>, Error> {
+        let io = |what: &'static str| {
+            move |_: &io::Error| (ErrorKind::MigrationFailed, pkg.context(what))
+        };
+        let stop = AtomicBool::new(false);
+        let mut max_rest = u64::MAX;
+        if auto {
+            let limit = PARENT_MAX_REST.saturating_mul(2);
+            let work = scan_within(
+                src.as_fd(),
+                Limits {
+                    max_work: limit,
+                    ..Limits::all(&stop)
+                },
+            )
+            .with_ctx(io("scanning the volume"))?
+            .map_or(limit, |est| est.work());
+            if work < PARENT_MIN_WORK {
+                return Ok(Err(format!(
+                    "the volume is small ({work} entries and extents): a clone costs less"
+                )));
+            }
+            max_rest = PARENT_MAX_REST.min(work / 2);
+        }
+        let Some((root, path)) = sys::subvolume_root_of(self.root_fd())
+            .with_ctx(io("looking for the root of the volumes root's subvolume"))?
+        else {
+            return Ok(Err(format!(
+                "the root of the subvolume holding {} is not reachable from its mount",
+                self.root.display()
+            )));
+        };
+        let keep: PathBuf = path.iter().collect::<PathBuf>().join(&names.live);
+        let nested = sys::nested_subvolumes(root.as_fd())
+            .with_ctx(io("listing the subvolumes nested in the volumes root's"))?;
+        if nested.iter().any(|p| p.starts_with(&keep)) {
+            return Ok(Err("the volume holds nested subvolumes".to_owned()));
+        }
+        let st = sys::stat(src.as_fd()).with_ctx(io("stat of the volume"))?;
+        let rest = scan_within(
+            root.as_fd(),
+            Limits {
+                stop: &stop,
+                max_work: max_rest,
+                skip: Some((st.dev, st.ino)),
+                one_device: true,
+            },
+        )
+        .with_ctx(io("counting the rest of the volumes root's subvolume"))?;
+        Ok(match rest {
+            Some(rest) => Ok(ParentPlan { root, keep, rest }),
+            None => Err(format!(
+                "the rest of its subvolume is more than {max_rest} entries and extents"
+            )),
+        })
+    }
+
+    /// [`Method::SnapshotParent`] up to the exchange: snapshots the parent
+    /// subvolume as `<pkg>.migrate-parent` and cuts it down to `<pkg>`
+    /// ([`carve::carve`]). On failure the snapshot is deleted (O(1)).
+    fn carve_parent(
+        &self,
+        names: &Names,
+        plan: ParentPlan,
+        free: u64,
+        opts: &MigrateOptions,
+        tracker: &mut Tracker<'_>,
+    ) -> Result<OwnedFd, CarveFailure> {
+        // Cutting copies on write the leaves of what it removes, and those
+        // of the entries it lifts: the same metadata as cloning the rest.
+        if let Err(why) = self.check_space(free, &plan.rest, opts) {
+            return Err(CarveFailure::Refused(why));
+        }
+        tracker.set_estimate(plan.rest);
+        tracker.phase(Phase::Carve);
+        let snapshot = self.root.join(&names.parent);
+        sys::snapshot(plan.root.as_fd(), self.root_fd(), &names.parent).map_err(|error| {
+            CarveFailure::Failed {
+                what: format!("snapshotting its subvolume as {}", snapshot.display()),
+                error,
+                cleanup: Ok(()),
+            }
+        })?;
+        drop(plan.root);
+        let result = failpoint("migrate.parent-snapshot")
+            .and_then(|()| sys::open_dir_at(self.root_fd(), &names.parent))
+            .and_then(|fd| {
+                carve::carve(fd.as_fd(), &plan.keep, &mut |ev| match ev {
+                    CarveEvent::Held => failpoint("migrate.carve-held"),
+                    CarveEvent::Removed(n) => {
+                        tracker.entries(n);
+                        failpoint("migrate.carve-removed")
+                    }
+                    CarveEvent::Lifted(_) => failpoint("migrate.carve-lifted"),
+                })?;
+                Ok(fd)
+            });
+        result.map_err(|error| CarveFailure::Failed {
+            what: format!("cutting {} down to the volume", snapshot.display()),
+            error,
+            cleanup: copy::remove_tree_at(self.root_fd(), &names.parent, &mut |_| Ok(()))
+                .and_then(|()| sys::fsync(self.root_fd())),
+        })
     }
 
     /// Metadata bytes the filesystem holding the root can still take, as
@@ -904,6 +1135,58 @@ impl Migrator {
     }
 }
 
+/// What [`Method::SnapshotParent`] needs, from [`Migrator::plan_parent`].
+struct ParentPlan {
+    /// The root of the subvolume holding the volumes root.
+    root: OwnedFd,
+    /// `<pkg>`'s path from there.
+    keep: PathBuf,
+    /// What the subvolume holds beside `<pkg>`: what the cut removes.
+    rest: Estimate,
+}
+
+/// Why [`Migrator::carve_parent`] did not carve.
+enum CarveFailure {
+    /// Not enough free metadata space: why. Nothing was created.
+    Refused(String),
+    /// A step failed; `cleanup` says whether the snapshot is gone.
+    Failed {
+        what: String,
+        error: io::Error,
+        cleanup: io::Result<()>,
+    },
+}
+
+impl CarveFailure {
+    /// Whether [`Method::Auto`] may clone instead: the snapshot is gone and
+    /// space was not the problem.
+    fn can_clone(&self) -> bool {
+        match self {
+            CarveFailure::Refused(_) => false,
+            CarveFailure::Failed { error, cleanup, .. } => cleanup.is_ok() && !is_enospc(error),
+        }
+    }
+
+    fn into_error(self, pkg: &PackageId, live: &Path) -> Error {
+        let msg = match self {
+            CarveFailure::Refused(why) => format!("{why}; nothing was changed"),
+            CarveFailure::Failed {
+                what,
+                error,
+                cleanup,
+            } => format!(
+                "{what}: {error}; {} is untouched{}",
+                live.display(),
+                match cleanup {
+                    Ok(()) => " and the snapshot was deleted".to_owned(),
+                    Err(c) => format!(", but deleting the snapshot failed: {c}"),
+                }
+            ),
+        };
+        Error::for_package(pkg, ErrorKind::MigrationFailed, msg)
+    }
+}
+
 /// Why the scan stopped a clone.
 enum ScanFailure {
     /// The scan itself failed.
@@ -916,6 +1199,7 @@ enum ScanFailure {
 struct Names {
     live: OsString,
     tmp: OsString,
+    parent: OsString,
     old: OsString,
 }
 
@@ -924,77 +1208,10 @@ impl Names {
         Names {
             live: OsString::from(pkg.as_str()),
             tmp: OsString::from(format!("{pkg}{MIGRATE_SUFFIX}")),
+            parent: OsString::from(format!("{pkg}{MIGRATE_PARENT_SUFFIX}")),
             old: OsString::from(format!("{pkg}{MIGRATE_OLD_SUFFIX}")),
         }
     }
-}
-
-/// File extent items of each regular file, by (device, inode).
-type ExtentsByInode = HashMap<(u64, u64), u64>;
-
-/// Counts what converting the directory open as `dir` involves, with the
-/// extent count of each regular file by (device, inode). Never follows a
-/// symlink, opens nothing but directories; hardlinked files count once.
-/// Setting `stop` makes it give up (`Interrupted`) at the next entry.
-fn scan(dir: BorrowedFd<'_>, stop: &AtomicBool) -> io::Result<(Estimate, ExtentsByInode)> {
-    let mut est = Estimate::default();
-    let mut files = HashMap::new();
-    let mut searcher = Searcher::default();
-    scan_dir(dir, &mut est, &mut files, &mut searcher, stop)?;
-    Ok((est, files))
-}
-
-fn scan_dir(
-    dir: BorrowedFd<'_>,
-    est: &mut Estimate,
-    files: &mut ExtentsByInode,
-    searcher: &mut Searcher,
-    stop: &AtomicBool,
-) -> io::Result<()> {
-    for (name, _, _) in sys::read_dir_names(dir)? {
-        if stop.load(Ordering::Relaxed) {
-            return Err(io::ErrorKind::Interrupted.into());
-        }
-        let st = match rustix::fs::statat(dir, &name, AtFlags::SYMLINK_NOFOLLOW) {
-            Ok(st) => st,
-            Err(rustix::io::Errno::NOENT) => continue,
-            Err(e) => return Err(e.into()),
-        };
-        est.entries += 1;
-        match FileType::from_raw_mode(st.st_mode) {
-            FileType::Directory => {
-                if st.st_ino == sys::SUBVOLUME_ROOT_INO {
-                    est.nested_subvolumes += 1;
-                }
-                let sub = sys::open_dir_at(dir, &name)?;
-                scan_dir(sub.as_fd(), est, files, searcher, stop)?;
-            }
-            FileType::RegularFile => {
-                let key = (st.st_dev, st.st_ino);
-                if files.contains_key(&key) {
-                    continue;
-                }
-                est.files += 1;
-                est.bytes += st.st_size as u64;
-                let mut extents = 0u64;
-                // The search runs in the subvolume of `dir`, the file's.
-                searcher.search(
-                    dir,
-                    KeyRange::inode_items(st.st_ino, EXTENT_DATA_KEY),
-                    |key, _| {
-                        if key.item_type == EXTENT_DATA_KEY && key.objectid == st.st_ino {
-                            extents += 1;
-                        }
-                        ControlFlow::Continue(())
-                    },
-                )?;
-                est.extents += extents;
-                files.insert(key, extents);
-            }
-            _ => {}
-        }
-    }
-    Ok(())
 }
 
 /// Turns copy events into throttled [`Progress`] reports with an ETA.

@@ -30,6 +30,12 @@ pub const LOCK_SUFFIX: &str = ".lock";
 /// `<pkg>` before the exchange; the old plain directory after it (a plain
 /// directory under this name means the exchange happened).
 pub const MIGRATE_SUFFIX: &str = ".migrate";
+/// volume-migrate: a snapshot of the subvolume holding the volumes root,
+/// being cut down to `<pkg>` ([`crate::carve`]); garbage before the
+/// exchange (never resumed: a new snapshot costs nothing), the old plain
+/// directory after it (a plain directory under this name means the exchange
+/// happened).
+pub const MIGRATE_PARENT_SUFFIX: &str = ".migrate-parent";
 /// volume-migrate: the replaced plain directory, waiting to be removed. Only
 /// ever holds data that also lives in the converted `<pkg>`: always safe to
 /// delete.
@@ -81,6 +87,7 @@ pub fn package_of(name: &OsStr) -> Option<PackageId> {
         DELETE_SUFFIX,
         LOCK_SUFFIX,
         MIGRATE_OLD_SUFFIX,
+        MIGRATE_PARENT_SUFFIX,
         MIGRATE_SUFFIX,
     ]
     .iter()
@@ -108,6 +115,7 @@ mod tests {
             &n.lock,
             &OsString::from("bitcoind.migrate"),
             &OsString::from("bitcoind.migrate-old"),
+            &OsString::from("bitcoind.migrate-parent"),
         ] {
             assert_eq!(package_of(name).as_ref(), Some(&pkg), "{name:?}");
         }

@@ -17,6 +17,8 @@ use std::path::{Path, PathBuf};
 pub use models::{Error, ErrorKind, PackageId, VolumeId};
 
 #[cfg(target_os = "linux")]
+pub mod carve;
+#[cfg(target_os = "linux")]
 pub mod copy;
 #[cfg(target_os = "linux")]
 pub mod extents;

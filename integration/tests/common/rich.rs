@@ -49,7 +49,7 @@ fn chmod(path: &Path, mode: u32) {
         .unwrap_or_else(|e| panic!("chmod {}: {e}", path.display()));
 }
 
-fn setflags(path: &Path, flags: IFlags) {
+pub fn setflags(path: &Path, flags: IFlags) {
     let f = fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
@@ -71,6 +71,36 @@ fn setflags(path: &Path, flags: IFlags) {
 /// one two levels down); and nanosecond timestamps set on every directory
 /// after its children. With `big` > 0, also `data/db/big.mdb` of `big` bytes.
 pub fn build_rich_tree(vol: &Path, big: u64) {
+    build(vol, big, true)
+}
+
+/// [`build_rich_tree`] without the nested subvolumes (which a snapshot of
+/// the parent cannot carry), and with what lifting the top's entries into a
+/// new root must keep: an immutable file and an append-only directory at the
+/// top, an entry named like the carve's own parking name, and a top
+/// directory with its own owner, mode, xattr, default ACL, NOCOW flag and
+/// time.
+#[allow(dead_code)]
+pub fn build_carve_tree(vol: &Path, big: u64) {
+    build(vol, big, false);
+    fs::write(vol.join("top-immutable"), b"top").unwrap();
+    fs::create_dir(vol.join("top-append")).unwrap();
+    fs::write(vol.join("top-append/log"), b"l").unwrap();
+    fs::write(vol.join(".startos-carve"), b"mine").unwrap();
+    chown(vol, 4242, 100_500);
+    chmod(vol, 0o2750);
+    rustix::fs::setxattr(vol, "user.top", b"t", XattrFlags::empty()).unwrap();
+    sh(Command::new("setfacl")
+        .args(["-d", "-m", "u:777:rwx"])
+        .arg(vol));
+    setflags(vol, IFlags::NOCOW);
+    set_mtime(&vol.join("top-append"), 1_700_000_001, 1);
+    set_mtime(vol, 1_700_000_002, 2);
+    setflags(&vol.join("top-immutable"), IFlags::IMMUTABLE);
+    setflags(&vol.join("top-append"), IFlags::APPEND);
+}
+
+fn build(vol: &Path, big: u64, nested: bool) {
     fs::create_dir_all(vol.join("data/main")).unwrap();
     let m = vol.join("data/main");
     fs::write(m.join("config.toml"), b"port = 8080\n").unwrap();
@@ -207,14 +237,16 @@ pub fn build_rich_tree(vol: &Path, big: u64) {
     fs::create_dir(m.join("nocow-dir")).unwrap();
     setflags(&m.join("nocow-dir"), IFlags::NOCOW);
     fs::write(m.join("nocow-dir/child"), b"c").unwrap();
-    // Nested subvolumes, one read-only, one deeper.
-    subvolume_create(&m.join("nested"));
-    fs::write(m.join("nested/blob"), bytes(3, 200_000)).unwrap();
-    fs::create_dir(m.join("nested/deeper")).unwrap();
-    subvolume_create(&m.join("nested/deeper/inner"));
-    fs::write(m.join("nested/deeper/inner/wal"), bytes(4, 50_000)).unwrap();
-    subvolume_create(&m.join("ro-nested"));
-    fs::write(m.join("ro-nested/frozen"), b"ro").unwrap();
+    if nested {
+        // Nested subvolumes, one read-only, one deeper.
+        subvolume_create(&m.join("nested"));
+        fs::write(m.join("nested/blob"), bytes(3, 200_000)).unwrap();
+        fs::create_dir(m.join("nested/deeper")).unwrap();
+        subvolume_create(&m.join("nested/deeper/inner"));
+        fs::write(m.join("nested/deeper/inner/wal"), bytes(4, 50_000)).unwrap();
+        subvolume_create(&m.join("ro-nested"));
+        fs::write(m.join("ro-nested/frozen"), b"ro").unwrap();
+    }
     // Timestamps: every entry gets a distinct ns mtime, directories last
     // (deepest first), then the flags that forbid changes.
     let mut all = Vec::new();
@@ -236,10 +268,12 @@ pub fn build_rich_tree(vol: &Path, big: u64) {
     setflags(&m.join("immutable"), IFlags::IMMUTABLE);
     setflags(&m.join("append.log"), IFlags::APPEND);
     setflags(&m.join("frozen-dir"), IFlags::IMMUTABLE);
-    sh(Command::new("btrfs")
-        .args(["property", "set", "-ts"])
-        .arg(m.join("ro-nested"))
-        .args(["ro", "true"]));
+    if nested {
+        sh(Command::new("btrfs")
+            .args(["property", "set", "-ts"])
+            .arg(m.join("ro-nested"))
+            .args(["ro", "true"]));
+    }
 }
 
 fn collect(dir: &Path, out: &mut Vec<PathBuf>) {

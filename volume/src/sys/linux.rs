@@ -260,6 +260,64 @@ pub fn snapshot_tree(
     Ok(copy)
 }
 
+/// Snapshots the subvolume open as `source` (its root directory) to a new
+/// writable subvolume `name` inside `parent`, without the subvolumes nested
+/// in it: each shows in the snapshot as an empty placeholder directory,
+/// which `rmdir` removes. O(1) whatever the source holds; atomic (after a
+/// crash the snapshot is either all there or absent). The kernel flushes
+/// the source's dirty data first.
+pub fn snapshot(source: BorrowedFd<'_>, parent: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+    let c = c_name(name)?;
+    // SAFETY: valid fds and NUL-terminated name; null async/qgroup pointers are allowed.
+    check(unsafe {
+        bu::btrfs_util_create_snapshot_fd2(
+            source.as_raw_fd(),
+            parent.as_raw_fd(),
+            c.as_ptr(),
+            0,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        )
+    })
+}
+
+/// The root directory of the subvolume holding the directory open as
+/// `dir`, found by walking `..` without leaving `dir`'s mount, with the
+/// names that lead from it down to `dir` (empty when `dir` is that root).
+/// `None` when the mount's root lies below the subvolume's root (a
+/// subdirectory or bind mount): the subvolume root is then out of reach.
+pub fn subvolume_root_of(dir: BorrowedFd<'_>) -> io::Result<Option<(OwnedFd, Vec<OsString>)>> {
+    use rustix::fs::{StatxFlags, statx};
+    let mount_of = |fd: BorrowedFd<'_>| -> io::Result<u64> {
+        let st = statx(fd, "", AtFlags::EMPTY_PATH, StatxFlags::MNT_ID)?;
+        Ok(st.stx_mnt_id)
+    };
+    let mount = mount_of(dir)?;
+    let mut cur = open_dir_at(dir, OsStr::new("."))?;
+    let mut names = Vec::new();
+    loop {
+        let st = stat(cur.as_fd())?;
+        if st.ino == SUBVOLUME_ROOT_INO {
+            names.reverse();
+            return Ok(Some((cur, names)));
+        }
+        let up = open_dir_at(cur.as_fd(), OsStr::new(".."))?;
+        let up_st = stat(up.as_fd())?;
+        if up_st.dev != st.dev || up_st.ino == st.ino || mount_of(up.as_fd())? != mount {
+            return Ok(None);
+        }
+        // A directory has one name: the entry of `up` with its inode number.
+        let Some((name, _, _)) = read_dir_names(up.as_fd())?
+            .into_iter()
+            .find(|(_, ty, ino)| *ino == st.ino && *ty == FileType::Directory)
+        else {
+            return Ok(None);
+        };
+        names.push(name);
+        cur = up;
+    }
+}
+
 /// Sets or clears the read-only flag of the subvolume open as `fd`.
 pub fn set_read_only(fd: BorrowedFd<'_>, read_only: bool) -> io::Result<()> {
     // SAFETY: valid fd.

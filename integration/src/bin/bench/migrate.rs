@@ -19,6 +19,12 @@
 //! durable before it takes the package's name); cp leaves that commit to the
 //! background, where it shows in the background column.
 //!
+//! `convert` is the default, [`Method::Auto`]: here, with little else in
+//! the filesystem's top-level subvolume, it snapshots that subvolume and
+//! cuts the snapshot down to the package. Each round also converts a fresh
+//! copy with [`Method::Clone`] forced, timed against the same cp runs, so
+//! the method every package with much beside it gets is measured too.
+//!
 //! No warm-up round: each round's untimed copy brings everything in.
 
 use std::path::{Path, PathBuf};
@@ -27,7 +33,9 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use volume::{PackageId, VolumeId, VolumeStore};
-use volume_migrate::{Estimate, MigrateOptions, Migrator, Outcome, Phase, Progress, ProgressSink};
+use volume_migrate::{
+    Estimate, Method, MigrateOptions, Migrator, Outcome, Phase, Progress, ProgressSink,
+};
 
 use crate::common::{Result, cp_reflink, fmt_count, fmt_duration, rm_rf, settle, timed};
 use crate::fixture::{Fixture, Tree, TreeKind};
@@ -42,29 +50,34 @@ const NOOP_PACKAGES: u32 = 100;
 /// Timed no-op reruns: they are cheap, so at least this many.
 const NOOP_MIN_RUNS: u32 = 10;
 
-/// The two timed operations.
+/// The timed operations.
 #[derive(Clone, Copy, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Op {
     /// Upstream `cp -a --reflink=always`, ours [`Migrator::convert`].
     Convert,
-    /// Upstream `rm -rf` of the copy, ours [`Migrator::remove_old`].
+    /// The same cp runs, ours [`Migrator::convert`] with [`Method::Clone`].
+    ConvertClone,
+    /// Upstream `rm -rf` of the copy, ours [`Migrator::remove_old`] after
+    /// the default conversion.
     RemoveOld,
 }
 
 impl Op {
-    const ALL: [Op; 2] = [Op::Convert, Op::RemoveOld];
+    const ALL: [Op; 3] = [Op::Convert, Op::ConvertClone, Op::RemoveOld];
 
     fn name(self) -> &'static str {
         match self {
             Op::Convert => "cp -a --reflink / convert",
+            Op::ConvertClone => "cp -a --reflink / clone",
             Op::RemoveOld => "rm -rf / remove_old",
         }
     }
 }
 
-/// The steps of [`Migrator::convert`], timed from its progress reports.
-const STEPS: [&str; 5] = ["checks", "scan", "clone", "sync", "exchange"];
+/// The steps of [`Migrator::convert`], timed from its progress reports
+/// (the third is [`Phase::Clone`] or [`Phase::Carve`]).
+const STEPS: [&str; 5] = ["checks", "scan", "clone/carve", "sync", "exchange"];
 
 /// A progress sink that notes when each phase starts.
 struct PhaseClock {
@@ -89,17 +102,18 @@ impl PhaseClock {
     /// How long each of [`STEPS`] took: from the call to the first report,
     /// then from each phase's first report to the next phase's.
     fn steps(&self) -> Result<[Duration; 5]> {
-        let at = |phase: Phase| {
+        let at_any = |phases: &[Phase]| {
             self.marks
                 .iter()
-                .find(|(p, _)| *p == phase)
+                .find(|(p, _)| phases.contains(p))
                 .map(|&(_, t)| t)
-                .ok_or_else(|| format!("the conversion reported no {phase:?} phase"))
+                .ok_or_else(|| format!("the conversion reported no {phases:?} phase"))
         };
+        let at = |phase: Phase| at_any(&[phase]);
         let bounds = [
             self.start,
             at(Phase::Scan)?,
-            at(Phase::Clone)?,
+            at_any(&[Phase::Clone, Phase::Carve])?,
             at(Phase::Sync)?,
             at(Phase::Exchange)?,
             at(Phase::Done)?,
@@ -162,11 +176,15 @@ impl Row {
 #[derive(Serialize)]
 pub struct Case {
     tree: String,
-    /// The conversion's own scan of the plain directory.
+    /// The method the default conversion chose.
+    method: Method,
+    /// The clone method's own scan of the plain directory.
     estimate: Estimate,
     rows: Vec<Row>,
-    /// Where the conversion's time goes, step by step.
+    /// Where the default conversion's time goes, step by step.
     convert_steps: Vec<Step>,
+    /// The same for the clone method.
+    clone_steps: Vec<Step>,
 }
 
 /// One step of the conversion.
@@ -229,12 +247,18 @@ fn measure_tree(fx: &Fixture, tree: &Tree, runs: u32) -> Result<Case> {
         remove_old: false,
         ..MigrateOptions::default()
     };
+    let clone_opts = MigrateOptions {
+        method: Method::Clone,
+        ..opts
+    };
     let mut sink = |_: &Progress| {};
     let mut clock = PhaseClock::new();
     let mut steps: [Vec<Duration>; 5] = Default::default();
-    let mut samples: [Samples; 2] = Default::default();
-    let [convert, remove] = &mut samples;
+    let mut clone_steps: [Vec<Duration>; 5] = Default::default();
+    let mut samples: [Samples; 3] = Default::default();
+    let [convert, clone, remove] = &mut samples;
     let mut estimate = None;
+    let mut method = None;
     for round in 1..=runs {
         eprintln!("migrate: {}: round {round} of {runs} ...", tree.label);
         cp_reflink(&tree.path, &live)?;
@@ -269,7 +293,7 @@ fn measure_tree(fx: &Fixture, tree: &Tree, runs: u32) -> Result<Case> {
             )
             .into());
         }
-        estimate = report.estimate;
+        method = report.method;
         for (series, took) in steps.iter_mut().zip(clock.steps()?) {
             series.push(took);
         }
@@ -284,9 +308,41 @@ fn measure_tree(fx: &Fixture, tree: &Tree, runs: u32) -> Result<Case> {
         }
 
         fx.store.delete(&pkg).map_err(one_line)?;
+
+        // The clone method on a fresh copy, against the same cp runs.
+        cp_reflink(&tree.path, &live)?;
+        let report = measure(
+            mnt,
+            || {
+                clock.reset();
+                migrator
+                    .convert(&pkg, &clone_opts, &mut clock)
+                    .map_err(one_line)
+            },
+            &mut clone.ours,
+            &mut clone.ours_background,
+        )?;
+        if (report.outcome, report.method) != (Outcome::Converted, Some(Method::Clone)) {
+            return Err(format!(
+                "converting {} by cloning: {:?} by {:?}",
+                live.display(),
+                report.outcome,
+                report.method
+            )
+            .into());
+        }
+        estimate = report.estimate;
+        for (series, took) in clone_steps.iter_mut().zip(clock.steps()?) {
+            series.push(took);
+        }
+        migrator.remove_old(&pkg, &mut sink).map_err(one_line)?;
+        fx.store.delete(&pkg).map_err(one_line)?;
         settle(mnt)?;
     }
+    clone.upstream = convert.upstream.clone();
+    clone.upstream_background = convert.upstream_background.clone();
     let estimate = estimate.ok_or("the conversion reported no scan")?;
+    let method = method.ok_or("the conversion reported no method")?;
     if estimate.files != tree.files {
         return Err(format!(
             "the conversion scanned {} files in {}, expected {}",
@@ -296,22 +352,27 @@ fn measure_tree(fx: &Fixture, tree: &Tree, runs: u32) -> Result<Case> {
         )
         .into());
     }
+    let step_stats = |steps: &[Vec<Duration>; 5]| -> Vec<Step> {
+        STEPS
+            .iter()
+            .zip(steps)
+            .map(|(&step, series)| Step {
+                step,
+                time: Stats::of(series),
+            })
+            .collect()
+    };
     Ok(Case {
         tree: tree.label.clone(),
+        method,
         estimate,
         rows: Op::ALL
             .iter()
             .zip(&samples)
             .map(|(&op, s)| Row::new(op, s))
             .collect(),
-        convert_steps: STEPS
-            .iter()
-            .zip(&steps)
-            .map(|(&step, series)| Step {
-                step,
-                time: Stats::of(series),
-            })
-            .collect(),
+        convert_steps: step_stats(&steps),
+        clone_steps: step_stats(&clone_steps),
     })
 }
 
@@ -399,6 +460,16 @@ fn verdicts(cases: &[Case], noop: &Noop) -> Vec<Verdict> {
         })
         .collect();
     let worst = ratios.iter().map(|r| r.1).fold(f64::NEG_INFINITY, f64::max);
+    let clone_ratios: Vec<String> = cases
+        .iter()
+        .map(|c| {
+            format!(
+                "{} {:.2}",
+                c.tree,
+                c.rows[Op::ConvertClone as usize].ours_over_upstream
+            )
+        })
+        .collect();
     vec![
         Verdict::new(
             format!(
@@ -406,11 +477,15 @@ fn verdicts(cases: &[Case], noop: &Noop) -> Vec<Verdict> {
                  (ours/cp <= {CONVERT_TARGET:.1})"
             ),
             !ratios.is_empty() && worst <= CONVERT_TARGET,
-            ratios
-                .iter()
-                .map(|(tree, r)| format!("{tree} {r:.2}"))
-                .collect::<Vec<_>>()
-                .join(", "),
+            format!(
+                "{} (the clone method alone: {})",
+                ratios
+                    .iter()
+                    .map(|(tree, r)| format!("{tree} {r:.2}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                clone_ratios.join(", ")
+            ),
         ),
         Verdict::new(
             format!(
@@ -450,9 +525,11 @@ pub fn print(report: &Report) {
     println!(
         "medians of {} runs, each from a settled filesystem (all committed, btrfs cleaner idle);\n\
          \x20 cp copies <root>/<pkg> to a fresh directory; ours is Migrator::convert in process,\n\
-         \x20 <root>/<pkg> into a subvolume, its commit included; remove_old is a separate phase\n\
-         \x20 (after services start). incl. settling: ours/up with the time each run left for\n\
-         \x20 the commit and cleaner afterwards added to it",
+         \x20 <root>/<pkg> into a subvolume, its commit included (convert: the default method,\n\
+         \x20 which here snapshots the top-level subvolume and cuts it down to <pkg>; clone: the\n\
+         \x20 method forced to reflink every entry, against the same cp runs); remove_old is a\n\
+         \x20 separate phase (after services start). incl. settling: ours/up with the time each\n\
+         \x20 run left for the commit and cleaner afterwards added to it",
         report.runs
     );
     println!("settling afterwards (commit + cleaner; untimed; includes 3 `btrfs` command starts):");
@@ -468,20 +545,28 @@ pub fn print(report: &Report) {
         }
     }
     println!("where the conversion's time goes (medians):");
-    for case in &report.cases {
-        let e = &case.estimate;
-        let steps: Vec<String> = case
-            .convert_steps
+    let steps = |steps: &[Step]| -> String {
+        steps
             .iter()
             .map(|s| format!("{} {}", s.step, fmt_duration(s.time.median())))
-            .collect();
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    for case in &report.cases {
+        let e = &case.estimate;
         println!(
-            "{:<22} {}; {} entries, {} extent items",
+            "{:<22} {} entries, {} extent items",
             case.tree,
-            steps.join(", "),
             fmt_count(e.entries),
             fmt_count(e.extents)
         );
+        println!(
+            "{:<22} convert ({:?}): {}",
+            "",
+            case.method,
+            steps(&case.convert_steps)
+        );
+        println!("{:<22} clone: {}", "", steps(&case.clone_steps));
     }
     println!(
         "no-op rerun, {} packages already subvolumes: Migrator::open + run {}, \

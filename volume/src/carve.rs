@@ -1,0 +1,157 @@
+//! Cutting a snapshot of a subvolume down to one of its directories.
+//!
+//! A snapshot of the subvolume holding a plain directory shares all of it in
+//! O(1); removing everything else from the snapshot and lifting the
+//! directory's entries to its root turns it into a subvolume with exactly
+//! that directory's contents. The cost is O(what is removed), not O(what is
+//! kept): for a directory that is most of its subvolume, far less than a
+//! reflink copy, which is O(extents kept). Everything kept is the very same
+//! inode (number, timestamps, ctime included, xattrs, flags, hardlinks,
+//! holes), untouched except for the renames that lift the top entries.
+//!
+//! Subvolumes nested in the snapshotted one are not part of a snapshot (they
+//! show as empty placeholder directories), so the directory kept must hold
+//! none: callers check that first.
+
+use std::ffi::{OsStr, OsString};
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::path::Path;
+
+use rustix::fs::{FileType, IFlags, OFlags};
+
+use crate::copy;
+use crate::sys;
+
+/// A step of [`carve`], for progress and cancellation: an error returned
+/// from the callback stops the carve there with that error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CarveEvent {
+    /// The kept directory was moved to the snapshot's top, under a name of
+    /// its own, out of the way of what is removed.
+    Held,
+    /// One more entry of what is not kept was removed (the count so far).
+    Removed(u64),
+    /// One more entry of the kept directory was lifted to the root (the
+    /// count so far).
+    Lifted(u64),
+}
+
+/// The name under which the kept directory waits at the snapshot's top.
+const HOLD: &str = ".startos-carve";
+
+/// Cuts the writable subvolume open as `snapshot` (a fresh snapshot, which
+/// nothing else uses) down to its directory at `keep` (relative, no
+/// symlinks, no `..`): afterwards the subvolume's root holds exactly that
+/// directory's entries, and carries its owner, mode, xattrs (any other
+/// removed), timestamps and inode flags. Everything else the subvolume held
+/// is removed, entry by entry (immutable and append-only flags cleared
+/// first); placeholders of nested subvolumes are removed by `rmdir`.
+///
+/// The directory itself must hold no nested subvolume (its placeholders
+/// would be kept as empty directories).
+///
+/// A crash or error part-way leaves the subvolume half cut: callers carve
+/// under a temporary name and delete the whole subvolume (O(1)) on
+/// recovery. Costs O(entries and extents removed) plus O(entries lifted).
+pub fn carve(
+    snapshot: BorrowedFd<'_>,
+    keep: &Path,
+    on_event: &mut dyn FnMut(CarveEvent) -> io::Result<()>,
+) -> io::Result<()> {
+    let (Some(parent_rel), Some(name)) = (keep.parent(), keep.file_name()) else {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "the directory to keep must be below the subvolume's root",
+        ));
+    };
+    copy::clear_stuck_flags(snapshot)?;
+    let parent = if parent_rel.as_os_str().is_empty() {
+        None
+    } else {
+        Some(sys::open_beneath(snapshot, parent_rel)?)
+    };
+    let parent = parent.as_ref().map_or(snapshot, |fd| fd.as_fd());
+    copy::clear_stuck_flags(parent)?;
+    let kept = sys::open_dir_at(parent, name)?;
+    let kept_st = rustix::fs::fstat(&kept)?;
+    let kept_flags = copy::inode_flags(kept.as_fd())?;
+    let kept_names = sys::read_dir_names(kept.as_fd())?;
+    let top_names = sys::read_dir_names(snapshot)?;
+    let hold = hold_name(&top_names, &kept_names);
+    copy::clear_stuck_flags(kept.as_fd())?;
+    rustix::fs::renameat(parent, name, snapshot, &hold)?;
+    on_event(CarveEvent::Held)?;
+
+    let mut removed = 0u64;
+    for (entry, _, _) in &top_names {
+        copy::remove_tree_at(snapshot, entry, &mut |_| Ok(()))?;
+        removed += 1;
+        on_event(CarveEvent::Removed(removed))?;
+    }
+
+    for (i, (entry, ty, _)) in kept_names.iter().enumerate() {
+        lift(kept.as_fd(), snapshot, entry, *ty)?;
+        on_event(CarveEvent::Lifted(i as u64 + 1))?;
+    }
+
+    // The root takes the kept directory's metadata: exact flags but the
+    // immutable and append-only ones first (NOCOW included), xattrs while
+    // the directory can still be read, times after its rmdir (which changes
+    // the root's), the immutable and append-only flags last.
+    rustix::fs::ioctl_setflags(
+        snapshot,
+        kept_flags.difference(IFlags::IMMUTABLE | IFlags::APPEND),
+    )?;
+    copy::remove_xattrs_missing_from(kept.as_fd(), snapshot)?;
+    copy::finish_fd_metadata(&kept_st, snapshot, Some(kept.as_fd()), None, None)?;
+    drop(kept);
+    rustix::fs::unlinkat(snapshot, &hold, rustix::fs::AtFlags::REMOVEDIR)?;
+    let now = rustix::fs::fstat(snapshot)?;
+    copy::finish_fd_metadata(&kept_st, snapshot, None, Some(kept_flags), Some(&now))
+}
+
+/// A name for the kept directory at the top that neither the top nor the
+/// kept directory already has.
+fn hold_name(top: &[(OsString, FileType, u64)], kept: &[(OsString, FileType, u64)]) -> OsString {
+    let taken = |n: &OsStr| top.iter().chain(kept).any(|(t, _, _)| t == n);
+    let mut name = OsString::from(HOLD);
+    let mut i = 0u64;
+    while taken(&name) {
+        i += 1;
+        name = OsString::from(format!("{HOLD}.{i}"));
+    }
+    name
+}
+
+/// Moves `name` from `from` to `to`. An immutable or append-only entry
+/// cannot be renamed: its flags are cleared for the move and set again.
+fn lift(from: BorrowedFd<'_>, to: BorrowedFd<'_>, name: &OsStr, ty: FileType) -> io::Result<()> {
+    match rustix::fs::renameat(from, name, to, name) {
+        Err(rustix::io::Errno::PERM)
+            if matches!(ty, FileType::Directory | FileType::RegularFile) =>
+        {
+            // Only directories and regular files are opened (never a FIFO
+            // or device), O_NONBLOCK in case it was swapped for one.
+            let fd = rustix::fs::openat(
+                from,
+                name,
+                OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+                rustix::fs::Mode::empty(),
+            )?;
+            let st = rustix::fs::fstat(&fd)?;
+            if !matches!(
+                FileType::from_raw_mode(st.st_mode),
+                FileType::Directory | FileType::RegularFile
+            ) {
+                return Err(rustix::io::Errno::PERM.into());
+            }
+            let flags = copy::inode_flags(fd.as_fd())?;
+            copy::clear_stuck_flags(fd.as_fd())?;
+            rustix::fs::renameat(from, name, to, name)?;
+            rustix::fs::ioctl_setflags(&fd, flags)?;
+            Ok(())
+        }
+        r => Ok(r?),
+    }
+}
