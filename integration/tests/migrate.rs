@@ -602,12 +602,16 @@ fn expected_without_outside_link(before: &TreeDigest) -> TreeDigest {
         "data/main/db/data.mdb",
         "data/main/db/data.link",
         "data/main/elsewhere/third-name",
+        "data/main/linked-frozen",
     ] {
-        expected
+        let entry = expected
             .entries_mut()
             .get_mut(name.as_bytes())
-            .unwrap_or_else(|| panic!("{name} in the digest"))
-            .nlink -= 1;
+            .unwrap_or_else(|| panic!("{name} in the digest"));
+        entry.nlink -= 1;
+        if entry.nlink == 1 {
+            entry.hardlink_group = None;
+        }
     }
     expected
 }
@@ -623,6 +627,18 @@ fn snapshot_parent_converts_losslessly_and_leaves_the_rest_alone() {
         fs.path("elsewhere/outside-link"),
     )
     .unwrap();
+    // An immutable file with a name outside the volume too: removing that
+    // name from the snapshot must not take the flag off the kept inode.
+    fs::write(vol.join("data/main/linked-frozen"), b"linked").unwrap();
+    fs::hard_link(
+        vol.join("data/main/linked-frozen"),
+        fs.path("elsewhere/frozen-link"),
+    )
+    .unwrap();
+    setflags(
+        &vol.join("data/main/linked-frozen"),
+        rustix::fs::IFlags::IMMUTABLE,
+    );
     let before = raw(&vol);
     let flags = flags_and_blocks(&vol);
     let rest_before: Vec<TreeDigest> = rest.iter().map(|p| raw(p)).collect();
@@ -678,14 +694,21 @@ fn snapshot_parent_converts_losslessly_and_leaves_the_rest_alone() {
     assert!(m.remove_old(&pkg("lnd"), &mut no_progress).unwrap());
     assert_eq!(root_names(&root), ["conv", "lnd", "lnd.lock", "other"]);
     assert_same(&expected, &raw(&vol), "after removing the old directory");
-    // The outside link now counts one name fewer: the old directory's.
+    // The outside links now count one name fewer: the old directory's.
     for (path, d) in rest.iter().zip(&rest_before) {
         assert_same(
-            &d.clone().without("outside-link"),
-            &raw(path).without("outside-link"),
+            &d.clone().without("outside-link").without("frozen-link"),
+            &raw(path).without("outside-link").without("frozen-link"),
             &format!("{} untouched", path.display()),
         );
     }
+    let link = fs::File::open(fs.path("elsewhere/frozen-link")).unwrap();
+    assert!(
+        rustix::fs::ioctl_getflags(&link)
+            .unwrap()
+            .contains(rustix::fs::IFlags::IMMUTABLE),
+        "removing the old directory kept the outside link's flag"
+    );
     let store = VolumeStore::open(&root).unwrap();
     assert_eq!(
         store.snapshot(&pkg("lnd")).unwrap(),
@@ -752,9 +775,11 @@ fn auto_snapshots_the_parent_only_when_that_is_cheaper() {
     );
 }
 
-/// A volume holding a nested subvolume, or a volumes root whose
-/// subvolume's root is out of reach (a bind mount of a subdirectory), is
-/// refused by the forced method with nothing changed, and cloned by Auto.
+/// The forced method is refused, with nothing changed, for a volume holding
+/// a nested subvolume; while the rest of the parent holds a NOCOW or a
+/// preallocated file (which a snapshot would make copy on their next
+/// write), or a mount hiding part of it; and where the parent's root is out
+/// of reach (a bind mount of a subdirectory). Auto clones there instead.
 #[test]
 fn snapshot_parent_is_refused_where_it_cannot_apply() {
     let Some((fs, root)) = new_fs() else { return };
@@ -773,6 +798,45 @@ fn snapshot_parent_is_refused_where_it_cannot_apply() {
     assert!(e.to_string().contains("nested subvolumes"), "{e}");
     assert_same(&before, &raw(&vol), "refused: untouched");
     assert_eq!(root_names(&root), ["nested", "nested.lock"]);
+    let r = m
+        .convert(&pkg("nested"), &method_opts(Method::Auto), &mut no_progress)
+        .unwrap();
+    assert_eq!(r.method, Some(Method::Clone));
+    assert_same(&expected_after(&before), &raw(&vol), "cloned instead");
+    // Its NOCOW files would keep the next one from snapshotting the parent.
+    m.remove_old(&pkg("nested"), &mut no_progress).unwrap();
+
+    let plain = root.join("plain");
+    fs::create_dir_all(plain.join("data/main")).unwrap();
+    populate_volume(&plain, false);
+    let plain_before = raw(&plain);
+    let refused = |why: &str| {
+        let e = m
+            .convert(
+                &pkg("plain"),
+                &method_opts(Method::SnapshotParent),
+                &mut no_progress,
+            )
+            .expect_err(why);
+        assert_eq!(e.kind, ErrorKind::InvalidRequest, "{why}: {e}");
+        assert!(e.to_string().contains(why), "{why}: {e}");
+        assert_same(&plain_before, &raw(&plain), why);
+        assert!(migrate_names(&root).is_empty(), "{why}");
+    };
+    let nocow = fs.path("nocow.db");
+    fs::File::create(&nocow).unwrap();
+    setflags(&nocow, rustix::fs::IFlags::NOCOW);
+    fs::write(&nocow, bytes(8, 100_000)).unwrap();
+    refused("NOCOW or preallocated");
+    fs::remove_file(&nocow).unwrap();
+    let prealloc = fs::File::create(fs.path("prealloc.log")).unwrap();
+    rustix::fs::fallocate(&prealloc, rustix::fs::FallocateFlags::empty(), 0, 1 << 20).unwrap();
+    drop(prealloc);
+    refused("NOCOW or preallocated");
+    fs::remove_file(fs.path("prealloc.log")).unwrap();
+    let hiding = MountGuard::tmpfs(&fs.path("hidden"));
+    refused("is mounted inside");
+    hiding.unmount();
 
     // Bind-mount a subdirectory: `..` from the volumes root leaves the mount.
     let inner = fs.path("deep/volumes");
@@ -796,10 +860,14 @@ fn snapshot_parent_is_refused_where_it_cannot_apply() {
     drop(bound);
     mount.unmount();
     let r = m
-        .convert(&pkg("nested"), &method_opts(Method::Auto), &mut no_progress)
-        .unwrap();
-    assert_eq!(r.method, Some(Method::Clone));
-    assert_same(&expected_after(&before), &raw(&vol), "cloned instead");
+        .convert(
+            &pkg("plain"),
+            &method_opts(Method::SnapshotParent),
+            &mut no_progress,
+        )
+        .expect("nothing in the way any more");
+    assert_eq!(r.method, Some(Method::SnapshotParent));
+    assert_same(&expected_after(&plain_before), &raw(&plain), "plain");
 }
 
 #[test]

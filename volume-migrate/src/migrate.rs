@@ -2,7 +2,7 @@
 
 use std::ffi::{OsStr, OsString};
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::ScopedJoinHandle;
@@ -512,18 +512,23 @@ impl Migrator {
     /// - the package is at least [`PARENT_MIN_WORK`] entries and extent
     ///   items (a scan that stops at twice [`PARENT_MAX_REST`]);
     /// - the root of the subvolume holding the volumes root is reachable
-    ///   from the volumes root's mount by `..`;
+    ///   from the volumes root's mount by `..`, and nothing is mounted below
+    ///   it (a mount hides what the snapshot would hold);
     /// - no subvolume is nested in the package;
     /// - everything else in that subvolume (other packages' plain
     ///   directories, old directories waiting for removal, whatever else it
-    ///   holds; nested subvolumes count as one entry) is at most
-    ///   [`PARENT_MAX_REST`] and at most half the package's work.
+    ///   holds; a nested subvolume counts as one entry, its placeholder) is
+    ///   at most [`PARENT_MAX_REST`] and at most half the package's work;
+    /// - none of it is a NOCOW file or has preallocated extents: once a
+    ///   subvolume has been snapshotted, btrfs copies such extents on their
+    ///   next write, which their owners did not plan space for.
     ///
-    /// Should the cut fail for any reason but space, Auto deletes the
-    /// snapshot and clones instead. The free-space check for the cut counts
-    /// what it removes, which is what it rewrites. [`Method::SnapshotParent`]
-    /// forces the method, without the size rules: `InvalidRequest` where it
-    /// cannot apply.
+    /// The free metadata space must cover a node per entry removed or
+    /// lifted, 128 bytes per extent item removed, and the reserve. Should
+    /// deciding fail, space be short, or the cut fail for any reason but
+    /// ENOSPC, Auto deletes whatever it made and clones instead.
+    /// [`Method::SnapshotParent`] forces the method without the size rules:
+    /// `InvalidRequest` where another rule is not met.
     ///
     /// A crash at any point leaves `<pkg>` complete (old or new); see the
     /// crate docs for what the next run does.
@@ -598,6 +603,13 @@ impl Migrator {
         }
 
         // `<pkg>` is a plain directory.
+        if parent == Kind::Subvolume && !opts.dry_run {
+            // An interrupted cut, holding a copy of the whole parent: drop it
+            // before anything else (a new snapshot costs nothing).
+            copy::remove_tree_at(self.root_fd(), &names.parent, &mut |_| Ok(()))
+                .and_then(|()| sys::fsync(self.root_fd()))
+                .with_ctx(io("removing an interrupted parent snapshot"))?;
+        }
         let live_path = self.root.join(&names.live);
         let busy = volume::mounts::active_mounts_inside(&live_path).with_ctx(|_| {
             (
@@ -648,7 +660,8 @@ impl Migrator {
         // Free space is read once, before anything is created, and the
         // estimate checked against it when the scan has it. The reserve alone
         // is checked now, so a volumes root short of it is never touched.
-        let free = self.free_metadata(pkg)?;
+        let space = self.metadata_space(pkg)?;
+        let free = space.free();
         self.check_space(free, &Estimate::default(), opts)
             .map_err(|why| {
                 Error::for_package(
@@ -658,14 +671,21 @@ impl Migrator {
                 )
             })?;
 
-        if parent == Kind::Subvolume {
-            // An interrupted cut: a new snapshot costs nothing, so start over.
-            copy::remove_tree_at(self.root_fd(), &names.parent, &mut |_| Ok(()))
-                .with_ctx(io("removing an interrupted parent snapshot"))?;
-        }
         let parent_plan = match (opts.method, tmp) {
             (Method::Clone, _) | (Method::Auto, Kind::Subvolume) => None,
-            (Method::Auto, _) => self.plan_parent(pkg, &names, &src, true)?.ok(),
+            // Deciding reads the rest of the parent, which anything may be
+            // changing: whatever goes wrong there, a clone still works.
+            (Method::Auto, _) => match self.plan_parent(pkg, &names, &src, true) {
+                Ok(Ok(plan)) => Some(plan),
+                Ok(Err(why)) => {
+                    tracing::debug!(package = %pkg, "cloning, not snapshotting the parent: {why}");
+                    None
+                }
+                Err(e) => {
+                    tracing::warn!(package = %pkg, error = %e, "cloning: sizing up the parent subvolume failed");
+                    None
+                }
+            },
             (Method::SnapshotParent, _) => {
                 let plan = self.plan_parent(pkg, &names, &src, false)?.map_err(|why| {
                     Error::for_package(
@@ -685,7 +705,7 @@ impl Migrator {
             }
         };
         if let Some(plan) = parent_plan {
-            match self.carve_parent(&names, plan, free, opts, &mut tracker) {
+            match self.carve_parent(&names, plan, &space, opts, &mut tracker) {
                 Ok(carved) => {
                     self.swap_in(pkg, &names, &names.parent, carved, &mut tracker)?;
                     report.method = Some(Method::SnapshotParent);
@@ -998,7 +1018,7 @@ impl Migrator {
                 },
             )
             .with_ctx(io("scanning the volume"))?
-            .map_or(limit, |est| est.work());
+            .map_or(limit, |counted| counted.est.work());
             if work < PARENT_MIN_WORK {
                 return Ok(Err(format!(
                     "the volume is small ({work} entries and extents): a clone costs less"
@@ -1014,6 +1034,17 @@ impl Migrator {
                 self.root.display()
             )));
         };
+        // The snapshot holds what mounts hide, which nothing here can count.
+        let root_path = std::fs::read_link(format!("/proc/self/fd/{}", root.as_raw_fd()))
+            .with_ctx(io("naming the root of the volumes root's subvolume"))?;
+        let hidden = volume::mounts::mount_points_below(&root_path)
+            .with_ctx(io("reading /proc/self/mountinfo"))?;
+        if !hidden.is_empty() {
+            return Ok(Err(format!(
+                "{} is mounted inside its subvolume",
+                volume::mounts::describe(&hidden)
+            )));
+        }
         let keep: PathBuf = path.iter().collect::<PathBuf>().join(&names.live);
         let nested = sys::nested_subvolumes(root.as_fd())
             .with_ctx(io("listing the subvolumes nested in the volumes root's"))?;
@@ -1028,15 +1059,32 @@ impl Migrator {
                 max_work: max_rest,
                 skip: Some((st.dev, st.ino)),
                 one_device: true,
+                in_place: true,
             },
         )
         .with_ctx(io("counting the rest of the volumes root's subvolume"))?;
-        Ok(match rest {
-            Some(rest) => Ok(ParentPlan { root, keep, rest }),
-            None => Err(format!(
+        let Some(rest) = rest else {
+            return Ok(Err(format!(
                 "the rest of its subvolume is more than {max_rest} entries and extents"
-            )),
-        })
+            )));
+        };
+        if rest.in_place > 0 {
+            return Ok(Err(format!(
+                "the rest of its subvolume holds {} NOCOW or preallocated files, which a \
+                 snapshot would make copy their data on the next write",
+                rest.in_place
+            )));
+        }
+        let lifted = sys::read_dir_names(src.as_fd())
+            .with_ctx(io("reading the volume"))?
+            .len() as u64;
+        Ok(Ok(ParentPlan {
+            root,
+            keep,
+            ino: st.ino,
+            rest: rest.est,
+            lifted,
+        }))
     }
 
     /// [`Method::SnapshotParent`] up to the exchange: snapshots the parent
@@ -1046,14 +1094,28 @@ impl Migrator {
         &self,
         names: &Names,
         plan: ParentPlan,
-        free: u64,
+        space: &sys::MetadataSpace,
         opts: &MigrateOptions,
         tracker: &mut Tracker<'_>,
     ) -> Result<OwnedFd, CarveFailure> {
-        // Cutting copies on write the leaves of what it removes, and those
-        // of the entries it lifts: the same metadata as cloning the rest.
-        if let Err(why) = self.check_space(free, &plan.rest, opts) {
-            return Err(CarveFailure::Refused(why));
+        // Removing from a fresh snapshot copies each shared leaf it touches
+        // on write (and adds back references for every extent in it): at
+        // worst a leaf per entry removed or lifted, plus the extent items.
+        let need = (plan.rest.entries + plan.lifted)
+            .saturating_mul(space.node_size)
+            .saturating_add(plan.rest.extents.saturating_mul(128))
+            .saturating_add(opts.reserve_bytes);
+        if space.free() < need {
+            return Err(CarveFailure::Refused(format!(
+                "not enough free metadata space to cut a snapshot of the parent down: {} bytes \
+                 free, {need} needed ({} entries and {} extents to remove, {} to lift, plus {} \
+                 reserved)",
+                space.free(),
+                plan.rest.entries,
+                plan.rest.extents,
+                plan.lifted,
+                opts.reserve_bytes
+            )));
         }
         tracker.set_estimate(plan.rest);
         tracker.phase(Phase::Carve);
@@ -1069,6 +1131,14 @@ impl Migrator {
         let result = failpoint("migrate.parent-snapshot")
             .and_then(|()| sys::open_dir_at(self.root_fd(), &names.parent))
             .and_then(|fd| {
+                // The path was read before the snapshot: it must still lead
+                // to the volume (the same inode in the snapshot).
+                if sys::stat(sys::open_beneath(fd.as_fd(), &plan.keep)?.as_fd())?.ino != plan.ino {
+                    return Err(io::Error::other(format!(
+                        "{} in the snapshot is not the volume; was it moved?",
+                        plan.keep.display()
+                    )));
+                }
                 carve::carve(fd.as_fd(), &plan.keep, &mut |ev| match ev {
                     CarveEvent::Held => failpoint("migrate.carve-held"),
                     CarveEvent::Removed(n) => {
@@ -1108,16 +1178,14 @@ impl Migrator {
             })
     }
 
-    /// Metadata bytes the filesystem can still take (see
-    /// [`sys::MetadataSpace::free`]).
-    fn free_metadata(&self, pkg: &PackageId) -> Result<u64, Error> {
-        let space = sys::metadata_space(self.root_fd()).with_ctx(|_| {
+    /// The metadata space of the filesystem (see [`sys::MetadataSpace`]).
+    fn metadata_space(&self, pkg: &PackageId) -> Result<sys::MetadataSpace, Error> {
+        sys::metadata_space(self.root_fd()).with_ctx(|_| {
             (
                 ErrorKind::Filesystem,
                 pkg.context("reading the filesystem's metadata space"),
             )
-        })?;
-        Ok(space.free())
+        })
     }
 
     /// Whether `free` metadata bytes (read before the clone) cover what
@@ -1141,8 +1209,12 @@ struct ParentPlan {
     root: OwnedFd,
     /// `<pkg>`'s path from there.
     keep: PathBuf,
+    /// `<pkg>`'s inode number.
+    ino: u64,
     /// What the subvolume holds beside `<pkg>`: what the cut removes.
     rest: Estimate,
+    /// `<pkg>`'s entries: what the cut lifts to the new root.
+    lifted: u64,
 }
 
 /// Why [`Migrator::carve_parent`] did not carve.
@@ -1158,11 +1230,12 @@ enum CarveFailure {
 }
 
 impl CarveFailure {
-    /// Whether [`Method::Auto`] may clone instead: the snapshot is gone and
-    /// space was not the problem.
+    /// Whether [`Method::Auto`] may clone instead: nothing was created (a
+    /// clone's own space check then decides), or the snapshot is gone and
+    /// space did not run out.
     fn can_clone(&self) -> bool {
         match self {
-            CarveFailure::Refused(_) => false,
+            CarveFailure::Refused(_) => true,
             CarveFailure::Failed { error, cleanup, .. } => cleanup.is_ok() && !is_enospc(error),
         }
     }

@@ -7,7 +7,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use rustix::fs::{AtFlags, FileType};
-use volume::sys::{self, EXTENT_DATA_KEY, KeyRange, Searcher};
+use volume::sys::{self, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, item};
 
 use crate::Estimate;
 
@@ -25,6 +25,22 @@ pub(crate) struct Limits<'a> {
     /// Count a directory on another device (a nested subvolume, another
     /// filesystem mounted there) as one entry without entering it.
     pub one_device: bool,
+    /// Also count the files that write in place (see [`Counted::in_place`]);
+    /// reads each file's inode item beside its extent items.
+    pub in_place: bool,
+}
+
+/// What [`scan_within`] counted.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Counted {
+    /// Entries, files, bytes and extents.
+    pub est: Estimate,
+    /// With [`Limits::in_place`]: regular files that btrfs writes in place,
+    /// NOCOW ones and those with preallocated extents. Once their subvolume
+    /// has been snapshotted, each of their extents is copied on its next
+    /// write, snapshot deleted or not: fragmentation, and data space their
+    /// owner did not plan for.
+    pub in_place: u64,
 }
 
 impl<'a> Limits<'a> {
@@ -35,6 +51,7 @@ impl<'a> Limits<'a> {
             max_work: u64::MAX,
             skip: None,
             one_device: false,
+            in_place: false,
         }
     }
 }
@@ -54,10 +71,13 @@ pub(crate) fn scan(
 
 /// [`scan`] within `limits`: `None` once the work counted passes
 /// `limits.max_work` (the scan stops there, so it costs at most about that).
-pub(crate) fn scan_within(dir: BorrowedFd<'_>, limits: Limits<'_>) -> io::Result<Option<Estimate>> {
+pub(crate) fn scan_within(dir: BorrowedFd<'_>, limits: Limits<'_>) -> io::Result<Option<Counted>> {
     let mut scan = Scan::new(limits);
     Ok(match scan.dir(dir)? {
-        ControlFlow::Continue(()) => Some(scan.est),
+        ControlFlow::Continue(()) => Some(Counted {
+            est: scan.est,
+            in_place: scan.in_place,
+        }),
         ControlFlow::Break(()) => None,
     })
 }
@@ -66,6 +86,7 @@ struct Scan<'a> {
     limits: Limits<'a>,
     est: Estimate,
     files: ExtentsByInode,
+    in_place: u64,
     searcher: Searcher,
 }
 
@@ -75,6 +96,7 @@ impl<'a> Scan<'a> {
             limits,
             est: Estimate::default(),
             files: HashMap::new(),
+            in_place: 0,
             searcher: Searcher::default(),
         }
     }
@@ -122,22 +144,35 @@ impl<'a> Scan<'a> {
                     self.est.files += 1;
                     self.est.bytes += st.st_size as u64;
                     let mut extents = 0u64;
+                    let mut in_place = false;
                     let room = self.limits.max_work.saturating_sub(self.est.work());
+                    let mut range = KeyRange::inode_items(st.st_ino, EXTENT_DATA_KEY);
+                    if self.limits.in_place {
+                        range.min = ItemKey {
+                            objectid: st.st_ino,
+                            item_type: INODE_ITEM_KEY,
+                            offset: 0,
+                        };
+                    }
                     // The search runs in the subvolume of `dir`, the file's.
-                    self.searcher.search(
-                        dir,
-                        KeyRange::inode_items(st.st_ino, EXTENT_DATA_KEY),
-                        |key, _| {
-                            if key.item_type == EXTENT_DATA_KEY && key.objectid == st.st_ino {
-                                extents += 1;
-                                if extents > room {
-                                    return ControlFlow::Break(());
-                                }
+                    self.searcher.search(dir, range, |key, body| {
+                        if key.objectid != st.st_ino {
+                            return ControlFlow::Continue(());
+                        }
+                        if key.item_type == INODE_ITEM_KEY {
+                            let flags = item::le64(body, item::INODE_FLAGS).unwrap_or(0);
+                            in_place |= flags & item::INODE_NODATACOW != 0;
+                        } else if key.item_type == EXTENT_DATA_KEY {
+                            in_place |= body.get(item::TYPE) == Some(&item::TYPE_PREALLOC);
+                            extents += 1;
+                            if extents > room {
+                                return ControlFlow::Break(());
                             }
-                            ControlFlow::Continue(())
-                        },
-                    )?;
+                        }
+                        ControlFlow::Continue(())
+                    })?;
                     self.est.extents += extents;
+                    self.in_place += u64::from(in_place);
                     self.files.insert(key, extents);
                     if self.over(0) {
                         return Ok(ControlFlow::Break(()));

@@ -6,8 +6,10 @@
 //! that directory's contents. The cost is O(what is removed), not O(what is
 //! kept): for a directory that is most of its subvolume, far less than a
 //! reflink copy, which is O(extents kept). Everything kept is the very same
-//! inode (number, timestamps, ctime included, xattrs, flags, hardlinks,
-//! holes), untouched except for the renames that lift the top entries.
+//! inode (number, timestamps, xattrs, flags, hardlinks, holes), changed only
+//! by the renames that lift the top entries and by the removal of names
+//! outside the directory (link count and ctime). The root stays the
+//! subvolume's own (inode 256) and takes the directory's metadata.
 //!
 //! Subvolumes nested in the snapshotted one are not part of a snapshot (they
 //! show as empty placeholder directories), so the directory kept must hold
@@ -30,7 +32,8 @@ pub enum CarveEvent {
     /// The kept directory was moved to the snapshot's top, under a name of
     /// its own, out of the way of what is removed.
     Held,
-    /// One more entry of what is not kept was removed (the count so far).
+    /// One more entry of what is not kept, at any depth, was removed (the
+    /// count so far).
     Removed(u64),
     /// One more entry of the kept directory was lifted to the root (the
     /// count so far).
@@ -85,9 +88,11 @@ pub fn carve(
 
     let mut removed = 0u64;
     for (entry, _, _) in &top_names {
-        copy::remove_tree_at(snapshot, entry, &mut |_| Ok(()))?;
-        removed += 1;
-        on_event(CarveEvent::Removed(removed))?;
+        let before = removed;
+        copy::remove_tree_at(snapshot, entry, &mut |n| {
+            removed = before + n;
+            on_event(CarveEvent::Removed(removed))
+        })?;
     }
 
     for (i, (entry, ty, _)) in kept_names.iter().enumerate() {

@@ -562,9 +562,14 @@ fn remove_inner(
                     OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
                     Mode::empty(),
                 )?;
+                let flags = inode_flags(file.as_fd())?;
                 clear_stuck_flags(file.as_fd())?;
-                drop(file);
                 rustix::fs::unlinkat(parent, name, AtFlags::empty())?;
+                // Names elsewhere (hardlinks outside the tree) keep the
+                // inode, and so its flags; a crash just before leaves them off.
+                if rustix::fs::fstat(&file)?.st_nlink > 0 {
+                    rustix::fs::ioctl_setflags(&file, flags)?;
+                }
             }
             Err(e) => return Err(e.into()),
         }

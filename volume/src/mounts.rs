@@ -95,6 +95,18 @@ pub fn active_mounts_inside(path: &Path) -> io::Result<Vec<PathBuf>> {
     Ok(mounts_inside(&parse_mountinfo(&text), path))
 }
 
+/// Reads this process's mount table and returns the mount points strictly
+/// below `path` (an absolute path with no symlinks): each hides what lies
+/// under it in `path`'s filesystem from anything that walks the tree.
+pub fn mount_points_below(path: &Path) -> io::Result<Vec<PathBuf>> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo")?;
+    Ok(parse_mountinfo(&text)
+        .into_iter()
+        .filter(|e| e.mount_point != path && e.mount_point.starts_with(path))
+        .map(|e| e.mount_point)
+        .collect())
+}
+
 /// Formats mount points for a one-line error.
 pub fn describe(mounts: &[PathBuf]) -> String {
     mounts

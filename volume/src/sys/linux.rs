@@ -288,11 +288,16 @@ pub fn snapshot(source: BorrowedFd<'_>, parent: BorrowedFd<'_>, name: &OsStr) ->
 /// subdirectory or bind mount): the subvolume root is then out of reach.
 pub fn subvolume_root_of(dir: BorrowedFd<'_>) -> io::Result<Option<(OwnedFd, Vec<OsString>)>> {
     use rustix::fs::{StatxFlags, statx};
-    let mount_of = |fd: BorrowedFd<'_>| -> io::Result<u64> {
+    // Before Linux 5.8 statx has no mount id: then nothing is known.
+    let mount_of = |fd: BorrowedFd<'_>| -> io::Result<Option<u64>> {
         let st = statx(fd, "", AtFlags::EMPTY_PATH, StatxFlags::MNT_ID)?;
-        Ok(st.stx_mnt_id)
+        Ok(StatxFlags::from_bits_retain(st.stx_mask)
+            .contains(StatxFlags::MNT_ID)
+            .then_some(st.stx_mnt_id))
     };
-    let mount = mount_of(dir)?;
+    let Some(mount) = mount_of(dir)? else {
+        return Ok(None);
+    };
     let mut cur = open_dir_at(dir, OsStr::new("."))?;
     let mut names = Vec::new();
     loop {
@@ -303,7 +308,7 @@ pub fn subvolume_root_of(dir: BorrowedFd<'_>) -> io::Result<Option<(OwnedFd, Vec
         }
         let up = open_dir_at(cur.as_fd(), OsStr::new(".."))?;
         let up_st = stat(up.as_fd())?;
-        if up_st.dev != st.dev || up_st.ino == st.ino || mount_of(up.as_fd())? != mount {
+        if up_st.dev != st.dev || up_st.ino == st.ino || mount_of(up.as_fd())? != Some(mount) {
             return Ok(None);
         }
         // A directory has one name: the entry of `up` with its inode number.
@@ -626,6 +631,10 @@ pub mod item {
     pub const INODE_SIZE: usize = 16;
     /// `mode` in `struct btrfs_inode_item`.
     pub const INODE_MODE: usize = 52;
+    /// `flags` in `struct btrfs_inode_item`.
+    pub const INODE_FLAGS: usize = 64;
+    /// `BTRFS_INODE_NODATACOW` in those flags (`chattr +C`).
+    pub const INODE_NODATACOW: u64 = 1;
 
     /// The little-endian u64 at `at`, or `None` past the body's end.
     pub fn le64(body: &[u8], at: usize) -> Option<u64> {
@@ -679,6 +688,8 @@ mod space {
         /// Raw bytes one metadata byte takes (2 for DUP and RAID1, ...;
         /// rounded up for RAID5 and RAID6).
         pub copies: u64,
+        /// Bytes of one tree node (leaf): what copying one on write costs.
+        pub node_size: u64,
     }
 
     impl MetadataSpace {
@@ -747,14 +758,16 @@ mod space {
             .collect())
     }
 
-    /// `struct btrfs_ioctl_fs_info_args`: max_id, num_devices, fsid, then
-    /// fields not needed here (`flags`, read by the kernel, left zero).
+    /// `struct btrfs_ioctl_fs_info_args`: max_id, num_devices, fsid,
+    /// nodesize, then fields not needed here (`flags`, read by the kernel,
+    /// left zero).
     #[repr(C)]
     struct FsInfo {
         max_id: u64,
         num_devices: u64,
         fsid: [u8; 16],
-        rest: [u8; 1024 - 32],
+        nodesize: u32,
+        rest: [u8; 1024 - 36],
     }
 
     /// `struct btrfs_ioctl_dev_info_args`: devid, uuid, bytes_used,
@@ -776,15 +789,16 @@ mod space {
     const DEV_INFO: Opcode = opcode::read_write::<DevInfo>(0x94, 30);
 
     /// Raw bytes allocated to no block group, over the filesystem's own
-    /// devices. A seed device (read-only) has its own fsid and is skipped;
-    /// kernels before 6.3 leave DEV_INFO's fsid zero, and there every device
-    /// counts.
-    fn unallocated(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    /// devices, and the node size. A seed device (read-only) has its own
+    /// fsid and is skipped; kernels before 6.3 leave DEV_INFO's fsid zero,
+    /// and there every device counts.
+    fn unallocated(fd: BorrowedFd<'_>) -> io::Result<(u64, u64)> {
         let mut fs = FsInfo {
             max_id: 0,
             num_devices: 0,
             fsid: [0; 16],
-            rest: [0; 1024 - 32],
+            nodesize: 0,
+            rest: [0; 1024 - 36],
         };
         // SAFETY: FS_INFO reads and fills a `struct btrfs_ioctl_fs_info_args`,
         // which FsInfo matches in size and layout; zeroed, as the kernel
@@ -817,19 +831,21 @@ mod space {
                 Err(e) => return Err(e.into()),
             }
         }
-        Ok(free)
+        Ok((free, u64::from(fs.nodesize)))
     }
 
     /// The metadata space of the btrfs filesystem holding `fd`, as of the
     /// last commit: what the running transaction has reserved is not taken
     /// off, so commit first for a figure that holds.
     pub fn metadata_space(fd: BorrowedFd<'_>) -> io::Result<MetadataSpace> {
+        let (unallocated, node_size) = unallocated(fd)?;
         let mut out = MetadataSpace {
             total: 0,
             used: 0,
             global_reserve: 0,
-            unallocated: unallocated(fd)?,
+            unallocated,
             copies: 1,
+            node_size,
         };
         for info in space_infos(fd)? {
             if info.flags & SPACE_INFO_GLOBAL_RSV != 0 {
