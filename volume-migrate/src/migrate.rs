@@ -510,7 +510,7 @@ impl Migrator {
     /// interrupted clone, and otherwise snapshots the parent subvolume when
     /// all of these hold, else clones:
     /// - the package is at least [`PARENT_MIN_WORK`] entries and extent
-    ///   items (a scan that stops at twice [`PARENT_MAX_REST`]);
+    ///   items;
     /// - the root of the subvolume holding the volumes root is reachable
     ///   from the volumes root's mount by `..`, and nothing is mounted below
     ///   it (a mount hides what the snapshot would hold);
@@ -994,8 +994,10 @@ impl Migrator {
     /// Whether `<pkg>` (open as `src`) can be converted by snapshotting the
     /// subvolume that holds it, and what that takes; else why not. With
     /// `auto`, also whether that is the cheaper method (see
-    /// [`Migrator::convert`]): counting stops at the rule's bounds, so this
-    /// costs at most about [`PARENT_MAX_REST`] entries' worth of stats.
+    /// [`Migrator::convert`]): counting stops at the rule's bounds (the
+    /// package up to [`PARENT_MIN_WORK`], the rest up to
+    /// [`PARENT_MAX_REST`], then the package up to twice the rest), so this
+    /// costs at most a few tens of thousands of entries' worth of stats.
     fn plan_parent(
         &self,
         pkg: &PackageId,
@@ -1007,24 +1009,22 @@ impl Migrator {
             move |_: &io::Error| (ErrorKind::MigrationFailed, pkg.context(what))
         };
         let stop = AtomicBool::new(false);
-        let mut max_rest = u64::MAX;
-        if auto {
-            let limit = PARENT_MAX_REST.saturating_mul(2);
-            let work = scan_within(
+        // The package's work, counted up to `limit`: whether it reaches it.
+        let reaches = |limit: u64| -> Result<bool, Error> {
+            let counted = scan_within(
                 src.as_fd(),
                 Limits {
-                    max_work: limit,
+                    max_work: limit.saturating_sub(1),
                     ..Limits::all(&stop)
                 },
             )
-            .with_ctx(io("scanning the volume"))?
-            .map_or(limit, |counted| counted.est.work());
-            if work < PARENT_MIN_WORK {
-                return Ok(Err(format!(
-                    "the volume is small ({work} entries and extents): a clone costs less"
-                )));
-            }
-            max_rest = PARENT_MAX_REST.min(work / 2);
+            .with_ctx(io("scanning the volume"))?;
+            Ok(counted.is_none())
+        };
+        if auto && !reaches(PARENT_MIN_WORK)? {
+            return Ok(Err(format!(
+                "the volume is under {PARENT_MIN_WORK} entries and extents: a clone costs less"
+            )));
         }
         let Some((root, path)) = sys::subvolume_root_of(self.root_fd())
             .with_ctx(io("looking for the root of the volumes root's subvolume"))?
@@ -1052,6 +1052,7 @@ impl Migrator {
             return Ok(Err("the volume holds nested subvolumes".to_owned()));
         }
         let st = sys::stat(src.as_fd()).with_ctx(io("stat of the volume"))?;
+        let max_rest = if auto { PARENT_MAX_REST } else { u64::MAX };
         let rest = scan_within(
             root.as_fd(),
             Limits {
@@ -1068,6 +1069,14 @@ impl Migrator {
                 "the rest of its subvolume is more than {max_rest} entries and extents"
             )));
         };
+        // At least twice the rest (the first count went up to the minimum).
+        let twice = rest.est.work().saturating_mul(2);
+        if auto && twice > PARENT_MIN_WORK && !reaches(twice)? {
+            return Ok(Err(format!(
+                "the rest of its subvolume ({} entries and extents) is more than half the volume",
+                rest.est.work()
+            )));
+        }
         if rest.in_place > 0 {
             return Ok(Err(format!(
                 "the rest of its subvolume holds {} NOCOW or preallocated files, which a \

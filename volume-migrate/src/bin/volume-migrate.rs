@@ -90,7 +90,7 @@ fn json_line(value: serde_json::Value) {
 #[cfg(target_os = "linux")]
 fn run(cli: Cli) -> ExitCode {
     use serde_json::json;
-    use volume_migrate::{MigrateOptions, Migrator, Outcome, Progress};
+    use volume_migrate::{Method, MigrateOptions, Migrator, Outcome, Progress};
 
     // Deep trees hold two directory fds per level while they are copied.
     match rlimit_nofile() {
@@ -277,14 +277,17 @@ fn run(cli: Cli) -> ExitCode {
             (Outcome::Converted, _) => println!(
                 "converted {}: {} in {:.1} s{}",
                 r.package,
-                r.estimate
-                    .map(|e| format!(
+                match (r.method, r.estimate) {
+                    (Some(Method::SnapshotParent), _) =>
+                        "a snapshot of its parent subvolume, cut down to it".to_owned(),
+                    (_, Some(e)) => format!(
                         "{} entries, {}, {} extents",
                         e.entries,
                         human_bytes(e.bytes),
                         e.extents
-                    ))
-                    .unwrap_or_default(),
+                    ),
+                    _ => String::new(),
+                },
                 r.elapsed.as_secs_f64(),
                 if r.resumed {
                     format!(" (resumed; {} cloned now)", human_bytes(r.bytes_cloned))
