@@ -232,18 +232,12 @@ pub fn snapshot_tree(
     parent: BorrowedFd<'_>,
     name: &OsStr,
 ) -> io::Result<OwnedFd> {
-    let c = c_name(name)?;
-    // SAFETY: valid fds and NUL-terminated name; null async/qgroup pointers are allowed.
-    check(unsafe {
-        bu::btrfs_util_create_snapshot_fd2(
-            source.as_raw_fd(),
-            parent.as_raw_fd(),
-            c.as_ptr(),
-            bu::BTRFS_UTIL_CREATE_SNAPSHOT_RECURSIVE as i32,
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-        )
-    })?;
+    create_snapshot(
+        source,
+        parent,
+        name,
+        bu::BTRFS_UTIL_CREATE_SNAPSHOT_RECURSIVE as i32,
+    )?;
     let copy = open_dir_at(parent, name)?;
     for rel in nested_subvolumes(copy.as_fd())? {
         let dir = rel.parent().unwrap_or(Path::new(""));
@@ -267,6 +261,17 @@ pub fn snapshot_tree(
 /// crash the snapshot is either all there or absent). The kernel flushes
 /// the source's dirty data first.
 pub fn snapshot(source: BorrowedFd<'_>, parent: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+    create_snapshot(source, parent, name, 0)
+}
+
+/// libbtrfsutil's snapshot of `source` as `name` in `parent`, with its
+/// `BTRFS_UTIL_CREATE_SNAPSHOT_*` flags.
+fn create_snapshot(
+    source: BorrowedFd<'_>,
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    flags: i32,
+) -> io::Result<()> {
     let c = c_name(name)?;
     // SAFETY: valid fds and NUL-terminated name; null async/qgroup pointers are allowed.
     check(unsafe {
@@ -274,7 +279,7 @@ pub fn snapshot(source: BorrowedFd<'_>, parent: BorrowedFd<'_>, name: &OsStr) ->
             source.as_raw_fd(),
             parent.as_raw_fd(),
             c.as_ptr(),
-            0,
+            flags,
             std::ptr::null_mut(),
             std::ptr::null_mut(),
         )
