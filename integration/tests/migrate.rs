@@ -751,6 +751,20 @@ fn auto_snapshots_the_parent_only_when_that_is_cheaper() {
     fs::create_dir_all(root.join("small/data/main")).unwrap();
     populate_volume(&root.join("small"), false);
     fragmented(&root.join("big"), 8000, 1);
+    let planned: Vec<_> = m
+        .plan()
+        .unwrap()
+        .into_iter()
+        .map(|e| (e.package.to_string(), e.method))
+        .collect();
+    assert_eq!(
+        planned,
+        [
+            ("big".to_owned(), Some(Method::SnapshotParent)),
+            ("small".to_owned(), Some(Method::Clone))
+        ],
+        "the dry run tells the method"
+    );
     assert_eq!(convert(&m, &root, "small"), Method::Clone);
     assert_eq!(convert(&m, &root, "big"), Method::SnapshotParent);
 

@@ -154,6 +154,9 @@ pub struct PlanEntry {
     /// interrupted run remain (finishing them is cheap, except removing an
     /// old directory).
     pub estimate: Option<Estimate>,
+    /// The method [`Method::Auto`] would use now, for a plain directory (the
+    /// estimate is a clone's: snapshotting the parent takes milliseconds).
+    pub method: Option<Method>,
     /// Whether a partial copy from an interrupted run is there to resume.
     pub resume: bool,
     /// Whether an old directory waits for removal.
@@ -302,23 +305,27 @@ impl Migrator {
             let old = self
                 .kind(&names.old)
                 .with_ctx(io("inspecting the old directory"))?;
-            let estimate = if live == Kind::Dir {
+            let (estimate, method) = if live == Kind::Dir {
                 let fd = sys::open_dir_at(self.root_fd(), &names.live)
                     .with_ctx(io("opening the volume"))?;
                 // Data still in the page cache has no extents yet. A commit
                 // changes nothing anyone can see.
                 sys::commit(fd.as_fd()).with_ctx(io("flushing the volume"))?;
-                Some(
-                    scan(fd.as_fd(), &AtomicBool::new(false))
-                        .with_ctx(io("scanning the volume"))?
-                        .0,
-                )
+                let estimate = scan(fd.as_fd(), &AtomicBool::new(false))
+                    .with_ctx(io("scanning the volume"))?
+                    .0;
+                let method = match (tmp, self.plan_parent(pkg, &names, &fd, true)) {
+                    (Kind::Absent, Ok(Ok(_))) => Method::SnapshotParent,
+                    _ => Method::Clone,
+                };
+                (Some(estimate), Some(method))
             } else {
-                None
+                (None, None)
             };
             out.push(PlanEntry {
                 package: pkg.clone(),
                 estimate,
+                method,
                 resume: live == Kind::Dir && tmp == Kind::Subvolume,
                 old_pending: old != Kind::Absent
                     || ((tmp == Kind::Dir || parent == Kind::Dir) && live != Kind::Dir),

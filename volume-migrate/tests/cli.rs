@@ -86,6 +86,7 @@ fn dry_run_then_convert_with_json_then_nothing_to_do() {
         "{:?}",
         plan[0]
     );
+    assert_eq!(plan[0]["method"], "clone", "small volumes are cloned");
     // The space the conversions need, beside what the filesystem has free.
     let summary = lines.last().unwrap();
     assert_eq!(summary["event"], "summary");
@@ -135,6 +136,37 @@ fn dry_run_then_convert_with_json_then_nothing_to_do() {
     let o = cli(&["--root", r]);
     assert_eq!(o.status.code(), Some(0));
     assert!(stdout(&o).contains("nothing to convert"), "{}", stdout(&o));
+}
+
+/// A volume with little beside it: the dry run says it would snapshot the
+/// parent, and the run does.
+#[test]
+fn dry_run_and_run_say_when_the_parent_is_snapshotted() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
+    let root = fs.path("volumes");
+    make_volume(&root, "electrs");
+    integration::make_fragmented_file(&root.join("electrs/data/main/index"), 6000 * 8192, 6000, 3)
+        .unwrap();
+    let r = root.to_str().unwrap();
+    let o = cli(&["--root", r, "--dry-run"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("would convert electrs: snapshot its parent subvolume"),
+        "{}",
+        stdout(&o)
+    );
+    let o = cli(&["--root", r, "--dry-run", "--json"]);
+    let plan = json_lines(&o);
+    assert_eq!(plan[0]["method"], "snapshot-parent", "{:?}", plan[0]);
+    assert!(plan[0]["estimated_seconds"].is_null(), "{:?}", plan[0]);
+    let o = cli(&["--root", r]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("converted electrs: a snapshot of its parent subvolume"),
+        "{}",
+        stdout(&o)
+    );
+    assert!(!root.join("electrs.migrate-old").exists());
 }
 
 #[test]

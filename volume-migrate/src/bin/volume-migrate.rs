@@ -130,11 +130,16 @@ fn run(cli: Cli) -> ExitCode {
         };
         for entry in &plan {
             if cli.json {
-                let est_secs = entry.estimate.map(|e| e.duration().as_secs_f64());
+                // A clone's duration; snapshotting the parent takes milliseconds.
+                let est_secs = entry
+                    .estimate
+                    .filter(|_| entry.method != Some(Method::SnapshotParent))
+                    .map(|e| e.duration().as_secs_f64());
                 json_line(json!({
                     "event": "plan",
                     "package": entry.package,
                     "estimate": entry.estimate,
+                    "method": entry.method,
                     "estimated_seconds": est_secs,
                     "metadata_bytes": entry.estimate.map(|e| e.metadata_bytes()),
                     "resume": entry.resume,
@@ -142,6 +147,11 @@ fn run(cli: Cli) -> ExitCode {
                 }));
             } else {
                 match entry.estimate {
+                    Some(_) if entry.method == Some(Method::SnapshotParent) => println!(
+                        "would convert {}: snapshot its parent subvolume and cut the snapshot \
+                         down to it (milliseconds, whatever it holds)",
+                        entry.package
+                    ),
                     Some(e) => println!(
                         "would convert {}: {} entries, {} files, {}, {} extents{}, about {:.1} s{}",
                         entry.package,
