@@ -104,7 +104,7 @@ pub fn carve(
     // immutable and append-only ones first (NOCOW included), xattrs while
     // the directory can still be read, times after its rmdir (which changes
     // the root's), the immutable and append-only flags last.
-    rustix::fs::ioctl_setflags(
+    copy::set_flags(
         snapshot,
         kept_flags.difference(IFlags::IMMUTABLE | IFlags::APPEND),
     )?;
@@ -154,7 +154,7 @@ fn lift(from: BorrowedFd<'_>, to: BorrowedFd<'_>, name: &OsStr, ty: FileType) ->
             let flags = copy::inode_flags(fd.as_fd())?;
             copy::clear_stuck_flags(fd.as_fd())?;
             rustix::fs::renameat(from, name, to, name)?;
-            rustix::fs::ioctl_setflags(&fd, flags)?;
+            copy::set_flags(fd.as_fd(), flags)?;
             Ok(())
         }
         r => Ok(r?),

@@ -204,7 +204,7 @@ impl Copier<'_, '_> {
             let want = inode_flags(src)?.contains(IFlags::NOCOW);
             let have = inode_flags(dst)?;
             if have.contains(IFlags::NOCOW) != want {
-                rustix::fs::ioctl_setflags(dst, have ^ IFlags::NOCOW)?;
+                set_flags(dst, have ^ IFlags::NOCOW)?;
             }
         }
         let children = sys::read_dir_names(src)?;
@@ -425,7 +425,7 @@ impl Copier<'_, '_> {
             } else {
                 dst_flags.difference(IFlags::NOCOW)
             };
-            rustix::fs::ioctl_setflags(dst, flags)?;
+            set_flags(dst, flags)?;
         }
         if start < size {
             // A partial file: its last block may be partial too.
@@ -500,10 +500,48 @@ fn stat_opt(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Stat>> {
 /// Clears the immutable and append-only flags of the file or directory open
 /// as `fd`, which forbid changing it (or, on a directory, its entries).
 pub(crate) fn clear_stuck_flags(fd: BorrowedFd<'_>) -> io::Result<()> {
+    if inode_flags(fd)?.intersects(IFlags::IMMUTABLE | IFlags::APPEND) {
+        sys::set_immutable_append(fd, false, false)?;
+    }
+    Ok(())
+}
+
+/// The xattr under which btrfs keeps a file's compression property.
+const COMPRESSION_XATTR: &str = "btrfs.compression";
+
+/// Sets the inode flags (chattr) of `fd` to exactly `flags`.
+/// FS_IOC_SETFLAGS on btrfs rewrites the compression property from the
+/// compression bits it is given (to the mount's default algorithm, or
+/// away), so the property is put back as it was; the immutable and
+/// append-only flags, which would forbid that, are set last and apart
+/// ([`sys::set_immutable_append`]).
+pub(crate) fn set_flags(fd: BorrowedFd<'_>, flags: IFlags) -> io::Result<()> {
     let stuck = IFlags::IMMUTABLE | IFlags::APPEND;
-    let flags = inode_flags(fd)?;
-    if flags.intersects(stuck) {
+    let current = inode_flags(fd)?;
+    if current.difference(stuck) != flags.difference(stuck) {
+        if current.intersects(stuck) {
+            sys::set_immutable_append(fd, false, false)?;
+        }
+        let property = match read_list(|buf| rustix::fs::fgetxattr(fd, COMPRESSION_XATTR, buf)) {
+            Ok(v) => Some(v),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENODATA | libc::EOPNOTSUPP)) => None,
+            Err(e) => return Err(e),
+        };
         rustix::fs::ioctl_setflags(fd, flags.difference(stuck))?;
+        match property {
+            Some(v) => rustix::fs::fsetxattr(fd, COMPRESSION_XATTR, &v, XattrFlags::empty())?,
+            None => match rustix::fs::fremovexattr(fd, COMPRESSION_XATTR) {
+                Ok(()) | Err(Errno::NODATA | Errno::OPNOTSUPP) => {}
+                Err(e) => return Err(e.into()),
+            },
+        }
+    }
+    if current.intersects(stuck) || flags.intersects(stuck) {
+        sys::set_immutable_append(
+            fd,
+            flags.contains(IFlags::IMMUTABLE),
+            flags.contains(IFlags::APPEND),
+        )?;
     }
     Ok(())
 }
@@ -568,7 +606,7 @@ fn remove_inner(
                 // Names elsewhere (hardlinks outside the tree) keep the
                 // inode, and so its flags; a crash just before leaves them off.
                 if rustix::fs::fstat(&file)?.st_nlink > 0 {
-                    rustix::fs::ioctl_setflags(&file, flags)?;
+                    set_flags(file.as_fd(), flags)?;
                 }
             }
             Err(e) => return Err(e.into()),
@@ -600,7 +638,7 @@ fn link_to(
         )?;
         let flags = inode_flags(fd.as_fd())?;
         if flags.intersects(stuck) {
-            rustix::fs::ioctl_setflags(&fd, flags.difference(stuck))?;
+            clear_stuck_flags(fd.as_fd())?;
             Some((fd, flags))
         } else {
             None
@@ -610,7 +648,7 @@ fn link_to(
     };
     let linked = rustix::fs::linkat(root, first, dir, name, AtFlags::empty());
     if let Some((fd, flags)) = held {
-        rustix::fs::ioctl_setflags(&fd, flags)?;
+        set_flags(fd.as_fd(), flags)?;
     }
     Ok(linked?)
 }
@@ -705,7 +743,7 @@ pub(crate) fn finish_fd_metadata(
     if let Some(src_flags) = src_flags {
         let rest = src_flags.difference(IFlags::NOCOW);
         if !rest.is_empty() {
-            rustix::fs::ioctl_setflags(fd, inode_flags(fd)? | rest)?;
+            set_flags(fd, inode_flags(fd)? | rest)?;
         }
     }
     Ok(())

@@ -56,8 +56,22 @@ pub fn setflags(path: &Path, flags: IFlags) {
         .open(path)
         .unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
     let cur = rustix::fs::ioctl_getflags(&f).unwrap_or(IFlags::empty());
-    rustix::fs::ioctl_setflags(&f, cur | flags)
-        .unwrap_or_else(|e| panic!("setflags {}: {e}", path.display()));
+    // FS_IOC_SETFLAGS would rewrite btrfs's compression property: the
+    // immutable and append-only flags go through FS_IOC_FSSETXATTR.
+    let stuck = IFlags::IMMUTABLE | IFlags::APPEND;
+    if !flags.difference(stuck).is_empty() {
+        rustix::fs::ioctl_setflags(&f, cur | flags.difference(stuck))
+            .unwrap_or_else(|e| panic!("setflags {}: {e}", path.display()));
+    }
+    let all = cur | flags;
+    if all.intersects(stuck) {
+        volume::sys::set_immutable_append(
+            std::os::fd::AsFd::as_fd(&f),
+            all.contains(IFlags::IMMUTABLE),
+            all.contains(IFlags::APPEND),
+        )
+        .unwrap_or_else(|e| panic!("immutable/append {}: {e}", path.display()));
+    }
 }
 
 /// Fills the plain directory `vol` (created) with every kind of entry:
@@ -237,6 +251,22 @@ fn build(vol: &Path, big: u64, nested: bool) {
     fs::create_dir(m.join("nocow-dir")).unwrap();
     setflags(&m.join("nocow-dir"), IFlags::NOCOW);
     fs::write(m.join("nocow-dir/child"), b"c").unwrap();
+    // btrfs's compression property (an xattr that chattr would rewrite), on
+    // a directory with another flag, inherited by the file created in it, and
+    // on an immutable file.
+    fs::create_dir(m.join("zstd-dir")).unwrap();
+    // With another flag to copy, so that setting flags cannot be skipped.
+    setflags(&m.join("zstd-dir"), IFlags::NOATIME);
+    sh(Command::new("btrfs")
+        .args(["property", "set"])
+        .arg(m.join("zstd-dir"))
+        .args(["compression", "zstd"]));
+    fs::write(m.join("zstd-dir/packed"), bytes(15, 20_000)).unwrap();
+    fs::write(m.join("zstd-frozen"), b"frozen and packed").unwrap();
+    sh(Command::new("btrfs")
+        .args(["property", "set"])
+        .arg(m.join("zstd-frozen"))
+        .args(["compression", "lzo"]));
     if nested {
         // Nested subvolumes, one read-only, one deeper.
         subvolume_create(&m.join("nested"));
@@ -268,6 +298,7 @@ fn build(vol: &Path, big: u64, nested: bool) {
     setflags(&m.join("immutable"), IFlags::IMMUTABLE);
     setflags(&m.join("append.log"), IFlags::APPEND);
     setflags(&m.join("frozen-dir"), IFlags::IMMUTABLE);
+    setflags(&m.join("zstd-frozen"), IFlags::IMMUTABLE);
     if nested {
         sh(Command::new("btrfs")
             .args(["property", "set", "-ts"])
