@@ -719,7 +719,8 @@ fn snapshot_parent_converts_losslessly_and_leaves_the_rest_alone() {
 
 /// Auto clones a small volume, snapshots the parent for a large one with
 /// little beside it, also where the volumes root is itself a subvolume's
-/// root, and clones again once the rest outweighs the volume.
+/// root, and clones again for a flat volume (its top entries are the cut's
+/// work) and once the rest outweighs the volume.
 #[test]
 fn auto_snapshots_the_parent_only_when_that_is_cheaper() {
     let Some((fs, root)) = new_fs() else { return };
@@ -775,6 +776,18 @@ fn auto_snapshots_the_parent_only_when_that_is_cheaper() {
     let own_m = Migrator::open(&own).unwrap();
     assert_eq!(convert(&own_m, &own, "solo"), Method::SnapshotParent);
     assert_eq!(root_names(&own), ["solo", "solo.lock", "solo.migrate-old"]);
+
+    // Nothing beside it, but every entry at its top, each of which the cut
+    // would rename: a clone.
+    let flat_root = fs.path("flat-volumes");
+    subvolume_create(&flat_root);
+    fs::create_dir(flat_root.join("flat")).unwrap();
+    for i in 0..5000 {
+        fs::File::create(flat_root.join(format!("flat/f{i}"))).unwrap();
+    }
+    let flat_m = Migrator::open(&flat_root).unwrap();
+    assert_eq!(flat_m.plan().unwrap()[0].method, Some(Method::Clone));
+    assert_eq!(convert(&flat_m, &flat_root, "flat"), Method::Clone);
 
     // More beside it than half the volume: a clone.
     fragmented(&root.join("big2"), 8000, 3);

@@ -17,8 +17,9 @@
 //!    subvolumes recreated as subvolumes).
 //!
 //! **Snapshot the parent**, O(everything else in the subvolume holding the
-//! volumes root), whatever the package holds; for a package with little
-//! beside it, such as the one large database of a single-service box:
+//! volumes root, plus the package's top entries), whatever the package
+//! holds below them; for a package with little beside it, such as the one
+//! large database of a single-service box:
 //!
 //! 0. **Scan**: count the package and the rest of its subvolume, each only
 //!    as far as the choice needs.
@@ -117,10 +118,16 @@ pub enum Method {
     Clone,
     /// Snapshot the subvolume holding the volumes root and cut the snapshot
     /// down to the package ([`volume::carve`]): O(everything else in that
-    /// subvolume), whatever the package holds. Needs the subvolume's root
-    /// reachable from the volumes root's mount and no subvolume nested in
-    /// the package. Never resumed: an interrupted one is deleted (O(1)) and
-    /// started over.
+    /// subvolume, plus the package's top entries), whatever the package
+    /// holds below them. Needs the subvolume's root reachable from the
+    /// volumes root's mount, nothing mounted below it, no subvolume nested
+    /// in the package, and no NOCOW or preallocated file beside it. Never
+    /// resumed: an interrupted one is deleted (O(1)) and started over.
+    ///
+    /// The package's own NOCOW and preallocated files are then copied on
+    /// their next write, once per extent, as after any snapshot of the
+    /// volume (the backup before every update does the same); a clone
+    /// leaves them writable in place once the old directory is removed.
     SnapshotParent,
 }
 

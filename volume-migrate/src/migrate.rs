@@ -28,14 +28,16 @@ pub const DEFAULT_CHUNK_BYTES: u64 = 64 << 20;
 /// miss, and room for the services' first writes after the conversion.
 pub const DEFAULT_RESERVE_BYTES: u64 = 64 << 20;
 /// [`Method::Auto`] clones a package with less work than this (entries plus
-/// extent items): a clone of it takes a few milliseconds, about what the
-/// snapshot's commit alone costs.
+/// extent items): its clone takes a fraction of a second (about 30 us an
+/// entry, 7 us an extent), not worth snapshotting the parent for.
 pub const PARENT_MIN_WORK: u64 = 4096;
 /// [`Method::Auto`] snapshots the parent subvolume only if everything else
 /// in it is at most this much work (entries plus extent items), and at most
 /// half the package's. Removing that from the snapshot then costs about as
 /// much as cloning as many entries, well under a second; counting it stops
-/// here too, so deciding costs little whatever the parent holds.
+/// here too (a directory is listed whole before its entries are counted),
+/// so deciding costs little whatever the parent holds. The package's top
+/// entries, each renamed by the cut, count as part of it.
 pub const PARENT_MAX_REST: u64 = 16_384;
 
 /// How to convert.
@@ -314,9 +316,27 @@ impl Migrator {
                 let estimate = scan(fd.as_fd(), &AtomicBool::new(false))
                     .with_ctx(io("scanning the volume"))?
                     .0;
-                let method = match (tmp, self.plan_parent(pkg, &names, &fd, true)) {
-                    (Kind::Absent, Ok(Ok(_))) => Method::SnapshotParent,
-                    _ => Method::Clone,
+                // As a run would choose, space included; a resumable clone
+                // is resumed.
+                let parent = match tmp {
+                    Kind::Absent => self
+                        .plan_parent(pkg, &names, &fd, true)
+                        .ok()
+                        .and_then(Result::ok),
+                    _ => None,
+                };
+                let fits = match &parent {
+                    Some(plan) => {
+                        let space = self.metadata_space(pkg)?;
+                        plan.check_space(&space, MigrateOptions::default().reserve_bytes)
+                            .is_ok()
+                    }
+                    None => false,
+                };
+                let method = if fits {
+                    Method::SnapshotParent
+                } else {
+                    Method::Clone
                 };
                 (Some(estimate), Some(method))
             } else {
@@ -407,7 +427,9 @@ impl Migrator {
     /// replaced: O(extents), entry by entry (nested subvolumes in O(1)).
     /// Returns whether there was one. It only ever holds data the converted
     /// `<pkg>` also has, so a crash part-way is harmless: the rest is
-    /// removed by the next call. Also finishes an exchange whose rename
+    /// removed by the next call. (An immutable or append-only file also
+    /// linked from outside it keeps its flags, cleared for the unlink and
+    /// put back; a crash in between leaves them off that other name.) Also finishes an exchange whose rename
     /// aside was interrupted.
     pub fn remove_old(&self, pkg: &PackageId, sink: &mut dyn ProgressSink) -> Result<bool, Error> {
         if !self.btrfs {
@@ -524,8 +546,9 @@ impl Migrator {
     /// - no subvolume is nested in the package;
     /// - everything else in that subvolume (other packages' plain
     ///   directories, old directories waiting for removal, whatever else it
-    ///   holds; a nested subvolume counts as one entry, its placeholder) is
-    ///   at most [`PARENT_MAX_REST`] and at most half the package's work;
+    ///   holds; a nested subvolume counts as one entry, its placeholder),
+    ///   plus the package's top entries (each renamed), is at most
+    ///   [`PARENT_MAX_REST`] and at most half the package's work;
     /// - none of it is a NOCOW file or has preallocated extents: once a
     ///   subvolume has been snapshotted, btrfs copies such extents on their
     ///   next write, which their owners did not plan space for.
@@ -533,7 +556,8 @@ impl Migrator {
     /// The free metadata space must cover a node per entry removed or
     /// lifted, 128 bytes per extent item removed, and the reserve. Should
     /// deciding fail, space be short, or the cut fail for any reason but
-    /// ENOSPC, Auto deletes whatever it made and clones instead.
+    /// ENOSPC, Auto deletes the snapshot and clones instead (if the snapshot
+    /// cannot be deleted, that is the error).
     /// [`Method::SnapshotParent`] forces the method without the size rules:
     /// `InvalidRequest` where another rule is not met.
     ///
@@ -1059,7 +1083,20 @@ impl Migrator {
             return Ok(Err("the volume holds nested subvolumes".to_owned()));
         }
         let st = sys::stat(src.as_fd()).with_ctx(io("stat of the volume"))?;
-        let max_rest = if auto { PARENT_MAX_REST } else { u64::MAX };
+        // The cut also renames each of the package's top entries.
+        let lifted = sys::read_dir_names(src.as_fd())
+            .with_ctx(io("reading the volume"))?
+            .len() as u64;
+        if auto && lifted > PARENT_MAX_REST {
+            return Ok(Err(format!(
+                "the volume has {lifted} entries at its top, each to be moved"
+            )));
+        }
+        let max_rest = if auto {
+            PARENT_MAX_REST - lifted
+        } else {
+            u64::MAX
+        };
         let rest = scan_within(
             root.as_fd(),
             Limits {
@@ -1076,11 +1113,14 @@ impl Migrator {
                 "the rest of its subvolume is more than {max_rest} entries and extents"
             )));
         };
-        // At least twice the rest (the first count went up to the minimum).
-        let twice = rest.est.work().saturating_mul(2);
+        // The cut's work (what it removes and what it lifts) at most half
+        // the package's (the first count went up to the minimum).
+        let cut = rest.est.work() + lifted;
+        let twice = cut.saturating_mul(2);
         if auto && twice > PARENT_MIN_WORK && !reaches(twice)? {
             return Ok(Err(format!(
-                "the rest of its subvolume ({} entries and extents) is more than half the volume",
+                "cutting the snapshot ({} entries and extents beside the volume, {lifted} to \
+                 lift) would cost more than half a clone",
                 rest.est.work()
             )));
         }
@@ -1091,9 +1131,6 @@ impl Migrator {
                 rest.in_place
             )));
         }
-        let lifted = sys::read_dir_names(src.as_fd())
-            .with_ctx(io("reading the volume"))?
-            .len() as u64;
         Ok(Ok(ParentPlan {
             root,
             keep,
@@ -1114,25 +1151,8 @@ impl Migrator {
         opts: &MigrateOptions,
         tracker: &mut Tracker<'_>,
     ) -> Result<OwnedFd, CarveFailure> {
-        // Removing from a fresh snapshot copies each shared leaf it touches
-        // on write (and adds back references for every extent in it): at
-        // worst a leaf per entry removed or lifted, plus the extent items.
-        let need = (plan.rest.entries + plan.lifted)
-            .saturating_mul(space.node_size)
-            .saturating_add(plan.rest.extents.saturating_mul(128))
-            .saturating_add(opts.reserve_bytes);
-        if space.free() < need {
-            return Err(CarveFailure::Refused(format!(
-                "not enough free metadata space to cut a snapshot of the parent down: {} bytes \
-                 free, {need} needed ({} entries and {} extents to remove, {} to lift, plus {} \
-                 reserved)",
-                space.free(),
-                plan.rest.entries,
-                plan.rest.extents,
-                plan.lifted,
-                opts.reserve_bytes
-            )));
-        }
+        plan.check_space(space, opts.reserve_bytes)
+            .map_err(CarveFailure::Refused)?;
         tracker.set_estimate(plan.rest);
         tracker.phase(Phase::Carve);
         let snapshot = self.root.join(&names.parent);
@@ -1231,6 +1251,32 @@ struct ParentPlan {
     rest: Estimate,
     /// `<pkg>`'s entries: what the cut lifts to the new root.
     lifted: u64,
+}
+
+impl ParentPlan {
+    /// Whether the free metadata space covers the cut. Removing from a fresh
+    /// snapshot copies each shared leaf it touches on write (and adds back
+    /// references for every extent in it): at worst a leaf per entry
+    /// removed or lifted, plus the extent items, plus `reserve`.
+    fn check_space(&self, space: &sys::MetadataSpace, reserve: u64) -> Result<(), String> {
+        let need = (self.rest.entries + self.lifted)
+            .saturating_mul(space.node_size)
+            .saturating_add(self.rest.extents.saturating_mul(128))
+            .saturating_add(reserve);
+        if space.free() < need {
+            return Err(format!(
+                "not enough free metadata space to cut a snapshot of the parent down: {} bytes \
+                 free, {need} needed ({} entries and {} extents to remove, {} to lift, plus {} \
+                 reserved)",
+                space.free(),
+                self.rest.entries,
+                self.rest.extents,
+                self.lifted,
+                reserve
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Why [`Migrator::carve_parent`] did not carve.

@@ -136,6 +136,9 @@ impl<'a> Scan<'a> {
                         return Ok(ControlFlow::Break(()));
                     }
                 }
+                // A file mounted here: its inode number means nothing in
+                // this directory's subvolume, which the search reads.
+                FileType::RegularFile if st.st_dev != dev => {}
                 FileType::RegularFile => {
                     let key = (st.st_dev, st.st_ino);
                     if self.files.contains_key(&key) {

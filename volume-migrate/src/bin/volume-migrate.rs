@@ -149,7 +149,7 @@ fn run(cli: Cli) -> ExitCode {
                 match entry.estimate {
                     Some(_) if entry.method == Some(Method::SnapshotParent) => println!(
                         "would convert {}: snapshot its parent subvolume and cut the snapshot \
-                         down to it (milliseconds, whatever it holds)",
+                         down to it (little else is beside it)",
                         entry.package
                     ),
                     Some(e) => println!(
