@@ -20,7 +20,7 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::path::Path;
 
-use rustix::fs::{FileType, IFlags, OFlags};
+use rustix::fs::{FileType, IFlags};
 
 use crate::copy;
 use crate::sys;
@@ -95,8 +95,8 @@ pub fn carve(
         })?;
     }
 
-    for (i, (entry, ty, _)) in kept_names.iter().enumerate() {
-        lift(kept.as_fd(), snapshot, entry, *ty)?;
+    for (i, (entry, _, _)) in kept_names.iter().enumerate() {
+        lift(kept.as_fd(), snapshot, entry)?;
         on_event(CarveEvent::Lifted(i as u64 + 1))?;
     }
 
@@ -130,32 +130,12 @@ fn hold_name(top: &[(OsString, FileType, u64)], kept: &[(OsString, FileType, u64
 }
 
 /// Moves `name` from `from` to `to`. An immutable or append-only entry
-/// cannot be renamed: its flags are cleared for the move and set again.
-fn lift(from: BorrowedFd<'_>, to: BorrowedFd<'_>, name: &OsStr, ty: FileType) -> io::Result<()> {
-    match rustix::fs::renameat(from, name, to, name) {
-        Err(rustix::io::Errno::PERM)
-            if matches!(ty, FileType::Directory | FileType::RegularFile) =>
-        {
-            // Only directories and regular files are opened (never a FIFO
-            // or device), O_NONBLOCK in case it was swapped for one.
-            let fd = rustix::fs::openat(
-                from,
-                name,
-                OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
-                rustix::fs::Mode::empty(),
-            )?;
-            let st = rustix::fs::fstat(&fd)?;
-            if !matches!(
-                FileType::from_raw_mode(st.st_mode),
-                FileType::Directory | FileType::RegularFile
-            ) {
-                return Err(rustix::io::Errno::PERM.into());
-            }
-            let flags = copy::inode_flags(fd.as_fd())?;
-            copy::clear_stuck_flags(fd.as_fd())?;
-            rustix::fs::renameat(from, name, to, name)?;
-            copy::set_flags(fd.as_fd(), flags)?;
-            Ok(())
+/// cannot be renamed: its flags are lifted for the move.
+fn lift(from: BorrowedFd<'_>, to: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+    let rename = || rustix::fs::renameat(from, name, to, name);
+    match rename() {
+        Err(rustix::io::Errno::PERM) => {
+            copy::with_stuck_flags_lifted(from, Path::new(name), rename)
         }
         r => Ok(r?),
     }

@@ -593,21 +593,12 @@ fn remove_inner(
     } else {
         match rustix::fs::unlinkat(parent, name, AtFlags::empty()) {
             Ok(()) | Err(Errno::NOENT) => {}
+            // Names elsewhere (hardlinks outside the tree) keep the inode,
+            // and so its flags.
             Err(Errno::PERM) if FileType::from_raw_mode(st.st_mode) == FileType::RegularFile => {
-                let file = rustix::fs::openat(
-                    parent,
-                    name,
-                    OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
-                    Mode::empty(),
-                )?;
-                let flags = inode_flags(file.as_fd())?;
-                clear_stuck_flags(file.as_fd())?;
-                rustix::fs::unlinkat(parent, name, AtFlags::empty())?;
-                // Names elsewhere (hardlinks outside the tree) keep the
-                // inode, and so its flags; a crash just before leaves them off.
-                if rustix::fs::fstat(&file)?.st_nlink > 0 {
-                    set_flags(file.as_fd(), flags)?;
-                }
+                with_stuck_flags_lifted(parent, Path::new(name), || {
+                    rustix::fs::unlinkat(parent, name, AtFlags::empty())
+                })?;
             }
             Err(e) => return Err(e.into()),
         }
@@ -619,38 +610,54 @@ fn remove_inner(
 /// Makes `name` in `dir` another link to `first` (relative to `root`, inside
 /// the copy). The kernel refuses to link an immutable or append-only inode,
 /// and the first copy already carries the source's flags, so they are lifted
-/// for the link and put back; a crash in between leaves them off, and a
-/// resumed copy applies every file's metadata again.
+/// for the link ([`with_stuck_flags_lifted`]); a resumed copy applies every
+/// file's metadata again.
 fn link_to(
     root: BorrowedFd<'_>,
     first: &Path,
     dir: BorrowedFd<'_>,
     name: &OsStr,
 ) -> io::Result<()> {
-    let stuck = IFlags::IMMUTABLE | IFlags::APPEND;
-    let st = rustix::fs::statat(root, first, AtFlags::SYMLINK_NOFOLLOW)?;
-    let held = if FileType::from_raw_mode(st.st_mode) == FileType::RegularFile {
-        let fd = rustix::fs::openat(
-            root,
-            first,
-            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
-            Mode::empty(),
-        )?;
-        let flags = inode_flags(fd.as_fd())?;
-        if flags.intersects(stuck) {
-            clear_stuck_flags(fd.as_fd())?;
-            Some((fd, flags))
-        } else {
-            None
-        }
-    } else {
-        None
-    };
-    let linked = rustix::fs::linkat(root, first, dir, name, AtFlags::empty());
-    if let Some((fd, flags)) = held {
+    with_stuck_flags_lifted(root, first, || {
+        rustix::fs::linkat(root, first, dir, name, AtFlags::empty())
+    })
+}
+
+/// Runs `op`, a rename, link or unlink of the entry `name` of `dir`, with
+/// the entry's immutable and append-only flags, which forbid all three,
+/// lifted; puts them back afterwards, whatever `op` returned, if the inode
+/// still has a name (an unlink may have removed its last). A crash in
+/// between leaves them off. Only a regular file or a directory is opened
+/// (O_NONBLOCK, in case it was swapped for a FIFO since the stat); any other
+/// entry, or one without those flags, just gets `op`.
+pub(crate) fn with_stuck_flags_lifted(
+    dir: BorrowedFd<'_>,
+    name: &Path,
+    op: impl FnOnce() -> rustix::io::Result<()>,
+) -> io::Result<()> {
+    let st = rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)?;
+    if !matches!(
+        FileType::from_raw_mode(st.st_mode),
+        FileType::RegularFile | FileType::Directory
+    ) {
+        return Ok(op()?);
+    }
+    let fd = rustix::fs::openat(
+        dir,
+        name,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    let flags = inode_flags(fd.as_fd())?;
+    if !flags.intersects(IFlags::IMMUTABLE | IFlags::APPEND) {
+        return Ok(op()?);
+    }
+    clear_stuck_flags(fd.as_fd())?;
+    let done = op();
+    if rustix::fs::fstat(&fd)?.st_nlink > 0 {
         set_flags(fd.as_fd(), flags)?;
     }
-    Ok(linked?)
+    Ok(done?)
 }
 
 /// Inode flags (chattr), or none where the filesystem has no such notion.
