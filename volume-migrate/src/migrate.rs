@@ -316,27 +316,11 @@ impl Migrator {
                 let estimate = scan(fd.as_fd(), &AtomicBool::new(false))
                     .with_ctx(io("scanning the volume"))?
                     .0;
-                // As a run would choose, space included; a resumable clone
-                // is resumed.
-                let parent = match tmp {
-                    Kind::Absent => self
-                        .plan_parent(pkg, &names, &fd, true)
-                        .ok()
-                        .and_then(Result::ok),
-                    _ => None,
-                };
-                let fits = match &parent {
-                    Some(plan) => {
-                        let space = self.metadata_space(pkg)?;
-                        plan.check_space(&space, MigrateOptions::default().reserve_bytes)
-                            .is_ok()
-                    }
-                    None => false,
-                };
-                let method = if fits {
-                    Method::SnapshotParent
-                } else {
-                    Method::Clone
+                let space = self.metadata_space(pkg)?;
+                let reserve = MigrateOptions::default().reserve_bytes;
+                let method = match self.auto_parent(pkg, &names, &fd, tmp, &space, reserve) {
+                    Some(_) => Method::SnapshotParent,
+                    None => Method::Clone,
                 };
                 (Some(estimate), Some(method))
             } else {
@@ -429,8 +413,8 @@ impl Migrator {
     /// `<pkg>` also has, so a crash part-way is harmless: the rest is
     /// removed by the next call. (An immutable or append-only file also
     /// linked from outside it keeps its flags, cleared for the unlink and
-    /// put back; a crash in between leaves them off that other name.) Also finishes an exchange whose rename
-    /// aside was interrupted.
+    /// put back; a crash in between leaves them off that other name.) Also
+    /// finishes an exchange whose rename aside was interrupted.
     pub fn remove_old(&self, pkg: &PackageId, sink: &mut dyn ProgressSink) -> Result<bool, Error> {
         if !self.btrfs {
             return Ok(false);
@@ -702,22 +686,10 @@ impl Migrator {
                 )
             })?;
 
-        let parent_plan = match (opts.method, tmp) {
-            (Method::Clone, _) | (Method::Auto, Kind::Subvolume) => None,
-            // Deciding reads the rest of the parent, which anything may be
-            // changing: whatever goes wrong there, a clone still works.
-            (Method::Auto, _) => match self.plan_parent(pkg, &names, &src, true) {
-                Ok(Ok(plan)) => Some(plan),
-                Ok(Err(why)) => {
-                    tracing::debug!(package = %pkg, "cloning, not snapshotting the parent: {why}");
-                    None
-                }
-                Err(e) => {
-                    tracing::warn!(package = %pkg, error = %e, "cloning: sizing up the parent subvolume failed");
-                    None
-                }
-            },
-            (Method::SnapshotParent, _) => {
+        let parent_plan = match opts.method {
+            Method::Clone => None,
+            Method::Auto => self.auto_parent(pkg, &names, &src, tmp, &space, opts.reserve_bytes),
+            Method::SnapshotParent => {
                 let plan = self.plan_parent(pkg, &names, &src, false)?.map_err(|why| {
                     Error::for_package(
                         pkg,
@@ -728,6 +700,14 @@ impl Migrator {
                         ),
                     )
                 })?;
+                plan.check_space(&space, opts.reserve_bytes)
+                    .map_err(|why| {
+                        Error::for_package(
+                            pkg,
+                            ErrorKind::MigrationFailed,
+                            format!("{why}; nothing was changed"),
+                        )
+                    })?;
                 if tmp == Kind::Subvolume {
                     copy::remove_tree_at(self.root_fd(), &names.tmp, &mut |_| Ok(()))
                         .with_ctx(io("removing a partial copy"))?;
@@ -736,7 +716,7 @@ impl Migrator {
             }
         };
         if let Some(plan) = parent_plan {
-            match self.carve_parent(&names, plan, &space, opts, &mut tracker) {
+            match self.carve_parent(&names, plan, &mut tracker) {
                 Ok(carved) => {
                     self.swap_in(pkg, &names, &names.parent, carved, &mut tracker)?;
                     report.method = Some(Method::SnapshotParent);
@@ -1140,6 +1120,39 @@ impl Migrator {
         }))
     }
 
+    /// [`Method::Auto`]'s parent snapshot for the plain `<pkg>` (open as
+    /// `src`, with `<pkg>.migrate` of kind `tmp`): `Some` when every rule of
+    /// [`Migrator::convert`] holds and `space` covers the cut with `reserve`
+    /// on top, else `None` (a partial clone to resume, or why not, logged).
+    /// Deciding reads the rest of the parent, which anything may be
+    /// changing: whatever goes wrong there, a clone still works.
+    fn auto_parent(
+        &self,
+        pkg: &PackageId,
+        names: &Names,
+        src: &OwnedFd,
+        tmp: Kind,
+        space: &sys::MetadataSpace,
+        reserve: u64,
+    ) -> Option<ParentPlan> {
+        if tmp != Kind::Absent {
+            return None;
+        }
+        let why = match self.plan_parent(pkg, names, src, true) {
+            Ok(Ok(plan)) => match plan.check_space(space, reserve) {
+                Ok(()) => return Some(plan),
+                Err(why) => why,
+            },
+            Ok(Err(why)) => why,
+            Err(e) => {
+                tracing::warn!(package = %pkg, error = %e, "cloning: sizing up the parent subvolume failed");
+                return None;
+            }
+        };
+        tracing::debug!(package = %pkg, "cloning, not snapshotting the parent: {why}");
+        None
+    }
+
     /// [`Method::SnapshotParent`] up to the exchange: snapshots the parent
     /// subvolume as `<pkg>.migrate-parent` and cuts it down to `<pkg>`
     /// ([`carve::carve`]). On failure the snapshot is deleted (O(1)).
@@ -1147,17 +1160,13 @@ impl Migrator {
         &self,
         names: &Names,
         plan: ParentPlan,
-        space: &sys::MetadataSpace,
-        opts: &MigrateOptions,
         tracker: &mut Tracker<'_>,
     ) -> Result<OwnedFd, CarveFailure> {
-        plan.check_space(space, opts.reserve_bytes)
-            .map_err(CarveFailure::Refused)?;
         tracker.set_estimate(plan.rest);
         tracker.phase(Phase::Carve);
         let snapshot = self.root.join(&names.parent);
         sys::snapshot(plan.root.as_fd(), self.root_fd(), &names.parent).map_err(|error| {
-            CarveFailure::Failed {
+            CarveFailure {
                 what: format!("snapshotting its subvolume as {}", snapshot.display()),
                 error,
                 cleanup: Ok(()),
@@ -1185,7 +1194,7 @@ impl Migrator {
                 })?;
                 Ok(fd)
             });
-        result.map_err(|error| CarveFailure::Failed {
+        result.map_err(|error| CarveFailure {
             what: format!("cutting {} down to the volume", snapshot.display()),
             error,
             cleanup: copy::remove_tree_at(self.root_fd(), &names.parent, &mut |_| Ok(()))
@@ -1279,45 +1288,32 @@ impl ParentPlan {
     }
 }
 
-/// Why [`Migrator::carve_parent`] did not carve.
-enum CarveFailure {
-    /// Not enough free metadata space: why. Nothing was created.
-    Refused(String),
-    /// A step failed; `cleanup` says whether the snapshot is gone.
-    Failed {
-        what: String,
-        error: io::Error,
-        cleanup: io::Result<()>,
-    },
+/// Why [`Migrator::carve_parent`] did not carve: the step that failed,
+/// and whether the snapshot is gone.
+struct CarveFailure {
+    what: String,
+    error: io::Error,
+    cleanup: io::Result<()>,
 }
 
 impl CarveFailure {
-    /// Whether [`Method::Auto`] may clone instead: nothing was created (a
-    /// clone's own space check then decides), or the snapshot is gone and
+    /// Whether [`Method::Auto`] may clone instead: the snapshot is gone and
     /// space did not run out.
     fn can_clone(&self) -> bool {
-        match self {
-            CarveFailure::Refused(_) => true,
-            CarveFailure::Failed { error, cleanup, .. } => cleanup.is_ok() && !is_enospc(error),
-        }
+        self.cleanup.is_ok() && !is_enospc(&self.error)
     }
 
     fn into_error(self, pkg: &PackageId, live: &Path) -> Error {
-        let msg = match self {
-            CarveFailure::Refused(why) => format!("{why}; nothing was changed"),
-            CarveFailure::Failed {
-                what,
-                error,
-                cleanup,
-            } => format!(
-                "{what}: {error}; {} is untouched{}",
-                live.display(),
-                match cleanup {
-                    Ok(()) => " and the snapshot was deleted".to_owned(),
-                    Err(c) => format!(", but deleting the snapshot failed: {c}"),
-                }
-            ),
-        };
+        let msg = format!(
+            "{}: {}; {} is untouched{}",
+            self.what,
+            self.error,
+            live.display(),
+            match self.cleanup {
+                Ok(()) => " and the snapshot was deleted".to_owned(),
+                Err(c) => format!(", but deleting the snapshot failed: {c}"),
+            }
+        );
         Error::for_package(pkg, ErrorKind::MigrationFailed, msg)
     }
 }
