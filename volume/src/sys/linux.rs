@@ -835,11 +835,8 @@ mod space {
     const FS_INFO: Opcode = opcode::read::<FsInfo>(0x94, 31);
     const DEV_INFO: Opcode = opcode::read_write::<DevInfo>(0x94, 30);
 
-    /// Raw bytes allocated to no block group, over the filesystem's own
-    /// devices, and the node size. A seed device (read-only) has its own
-    /// fsid and is skipped; kernels before 6.3 leave DEV_INFO's fsid zero,
-    /// and there every device counts.
-    fn unallocated(fd: BorrowedFd<'_>) -> io::Result<(u64, u64)> {
+    /// The filesystem's FS_INFO: device count, fsid, node size.
+    fn fs_info(fd: BorrowedFd<'_>) -> io::Result<FsInfo> {
         let mut fs = FsInfo {
             max_id: 0,
             num_devices: 0,
@@ -851,6 +848,14 @@ mod space {
         // which FsInfo matches in size and layout; zeroed, as the kernel
         // reads its `flags`.
         unsafe { rustix::ioctl::ioctl(fd, Updater::<FS_INFO, FsInfo>::new(&mut fs))? };
+        Ok(fs)
+    }
+
+    /// Raw bytes allocated to no block group, over the devices of the
+    /// filesystem `fs` describes. A seed device (read-only) has its own fsid
+    /// and is skipped; kernels before 6.3 leave DEV_INFO's fsid zero, and
+    /// there every device counts.
+    fn unallocated(fd: BorrowedFd<'_>, fs: &FsInfo) -> io::Result<u64> {
         let (mut free, mut found) = (0u64, 0u64);
         for devid in 1..=fs.max_id {
             if found >= fs.num_devices {
@@ -878,21 +883,21 @@ mod space {
                 Err(e) => return Err(e.into()),
             }
         }
-        Ok((free, u64::from(fs.nodesize)))
+        Ok(free)
     }
 
     /// The metadata space of the btrfs filesystem holding `fd`, as of the
     /// last commit: what the running transaction has reserved is not taken
     /// off, so commit first for a figure that holds.
     pub fn metadata_space(fd: BorrowedFd<'_>) -> io::Result<MetadataSpace> {
-        let (unallocated, node_size) = unallocated(fd)?;
+        let fs = fs_info(fd)?;
         let mut out = MetadataSpace {
             total: 0,
             used: 0,
             global_reserve: 0,
-            unallocated,
+            unallocated: unallocated(fd, &fs)?,
             copies: 1,
-            node_size,
+            node_size: u64::from(fs.nodesize),
         };
         for info in space_infos(fd)? {
             if info.flags & SPACE_INFO_GLOBAL_RSV != 0 {
