@@ -85,6 +85,34 @@ fn assert_converted(
     assert!(!is_read_only(&live), "the converted volume is writable");
 }
 
+/// After a kill, `<pkg>` at `vol` is one complete tree or the other: the
+/// new subvolume once `swapped`, else the original directory.
+#[track_caller]
+fn assert_whole(vol: &Path, before: &TreeDigest, swapped: bool, when: &str) {
+    if swapped {
+        assert!(is_subvolume(vol), "{when}: must be the new subvolume");
+        assert_same(&expected_after(before), &raw(vol), when);
+    } else {
+        assert!(
+            !is_subvolume(vol),
+            "{when}: must still be the plain directory"
+        );
+        assert_same(before, &raw(vol), when);
+    }
+}
+
+/// Each of `paths` still has the digest it had before.
+#[track_caller]
+fn assert_untouched(paths: &[PathBuf], before: &[TreeDigest], when: &str) {
+    for (path, d) in paths.iter().zip(before) {
+        assert_same(
+            d,
+            &raw(path),
+            &format!("{when}: {} untouched", path.display()),
+        );
+    }
+}
+
 #[test]
 fn converts_every_kind_of_entry_losslessly() {
     let Some((fs, root)) = new_fs() else { return };
@@ -393,17 +421,7 @@ fn survives_a_crash_at_every_step() {
         let flags = flags_and_blocks(&vol);
         crash(&root, &package, fp, 1 << 20);
         let when = format!("killed at `{fp}`");
-        // At this instant `<pkg>` is one complete tree or the other.
-        if *swapped {
-            assert!(is_subvolume(&vol), "{when}: must be the new subvolume");
-            assert_same(&expected_after(&before), &raw(&vol), &when);
-        } else {
-            assert!(
-                !is_subvolume(&vol),
-                "{when}: must still be the plain directory"
-            );
-            assert_same(&before, &raw(&vol), &when);
-        }
+        assert_whole(&vol, &before, *swapped, &when);
         // The next run finishes from what is on disk.
         let m = Migrator::open(&root).unwrap();
         assert!(
@@ -683,9 +701,7 @@ fn snapshot_parent_converts_losslessly_and_leaves_the_rest_alone() {
         &raw(&root.join("lnd.migrate-old")),
         "old directory",
     );
-    for (path, d) in rest.iter().zip(&rest_before) {
-        assert_same(d, &raw(path), &format!("{} untouched", path.display()));
-    }
+    assert_untouched(&rest, &rest_before, "converted");
     let mut subvolumes_after = subvolumes_before.clone();
     subvolumes_after.push("volumes/lnd".to_owned());
     subvolumes_after.sort();
@@ -927,23 +943,8 @@ fn snapshot_parent_survives_a_crash_at_every_step() {
             "not killed at `{fp}`: failpoints compiled in?\n{out}"
         );
         let when = format!("killed at `{fp}`");
-        if *swapped {
-            assert!(is_subvolume(&vol), "{when}: must be the new subvolume");
-            assert_same(&expected_after(&before), &raw(&vol), &when);
-        } else {
-            assert!(
-                !is_subvolume(&vol),
-                "{when}: must still be the plain directory"
-            );
-            assert_same(&before, &raw(&vol), &when);
-        }
-        for (path, d) in rest.iter().zip(&rest_before) {
-            assert_same(
-                d,
-                &raw(path),
-                &format!("{when}: {} untouched", path.display()),
-            );
-        }
+        assert_whole(&vol, &before, *swapped, &when);
+        assert_untouched(&rest, &rest_before, &when);
         // The next run finishes from what is on disk, whatever the method.
         let m = Migrator::open(&root).unwrap();
         let r = m
@@ -966,19 +967,11 @@ fn snapshot_parent_survives_a_crash_at_every_step() {
             "{when}: {:?}",
             migrate_names(&root)
         );
-        let mut expected = subvolumes_before.clone();
-        if !subvolumes_before.contains(&format!("volumes/{package}")) {
-            expected.push(format!("volumes/{package}"));
-            expected.sort();
-        }
+        let mut expected = subvolumes_before;
+        expected.push(format!("volumes/{package}"));
+        expected.sort();
         assert_eq!(all_subvolumes(&fs), expected, "{when}: no stray subvolume");
-        for (path, d) in rest.iter().zip(&rest_before) {
-            assert_same(
-                d,
-                &raw(path),
-                &format!("{when}: {} untouched", path.display()),
-            );
-        }
+        assert_untouched(&rest, &rest_before, &when);
     }
 }
 
