@@ -677,14 +677,15 @@ impl Migrator {
         // is checked now, so a volumes root short of it is never touched.
         let space = self.metadata_space(pkg)?;
         let free = space.free();
+        let short = |why: String| {
+            Error::for_package(
+                pkg,
+                ErrorKind::MigrationFailed,
+                format!("{why}; nothing was changed"),
+            )
+        };
         self.check_space(free, &Estimate::default(), opts)
-            .map_err(|why| {
-                Error::for_package(
-                    pkg,
-                    ErrorKind::MigrationFailed,
-                    format!("{why}; nothing was changed"),
-                )
-            })?;
+            .map_err(short)?;
 
         let parent_plan = match opts.method {
             Method::Clone => None,
@@ -701,13 +702,7 @@ impl Migrator {
                     )
                 })?;
                 plan.check_space(&space, opts.reserve_bytes)
-                    .map_err(|why| {
-                        Error::for_package(
-                            pkg,
-                            ErrorKind::MigrationFailed,
-                            format!("{why}; nothing was changed"),
-                        )
-                    })?;
+                    .map_err(short)?;
                 if tmp == Kind::Subvolume {
                     copy::remove_tree_at(self.root_fd(), &names.tmp, &mut |_| Ok(()))
                         .with_ctx(io("removing a partial copy"))?;
