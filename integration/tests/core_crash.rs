@@ -182,7 +182,7 @@ async fn a_rollback_killed_at_each_step_comes_back_identical() {
     for fp in [
         "rollback.stopped",
         "restore.copied",
-        "restore.marked",
+        "restore.recorded",
         "restore.exchanged",
         "restore.replaced-moved",
         "drop.renamed",

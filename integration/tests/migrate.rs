@@ -165,7 +165,7 @@ fn converts_every_kind_of_entry_losslessly() {
         last.entries_total + 1,
         "every entry and the top"
     );
-    assert_eq!(root_names(&root), ["lnd", "lnd.lock", "lnd.migrate-old"]);
+    assert_eq!(root_names(&root), ["lnd", "lnd.migrate-old"]);
     // The old directory is still the original until removed.
     assert_same(
         &before,
@@ -188,7 +188,7 @@ fn converts_every_kind_of_entry_losslessly() {
         m.remove_old(&pkg("lnd"), &mut no_progress)
             .expect("remove old")
     );
-    assert_eq!(root_names(&root), ["lnd", "lnd.lock"]);
+    assert_eq!(root_names(&root), ["lnd"]);
     assert_eq!(
         package_subvolumes(&fs, "lnd").len(),
         4,
@@ -694,7 +694,7 @@ fn snapshot_parent_converts_losslessly_and_leaves_the_rest_alone() {
     assert_eq!(flags, flags_and_blocks(&vol), "inode flags or holes differ");
     assert_eq!(
         root_names(&root),
-        ["conv", "lnd", "lnd.lock", "lnd.migrate-old", "other"]
+        ["conv", "lnd", "lnd.migrate-old", "other"]
     );
     assert_same(
         &before,
@@ -708,7 +708,7 @@ fn snapshot_parent_converts_losslessly_and_leaves_the_rest_alone() {
     assert_eq!(all_subvolumes(&fs), subvolumes_after, "no stray subvolume");
 
     assert!(m.remove_old(&pkg("lnd"), &mut no_progress).unwrap());
-    assert_eq!(root_names(&root), ["conv", "lnd", "lnd.lock", "other"]);
+    assert_eq!(root_names(&root), ["conv", "lnd", "other"]);
     assert_same(&expected, &raw(&vol), "after removing the old directory");
     // The outside links now count one name fewer: the old directory's.
     for (path, d) in rest.iter().zip(&rest_before) {
@@ -791,7 +791,7 @@ fn auto_snapshots_the_parent_only_when_that_is_cheaper() {
     fragmented(&own.join("solo"), 8000, 2);
     let own_m = Migrator::open(&own).unwrap();
     assert_eq!(convert(&own_m, &own, "solo"), Method::SnapshotParent);
-    assert_eq!(root_names(&own), ["solo", "solo.lock", "solo.migrate-old"]);
+    assert_eq!(root_names(&own), ["solo", "solo.migrate-old"]);
 
     // Nothing beside it, but every entry at its top, each of which the cut
     // would rename: a clone.
@@ -840,7 +840,7 @@ fn snapshot_parent_is_refused_where_it_cannot_apply() {
     assert_eq!(e.kind, ErrorKind::InvalidRequest);
     assert!(e.to_string().contains("nested subvolumes"), "{e}");
     assert_same(&before, &raw(&vol), "refused: untouched");
-    assert_eq!(root_names(&root), ["nested", "nested.lock"]);
+    assert_eq!(root_names(&root), ["nested"]);
     let r = m
         .convert(&pkg("nested"), &method_opts(Method::Auto), &mut no_progress)
         .unwrap();

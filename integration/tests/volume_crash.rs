@@ -94,9 +94,6 @@ enum Expect {
     Before,
     /// The complete state after it.
     After,
-    /// For delete: the volume is gone (renamed away before the crash, so recovery
-    /// finishes deleting it) but the backup, dropped last, is still complete.
-    VolumeGoneBackupKept,
 }
 
 /// How the package's backup is stored: a read-only snapshot, or a reflink copy of a
@@ -116,10 +113,6 @@ struct Scenario<'a> {
     setup: &'a dyn Fn(&VolumeStore, &str) -> (State, State),
     /// Runs `op` to completion after recovery; gets whether a backup is there.
     rerun: &'a dyn Fn(&VolumeStore, &str, bool),
-    /// A crash at `restore.copied` of a reflink backup leaves the completion marker
-    /// inside the backup (the copy is used in place and marked before it moves).
-    /// It is harmless: the next restore uses and then removes it, a drop deletes it.
-    backup_may_carry_marker: &'a dyn Fn(&str) -> bool,
 }
 
 fn package_name(op: &str, failpoint: &str) -> String {
@@ -166,11 +159,7 @@ fn check_state(
                 "{when}: the backup {} must exist",
                 backup.display()
             );
-            let mut actual = digest(&backup);
-            if (scn.backup_may_carry_marker)(when) {
-                actual = actual.without(ROLLBACK_MARKER);
-            }
-            assert_same(d, &actual, &format!("{when}: backup"));
+            assert_same(d, &digest(&backup), &format!("{when}: backup"));
             if scn.backup == Backup::Snapshot {
                 assert!(
                     is_read_only(&backup),
@@ -191,10 +180,6 @@ fn check_state(
         ),
     }
     assert_no_transient_names(scn.root, when);
-    assert!(
-        !live.join(ROLLBACK_MARKER).exists(),
-        "{when}: the rollback marker is left in the live volume"
-    );
     if expected.live.is_none() && expected.backup.is_none() {
         assert_eq!(
             package_subvolumes(scn.fs, package),
@@ -214,10 +199,6 @@ fn run_scenario(scn: &Scenario<'_>, cases: &[Case]) {
         let expected = match case.expect {
             Expect::Before => before.clone(),
             Expect::After => after.clone(),
-            Expect::VolumeGoneBackupKept => State {
-                live: None,
-                backup: before.backup.clone(),
-            },
         };
         let when = format!(
             "`{}` of {package} killed at `{}`: expected the {:?} state because {}",
@@ -226,16 +207,9 @@ fn run_scenario(scn: &Scenario<'_>, cases: &[Case]) {
 
         crash_at(scn.root, &package, scn.op, case.failpoint);
 
-        // The crash left work for recovery: some transient name or a marker.
-        let pending = transient_names(scn.root);
-        let marker = scn.root.join(&package).join(ROLLBACK_MARKER).exists()
-            || scn
-                .root
-                .join(format!("{package}.install-backup"))
-                .join(ROLLBACK_MARKER)
-                .exists();
+        // The crash left work for recovery: some transient name or record.
         assert!(
-            !pending.is_empty() || marker,
+            !transient_names(scn.root).is_empty(),
             "{when}: the crash should have interrupted the operation mid-way"
         );
 
@@ -303,10 +277,6 @@ fn volume_with_backup(store: &VolumeStore, package: &str) -> State {
     s
 }
 
-fn never(_: &str) -> bool {
-    false
-}
-
 #[test]
 fn snapshot_survives_a_crash_at_every_step() {
     let Some((fs, root)) = new_fs() else { return };
@@ -337,7 +307,6 @@ fn snapshot_survives_a_crash_at_every_step() {
         backup: Backup::Snapshot,
         setup: &setup,
         rerun: &rerun,
-        backup_may_carry_marker: &never,
     };
     run_scenario(
         &scn,
@@ -382,7 +351,6 @@ fn restore_survives_a_crash_at_every_step() {
         backup: Backup::Snapshot,
         setup: &setup,
         rerun: &rerun,
-        backup_may_carry_marker: &never,
     };
     let after_exchange = "the exchange happened, so recovery finishes the restore";
     run_scenario(
@@ -391,13 +359,14 @@ fn restore_survives_a_crash_at_every_step() {
             Case {
                 failpoint: "restore.copied",
                 expect: Expect::Before,
-                why: "the rollback copy has no completion marker yet, so recovery deletes \
-                      it and keeps the current data and the backup",
+                why: "the rollback copy has no record yet, so recovery deletes it and \
+                      keeps the current data and the backup",
             },
             Case {
-                failpoint: "restore.marked",
+                failpoint: "restore.recorded",
                 expect: Expect::After,
-                why: "the rollback copy is complete and marked, so recovery exchanges it in",
+                why: "the rollback copy is complete and its identity recorded, so recovery \
+                      exchanges it in",
             },
             Case {
                 failpoint: "restore.exchanged",
@@ -454,7 +423,6 @@ fn drop_survives_a_crash_at_every_step() {
         backup: Backup::Snapshot,
         setup: &setup,
         rerun: &rerun,
-        backup_may_carry_marker: &never,
     };
     run_scenario(
         &scn,
@@ -498,26 +466,30 @@ fn delete_survives_a_crash_at_every_step() {
         backup: Backup::Snapshot,
         setup: &setup,
         rerun: &rerun,
-        backup_may_carry_marker: &never,
     };
     run_scenario(
         &scn,
         &[
             Case {
                 failpoint: "delete.renamed",
-                expect: Expect::VolumeGoneBackupKept,
-                why: "the volume was renamed to .delete (recovery finishes deleting it) \
-                      and the backup is dropped only afterwards",
-            },
-            Case {
-                failpoint: "delete-entry.writable",
-                expect: Expect::VolumeGoneBackupKept,
-                why: "it died deleting the renamed volume, before the backup's turn",
+                expect: Expect::After,
+                why: "the volume was renamed to .delete, the delete's commit point, so \
+                      recovery drops the backup and deletes the volume",
             },
             Case {
                 failpoint: "drop.renamed",
                 expect: Expect::After,
-                why: "the volume was gone and the backup renamed to .drop",
+                why: "the volume was .delete and the backup renamed to .drop",
+            },
+            Case {
+                failpoint: "delete-entry.writable",
+                expect: Expect::After,
+                why: "it died deleting the dropped backup, with the volume still .delete",
+            },
+            Case {
+                failpoint: "delete.backup-dropped",
+                expect: Expect::After,
+                why: "only .delete was left to delete",
             },
         ],
     );
@@ -568,7 +540,6 @@ fn reflink_snapshot_of_a_plain_directory_survives_a_crash() {
         backup: Backup::Reflink,
         setup: &setup,
         rerun: &rerun,
-        backup_may_carry_marker: &never,
     };
     run_scenario(
         &scn,
@@ -607,8 +578,6 @@ fn restore_from_a_reflink_copy_survives_a_crash_at_every_step() {
             has_backup
         );
     };
-    let copied_marker =
-        |when: &str| when.contains("killed at `restore.copied`") && !when.contains("ran again");
     let scn = Scenario {
         root: &root,
         fs: &fs,
@@ -616,7 +585,6 @@ fn restore_from_a_reflink_copy_survives_a_crash_at_every_step() {
         backup: Backup::Reflink,
         setup: &setup,
         rerun: &rerun,
-        backup_may_carry_marker: &copied_marker,
     };
     let after_exchange = "the exchange happened, so recovery finishes the restore";
     run_scenario(
@@ -625,13 +593,13 @@ fn restore_from_a_reflink_copy_survives_a_crash_at_every_step() {
             Case {
                 failpoint: "restore.copied",
                 expect: Expect::Before,
-                why: "the marked copy is still the backup, not yet moved to .rollback, so \
-                      nothing is undone and the backup is kept",
+                why: "the backup's identity is recorded but it is not yet moved to \
+                      .rollback, so recovery removes the record and keeps the backup",
             },
             Case {
-                failpoint: "restore.marked",
+                failpoint: "restore.recorded",
                 expect: Expect::After,
-                why: "the marked copy was moved to .rollback, so recovery exchanges it in",
+                why: "the recorded backup was moved to .rollback, so recovery exchanges it in",
             },
             Case {
                 failpoint: "restore.exchanged",
@@ -665,10 +633,10 @@ fn recovery_survives_crashes_of_its_own() {
             backup: None,
         }
     };
-    crash_at(&root, package, "restore", "restore.marked");
-    // Recovery exchanges the marked copy in, moves the replaced volume aside
+    crash_at(&root, package, "restore", "restore.recorded");
+    // Recovery exchanges the recorded copy in, moves the replaced volume aside
     // (restore.replaced-moved), drops the backup (drop.renamed), removes the
-    // marker (after restore.backup-dropped), then deletes the dropped backup
+    // record (after restore.backup-dropped), then deletes the dropped backup
     // and the replaced volume (restore.replaced-deleted). Each rerun passes
     // the earlier points again, so each kill lands one step further.
     for fp in [
@@ -687,14 +655,13 @@ fn recovery_survives_crashes_of_its_own() {
         backup: Backup::Snapshot,
         setup: &|_, _| unreachable!(),
         rerun: &|_, _, _| unreachable!(),
-        backup_may_carry_marker: &never,
     };
     check_state(
         &scn,
         &store,
         package,
         &after,
-        "restore killed at restore.marked, then its recovery killed three times",
+        "restore killed at restore.recorded, then its recovery killed four times",
     );
     assert!(store.recover_all().expect("recover_all").is_empty());
     assert!(!store.restore(&pkg(package)).expect("restore"));

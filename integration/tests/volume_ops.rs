@@ -175,11 +175,15 @@ fn snapshot_of_a_missing_volume_is_no_volume() {
         SnapshotOutcome::NoVolume
     );
     assert!(!SnapshotOutcome::NoVolume.created());
-    let after: Vec<_> = root_names(&root)
-        .into_iter()
-        .filter(|n| n != "ghost.lock")
-        .collect();
-    assert_eq!(before, after, "nothing but the lock file may appear");
+    assert_eq!(
+        before,
+        root_names(&root),
+        "nothing may appear, not even a lock"
+    );
+    assert!(
+        !lock_path(&root, "ghost").exists(),
+        "no lock is taken for a package that does not exist"
+    );
 }
 
 #[test]
@@ -252,10 +256,6 @@ fn restore_rolls_back_everything_including_nested_subvolumes() {
             "restored subvolume {nested:?} must be writable"
         );
     }
-    assert!(
-        d.get(ROLLBACK_MARKER).is_none(),
-        "marker left in the volume"
-    );
     assert_writable(&live.join("data/main"));
     assert_writable(&live.join("data/main/nested"));
     assert_writable(&live.join("data/main/nested/deeper/inner"));
@@ -283,7 +283,7 @@ fn restore_without_a_backup_returns_false_and_changes_nothing() {
     let app = pkg("app");
     store.create(&app, &[vol("main")]).expect("create");
     populate_volume(&store.volume_path(&app), true);
-    // A package with nothing at all; its first operation creates its lock file.
+    // A package with nothing at all.
     let ghost = pkg("ghost");
     assert!(!store.restore(&ghost).expect("restore of nothing"));
     let before = digest(&root);
@@ -291,7 +291,7 @@ fn restore_without_a_backup_returns_false_and_changes_nothing() {
         assert!(!store.restore(&app).expect("restore"));
         assert!(!store.restore(&ghost).expect("restore of nothing"));
     }
-    assert_eq!(root_names(&root), ["app", "app.lock", "ghost.lock"]);
+    assert_eq!(root_names(&root), ["app"]);
     assert_same(&before, &digest(&root), "restore without backup");
 }
 
@@ -429,7 +429,7 @@ fn ext4_falls_back_to_plain_directories() {
     assert!(!live.exists() && !store.backup_path(&app).exists());
     assert!(!store.delete(&app).expect("second delete"));
     assert_no_transient_names(&root, "after delete on ext4");
-    assert_eq!(root_names(&root), ["app.lock"]);
+    assert_eq!(root_names(&root), Vec::<String>::new());
 }
 
 /// A plain-directory volume full of the things `cp -a --reflink` gets wrong or that
@@ -601,12 +601,7 @@ fn fragmented_plain_directory_is_skipped_above_the_extent_bound() {
         other => panic!("expected Skipped above the extent bound, got {other:?}"),
     }
     assert!(!store.backup_path(&app).exists(), "no backup may exist");
-    let mut expected = names;
-    if !expected.contains(&"app.lock".to_owned()) {
-        expected.push("app.lock".to_owned());
-        expected.sort();
-    }
-    assert_eq!(root_names(&root), expected, "no backup and no tmp left");
+    assert_eq!(root_names(&root), names, "no backup and no tmp left");
     assert_same(
         &live_before,
         &digest(&store.volume_path(&app)),
@@ -820,9 +815,9 @@ fn a_held_package_lock_blocks_only_that_package() {
         .write(true)
         .create(true)
         .truncate(false)
-        .open(root.join("alpha.lock"))
+        .open(lock_path(&root, "alpha"))
         .unwrap();
-    rustix::fs::flock(&lock, FlockOperation::LockExclusive).expect("flock alpha.lock");
+    rustix::fs::flock(&lock, FlockOperation::LockExclusive).expect("flock alpha's lock");
 
     thread::scope(|s| {
         let (tx, rx) = mpsc::channel();
@@ -1032,7 +1027,7 @@ fn immutable_and_append_only_files_do_not_wedge_a_package() {
         assert!(!live.exists() && !store.backup_path(p).exists());
         assert_no_transient_names(&root, &format!("{p}: after delete"));
     }
-    assert_eq!(root_names(&root), ["plain.lock", "subvol.lock"]);
+    assert_eq!(root_names(&root), Vec::<String>::new());
 }
 
 #[test]
@@ -1092,7 +1087,7 @@ fn restore_deferring_purge_leaves_only_garbage_behind() {
 
     assert!(store.restore_deferring_purge(&app).expect("restore"));
     assert_same(&snapshotted, &digest(&live), "restored volume");
-    assert_eq!(root_names(&root), ["app", "app.lock", "app.replaced"]);
+    assert_eq!(root_names(&root), ["app", "app.replaced"]);
     assert_same(
         &modified,
         &digest(&root.join("app.replaced")),
@@ -1136,7 +1131,7 @@ fn plain_volume_with_a_read_only_nested_subvolume_is_deleted() {
     .expect("make the nested subvolume read-only");
     let store = open(&root);
     assert!(store.delete(&pkg("plain")).expect("delete"));
-    assert_eq!(root_names(&root), ["plain.lock"]);
+    assert_eq!(root_names(&root), Vec::<String>::new());
     assert!(package_subvolumes(&fs, "plain").is_empty());
 }
 

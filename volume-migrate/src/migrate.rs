@@ -626,10 +626,10 @@ impl Migrator {
                 .with_ctx(io("removing an interrupted parent snapshot"))?;
         }
         let live_path = self.root.join(&names.live);
-        let busy = volume::mounts::active_mounts_inside(&live_path).with_ctx(|_| {
+        let busy = volume::mounts::uses_of(&live_path).with_ctx(|_| {
             (
                 ErrorKind::Filesystem,
-                pkg.context("reading /proc/self/mountinfo"),
+                pkg.context("reading the mount tables of every mount namespace"),
             )
         })?;
         if !busy.is_empty() {
@@ -1048,7 +1048,11 @@ impl Migrator {
         if !hidden.is_empty() {
             return Ok(Err(format!(
                 "{} is mounted inside its subvolume",
-                volume::mounts::describe(&hidden)
+                hidden
+                    .iter()
+                    .map(|m| m.to_string_lossy())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             )));
         }
         let keep: PathBuf = path.iter().collect::<PathBuf>().join(&names.live);

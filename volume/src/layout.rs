@@ -4,10 +4,22 @@
 //! package id with a fixed suffix. Package ids cannot contain a dot, so these
 //! names never collide with a package, and recovery can tell from the names
 //! present alone which operation was interrupted and how far it got.
+//!
+//! Only the volumes root is trusted: a package writes inside `<pkg>`, never
+//! beside it. So every name that decides what recovery does sits in the
+//! root, and nothing inside a volume is ever read to decide anything.
+//!
+//! Two kinds of names:
+//! - **trees**: `<pkg>` itself, its backup, and the transient names a tree
+//!   passes through (`.install-backup.tmp`, `.rollback`, ...);
+//! - **records** ([`crate::record`]): small facts kept as the target of a
+//!   symlink (`.rollback.id`, `.install-backup.ro`), written in one atomic
+//!   step and needing no data space, so they can be written on a full disk.
 
 use std::ffi::{OsStr, OsString};
 
-use models::PackageId;
+use color_eyre::eyre::eyre;
+use models::{Error, ErrorKind, PackageId};
 
 /// Suffix of the read-only snapshot taken before an install (upstream's name).
 pub const INSTALL_BACKUP_SUFFIX: &str = ".install-backup";
@@ -15,17 +27,25 @@ pub const INSTALL_BACKUP_SUFFIX: &str = ".install-backup";
 pub(crate) const BACKUP_TMP_SUFFIX: &str = ".install-backup.tmp";
 /// A backup being dropped; whatever is left of it is garbage.
 pub(crate) const BACKUP_DROP_SUFFIX: &str = ".install-backup.drop";
+/// Record: which subvolumes nested in the backup were read-only in the
+/// volume (the backup freezes them all). Written before the backup gets its
+/// name, removed after it is dropped; without a backup it is garbage.
+pub(crate) const BACKUP_RO_SUFFIX: &str = ".install-backup.ro";
 /// A restore in progress: the writable copy of the backup before the
 /// exchange, the replaced live volume after it.
 pub(crate) const ROLLBACK_SUFFIX: &str = ".rollback";
+/// Record: the identity of the complete rollback copy. Written once the
+/// copy is complete and durable, before the exchange; removed as the
+/// restore's last step. While it exists, whichever of `<pkg>` and
+/// `<pkg>.rollback` has that identity is the restored volume.
+pub(crate) const ROLLBACK_ID_SUFFIX: &str = ".rollback.id";
 /// The volume a restore swapped out, waiting to be deleted: garbage. Kept
 /// apart from the restore because deleting it evicts its cached pages, which
 /// takes about 0.13 s per cached GiB and need not delay the old service.
 pub(crate) const REPLACED_SUFFIX: &str = ".replaced";
-/// A volume being deleted on uninstall.
+/// A volume being deleted on uninstall. While it exists, the delete is in
+/// progress: recovery drops the backup, then deletes this, last.
 pub(crate) const DELETE_SUFFIX: &str = ".delete";
-/// The per-package lock file.
-pub const LOCK_SUFFIX: &str = ".lock";
 /// volume-migrate: the subvolume being built from the plain directory
 /// `<pkg>` before the exchange; the old plain directory after it (a plain
 /// directory under this name means the exchange happened).
@@ -40,37 +60,105 @@ pub const MIGRATE_PARENT_SUFFIX: &str = ".migrate-parent";
 /// ever holds data that also lives in the converted `<pkg>`: always safe to
 /// delete.
 pub const MIGRATE_OLD_SUFFIX: &str = ".migrate-old";
-/// Created at the top of a rollback copy once it is complete and durable.
-/// Which side of the exchange holds it tells recovery whether the exchange
-/// happened; it is removed from the live volume as the restore's last step.
-pub(crate) const ROLLBACK_MARKER: &str = ".startos-rollback-complete";
 
-/// Every name under the volumes root that belongs to one package.
+/// Every suffix the crates give a package's names, longest first where one
+/// ends another, so [`package_of`] strips the right one.
+pub const SUFFIXES: &[&str] = &[
+    BACKUP_TMP_SUFFIX,
+    BACKUP_DROP_SUFFIX,
+    BACKUP_RO_SUFFIX,
+    INSTALL_BACKUP_SUFFIX,
+    ROLLBACK_ID_SUFFIX,
+    ROLLBACK_SUFFIX,
+    REPLACED_SUFFIX,
+    DELETE_SUFFIX,
+    MIGRATE_OLD_SUFFIX,
+    MIGRATE_PARENT_SUFFIX,
+    MIGRATE_SUFFIX,
+];
+
+/// Linux's limit on one name (`NAME_MAX`), in bytes.
+pub const NAME_MAX: usize = 255;
+
+/// The longest package id whose every derived name fits [`NAME_MAX`]: 235,
+/// as `.install-backup.drop` takes 20 bytes.
+pub const MAX_ID_LEN: usize = NAME_MAX - longest_suffix();
+
+const fn longest_suffix() -> usize {
+    let mut i = 0;
+    let mut max = 0;
+    while i < SUFFIXES.len() {
+        if SUFFIXES[i].len() > max {
+            max = SUFFIXES[i].len();
+        }
+        i += 1;
+    }
+    max
+}
+
+/// Refuses, as an `InvalidId` error, a package id some derived name of
+/// which would not fit [`NAME_MAX`]: every operation would otherwise fail
+/// half-way with ENAMETOOLONG.
+pub fn check_id_len(pkg: &PackageId) -> Result<(), Error> {
+    if pkg.len() > MAX_ID_LEN {
+        return Err(Error::new(
+            eyre!(
+                "invalid id {pkg:?}: {} characters, at most {MAX_ID_LEN} allowed \
+                 (so that every name derived from it fits NAME_MAX, {NAME_MAX} bytes)",
+                pkg.len()
+            ),
+            ErrorKind::InvalidId,
+        ));
+    }
+    Ok(())
+}
+
+/// Every name under the volumes root that the volume store uses for one
+/// package.
 #[derive(Debug, Clone)]
 pub(crate) struct Names {
     pub live: OsString,
     pub backup: OsString,
     pub backup_tmp: OsString,
     pub backup_drop: OsString,
+    pub backup_ro: OsString,
     pub rollback: OsString,
+    pub rollback_id: OsString,
     pub replaced: OsString,
     pub delete: OsString,
-    pub lock: OsString,
 }
 
 impl Names {
-    pub fn new(pkg: &PackageId) -> Self {
+    /// The names of `pkg`; `InvalidId` if they would not fit [`NAME_MAX`].
+    pub fn new(pkg: &PackageId) -> Result<Self, Error> {
+        check_id_len(pkg)?;
         let with = |suffix: &str| OsString::from(format!("{pkg}{suffix}"));
-        Names {
+        Ok(Names {
             live: OsString::from(pkg.as_str()),
             backup: with(INSTALL_BACKUP_SUFFIX),
             backup_tmp: with(BACKUP_TMP_SUFFIX),
             backup_drop: with(BACKUP_DROP_SUFFIX),
+            backup_ro: with(BACKUP_RO_SUFFIX),
             rollback: with(ROLLBACK_SUFFIX),
+            rollback_id: with(ROLLBACK_ID_SUFFIX),
             replaced: with(REPLACED_SUFFIX),
             delete: with(DELETE_SUFFIX),
-            lock: with(LOCK_SUFFIX),
-        }
+        })
+    }
+
+    /// Every name, the live volume first.
+    pub fn all(&self) -> [&OsStr; 9] {
+        [
+            &self.live,
+            &self.backup,
+            &self.backup_tmp,
+            &self.backup_drop,
+            &self.backup_ro,
+            &self.rollback,
+            &self.rollback_id,
+            &self.replaced,
+            &self.delete,
+        ]
     }
 }
 
@@ -78,21 +166,10 @@ impl Names {
 /// `lnd.install-backup`, `lnd.rollback`, ... all map to `lnd`.
 pub fn package_of(name: &OsStr) -> Option<PackageId> {
     let name = name.to_str()?;
-    let stem = [
-        BACKUP_TMP_SUFFIX,
-        BACKUP_DROP_SUFFIX,
-        INSTALL_BACKUP_SUFFIX,
-        ROLLBACK_SUFFIX,
-        REPLACED_SUFFIX,
-        DELETE_SUFFIX,
-        LOCK_SUFFIX,
-        MIGRATE_OLD_SUFFIX,
-        MIGRATE_PARENT_SUFFIX,
-        MIGRATE_SUFFIX,
-    ]
-    .iter()
-    .find_map(|s| name.strip_suffix(s))
-    .unwrap_or(name);
+    let stem = SUFFIXES
+        .iter()
+        .find_map(|s| name.strip_suffix(s))
+        .unwrap_or(name);
     stem.parse().ok()
 }
 
@@ -103,23 +180,29 @@ mod tests {
     #[test]
     fn every_name_maps_back_to_its_package() {
         let pkg: PackageId = "bitcoind".parse().unwrap();
-        let n = Names::new(&pkg);
-        for name in [
-            &n.live,
-            &n.backup,
-            &n.backup_tmp,
-            &n.backup_drop,
-            &n.rollback,
-            &n.replaced,
-            &n.delete,
-            &n.lock,
-            &OsString::from("bitcoind.migrate"),
-            &OsString::from("bitcoind.migrate-old"),
-            &OsString::from("bitcoind.migrate-parent"),
-        ] {
+        let n = Names::new(&pkg).unwrap();
+        let migrate = [MIGRATE_SUFFIX, MIGRATE_PARENT_SUFFIX, MIGRATE_OLD_SUFFIX]
+            .map(|s| OsString::from(format!("bitcoind{s}")));
+        for name in n
+            .all()
+            .into_iter()
+            .chain(migrate.iter().map(|m| m.as_os_str()))
+        {
             assert_eq!(package_of(name).as_ref(), Some(&pkg), "{name:?}");
         }
         assert_eq!(package_of(OsStr::new("lost+found")), None);
         assert_eq!(package_of(OsStr::new("x.unknown")), None);
+    }
+
+    #[test]
+    fn ids_are_bounded_by_their_longest_name() {
+        assert_eq!(MAX_ID_LEN, 235);
+        let ok: PackageId = "a".repeat(MAX_ID_LEN).parse().unwrap();
+        let names = Names::new(&ok).unwrap();
+        assert!(names.all().iter().all(|n| n.len() <= NAME_MAX));
+        let long: PackageId = "a".repeat(MAX_ID_LEN + 1).parse().unwrap();
+        let err = Names::new(&long).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::InvalidId);
+        assert!(err.to_string().contains("at most 235"), "{err}");
     }
 }

@@ -30,6 +30,8 @@ pub mod lock;
 #[cfg(target_os = "linux")]
 pub mod mounts;
 #[cfg(target_os = "linux")]
+mod record;
+#[cfg(target_os = "linux")]
 mod store;
 #[cfg(target_os = "linux")]
 pub mod sweep;
@@ -44,9 +46,11 @@ pub use failpoint::FAILPOINT_ENV;
 #[cfg(target_os = "linux")]
 pub use layout::INSTALL_BACKUP_SUFFIX;
 #[cfg(target_os = "linux")]
+pub use mounts::MountUse;
+#[cfg(target_os = "linux")]
 pub use store::{
     DEFAULT_REFLINK_EXTENT_LIMIT, Recovery, SnapshotOutcome, VolumeInfo, VolumeKind, VolumeStore,
-    VolumeUsage, open_root,
+    VolumeUsage, open_locks, open_root,
 };
 
 /// Upstream's data directory.

@@ -1,13 +1,18 @@
-//! What is mounted from inside a volume, read from `/proc/self/mountinfo`.
+//! What is mounted from inside a volume, in every mount namespace.
 //!
 //! A rollback or a delete must not run while a container (or another
 //! package) still has a bind mount of the volume: that mount keeps pointing
 //! at the old subvolume, so the service would go on writing into data that is
-//! about to vanish.
+//! about to vanish. Containers hold their mounts in mount namespaces of their
+//! own, invisible in `/proc/self/mountinfo`; so every namespace on the
+//! machine is read, through the mountinfo of one process in it.
 
+use std::collections::BTreeMap;
 use std::ffi::OsString;
+use std::fmt;
 use std::io;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 /// One line of mountinfo, the fields we use.
@@ -17,7 +22,7 @@ pub(crate) struct MountEntry {
     pub dev: String,
     /// Path inside the filesystem that is mounted.
     pub root: PathBuf,
-    /// Where it is mounted.
+    /// Where it is mounted, as the namespace's processes see it.
     pub mount_point: PathBuf,
 }
 
@@ -59,40 +64,149 @@ pub(crate) fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
         .collect()
 }
 
-/// Mount points that expose something inside `path` (an absolute path with
-/// no symlinks): mounts on top of it or below it, and bind mounts anywhere
-/// whose source lies inside it.
-pub(crate) fn mounts_inside(entries: &[MountEntry], path: &Path) -> Vec<PathBuf> {
-    // The mount that holds `path` tells us its filesystem and where `path`
-    // sits inside that filesystem, which is what a bind mount's root shows.
-    let holder = entries
+/// Where `path` (an absolute path with no symlinks, seen from this
+/// namespace) sits: its filesystem, and its path inside that filesystem,
+/// which is what a bind mount of it shows as its root in any namespace.
+fn locate(own: &[MountEntry], path: &Path) -> Option<(String, PathBuf)> {
+    let holder = own
         .iter()
         .filter(|e| path.starts_with(&e.mount_point))
-        .max_by_key(|e| e.mount_point.as_os_str().len());
-    let inner = holder.and_then(|h| {
-        let rel = path.strip_prefix(&h.mount_point).ok()?;
-        Some((h.dev.as_str(), h.root.join(rel)))
-    });
+        .max_by_key(|e| e.mount_point.as_os_str().len())?;
+    let rel = path.strip_prefix(&holder.mount_point).ok()?;
+    Some((holder.dev.clone(), holder.root.join(rel)))
+}
+
+/// Mount points of `entries` that expose something inside `path`: mounts
+/// on top of it or below it (as paths in `entries`' namespace), and bind
+/// mounts anywhere whose source lies inside `inner` (`path`'s filesystem
+/// and its path in there, from [`locate`]).
+fn mounts_inside(
+    entries: &[MountEntry],
+    path: &Path,
+    inner: Option<&(String, PathBuf)>,
+) -> Vec<PathBuf> {
     entries
         .iter()
         .filter(|e| {
             e.mount_point.starts_with(path)
-                || inner
-                    .as_ref()
-                    .is_some_and(|(dev, p)| e.dev == *dev && e.root.starts_with(p))
+                || inner.is_some_and(|(dev, p)| e.dev == *dev && e.root.starts_with(p))
         })
         .map(|e| e.mount_point.clone())
         .collect()
 }
 
-/// Reads this process's mount table and returns what is mounted from inside
-/// `path`.
+/// A mount that exposes something of a volume, and who holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountUse {
+    /// Where it is mounted, as the processes of its namespace see it.
+    pub mount_point: PathBuf,
+    /// The mount namespace, by its inode number (`/proc/<pid>/ns/mnt`).
+    pub namespace: u64,
+    /// Whether that is this process's own namespace.
+    pub own_namespace: bool,
+    /// Every process in that namespace, sorted (the first is the one
+    /// named in messages).
+    pub pids: Vec<u32>,
+    /// The first process's command name (`/proc/<pid>/comm`).
+    pub command: String,
+}
+
+impl fmt::Display for MountUse {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let at = String::from_utf8_lossy(self.mount_point.as_os_str().as_bytes());
+        if self.own_namespace {
+            write!(f, "{at}")
+        } else {
+            let pid = self.pids.first().copied().unwrap_or(0);
+            write!(
+                f,
+                "{at} in the mount namespace of pid {pid} ({})",
+                self.command
+            )
+        }
+    }
+}
+
+/// One mount namespace: the processes in it and its mount table.
+struct Namespace {
+    pids: Vec<u32>,
+    entries: Vec<MountEntry>,
+}
+
+/// Every mount namespace on the machine, by inode, each with its processes
+/// and its mount table (read through its lowest pid's mountinfo). A process
+/// that exits while being read is skipped.
+fn namespaces() -> io::Result<BTreeMap<u64, Namespace>> {
+    let mut pids_by_ns: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+    for entry in std::fs::read_dir("/proc")? {
+        let entry = entry?;
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        // stat follows the ns link to the namespace's own inode.
+        if let Ok(m) = std::fs::metadata(entry.path().join("ns/mnt")) {
+            pids_by_ns.entry(m.ino()).or_default().push(pid);
+        }
+    }
+    let mut out = BTreeMap::new();
+    for (ns, mut pids) in pids_by_ns {
+        pids.sort_unstable();
+        let table = pids
+            .iter()
+            .find_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).ok());
+        if let Some(text) = table {
+            out.insert(
+                ns,
+                Namespace {
+                    pids,
+                    entries: parse_mountinfo(&text),
+                },
+            );
+        }
+    }
+    Ok(out)
+}
+
+/// Every mount, in every mount namespace, that exposes something inside
+/// `path` (an absolute path with no symlinks, as this process sees it):
+/// bind mounts of it or of anything below it, wherever they are mounted;
+/// mounts on top of it or below it.
 ///
 /// Used before any step that would leave such a mount pointing at data that
 /// is about to be replaced (a rollback, a delete, a conversion).
-pub fn active_mounts_inside(path: &Path) -> io::Result<Vec<PathBuf>> {
-    let text = std::fs::read_to_string("/proc/self/mountinfo")?;
-    Ok(mounts_inside(&parse_mountinfo(&text), path))
+pub fn uses_of(path: &Path) -> io::Result<Vec<MountUse>> {
+    let own_ns = std::fs::metadata("/proc/self/ns/mnt")?.ino();
+    let own = parse_mountinfo(&std::fs::read_to_string("/proc/self/mountinfo")?);
+    let inner = locate(&own, path);
+    let mut out = Vec::new();
+    for (ns, namespace) in namespaces()? {
+        let own_namespace = ns == own_ns;
+        let entries = if own_namespace {
+            &own
+        } else {
+            &namespace.entries
+        };
+        let command = namespace
+            .pids
+            .first()
+            .and_then(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).ok())
+            .map(|c| c.trim_end().to_owned())
+            .unwrap_or_default();
+        for mount_point in mounts_inside(entries, path, inner.as_ref()) {
+            out.push(MountUse {
+                mount_point,
+                namespace: ns,
+                own_namespace,
+                pids: namespace.pids.clone(),
+                command: command.clone(),
+            });
+        }
+    }
+    Ok(out)
 }
 
 /// Reads this process's mount table and returns the mount points strictly
@@ -107,11 +221,10 @@ pub fn mount_points_below(path: &Path) -> io::Result<Vec<PathBuf>> {
         .collect())
 }
 
-/// Formats mount points for a one-line error.
-pub fn describe(mounts: &[PathBuf]) -> String {
-    mounts
-        .iter()
-        .map(|m| String::from_utf8_lossy(m.as_os_str().as_bytes()).into_owned())
+/// Formats mount uses for a one-line error.
+pub fn describe(uses: &[MountUse]) -> String {
+    uses.iter()
+        .map(|u| u.to_string())
         .collect::<Vec<_>>()
         .join(", ")
 }
@@ -130,20 +243,43 @@ mod tests {
 45 22 0:45 / /mnt/with\\040space rw - btrfs /dev/loop0 rw
 ";
 
+    /// A container's namespace: its own root, and a bind mount of lnd's
+    /// volume from the same filesystem, at a path nobody else sees.
+    const CONTAINER: &str = "\
+90 80 0:60 / / rw - overlay overlay rw
+91 90 0:45 /package-data/volumes/lnd/data/main /data rw - btrfs /dev/loop0 rw
+92 90 0:45 /package-data/volumes/electrs/data/main /electrs rw - btrfs /dev/loop0 rw
+";
+
     #[test]
     fn finds_bind_mounts_from_inside_and_mounts_on_top() {
         let e = parse_mountinfo(SAMPLE);
         let vols = Path::new("/media/startos/data/package-data/volumes");
+        let inside = |p: &Path| mounts_inside(&e, p, locate(&e, p).as_ref());
         assert_eq!(
-            mounts_inside(&e, &vols.join("lnd")),
+            inside(&vols.join("lnd")),
             vec![PathBuf::from("/var/lib/lxc/lnd/rootfs/data")],
             "a bind mount of lnd counts, lnd-tools and another filesystem do not"
         );
         assert_eq!(
-            mounts_inside(&e, &vols.join("bitcoind")),
+            inside(&vols.join("bitcoind")),
             vec![vols.join("bitcoind/data/main/tmp")]
         );
-        assert!(mounts_inside(&e, &vols.join("electrs")).is_empty());
+        assert!(inside(&vols.join("electrs")).is_empty());
+    }
+
+    #[test]
+    fn finds_bind_mounts_in_another_namespace_by_their_source() {
+        let own = parse_mountinfo(SAMPLE);
+        let container = parse_mountinfo(CONTAINER);
+        let vols = Path::new("/media/startos/data/package-data/volumes");
+        let lnd = vols.join("lnd");
+        assert_eq!(
+            mounts_inside(&container, &lnd, locate(&own, &lnd).as_ref()),
+            vec![PathBuf::from("/data")]
+        );
+        let bitcoind = vols.join("bitcoind");
+        assert!(mounts_inside(&container, &bitcoind, locate(&own, &bitcoind).as_ref()).is_empty());
     }
 
     #[test]

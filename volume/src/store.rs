@@ -5,24 +5,60 @@
 //! the backup a read-only snapshot of it; every other name a package uses is
 //! listed in [`crate::layout`].
 //!
-//! Every operation takes the package's lock, first finishes or undoes
-//! whatever a crash left behind for that package ([`VolumeStore::recover`]),
-//! then runs. At every instant, and after a crash at any point, `<pkg>` is
-//! either the complete volume before the operation or the complete volume
-//! after it, and `<pkg>.install-backup` is either absent or a complete backup.
+//! Every operation takes the package's lock ([`crate::lock`]), first
+//! finishes or undoes whatever a crash left behind for that package
+//! ([`VolumeStore::recover`]), then runs. At every instant, and after a
+//! crash at any point, `<pkg>` is either the complete volume before the
+//! operation or the complete volume after it, and `<pkg>.install-backup` is
+//! either absent or a complete backup. An operation that fails puts back
+//! what it changed before returning the error, so the disk is as it was
+//! before the call (a step past the operation's commit point is left for
+//! recovery to finish instead).
+//!
+//! ## What decides recovery
+//!
+//! Only names in the volumes root, their types, and the records this crate
+//! writes there ([`crate::record`]): never anything inside a volume, which
+//! the package's own processes write. The states, per operation:
+//!
+//! - **snapshot**: `<pkg>.install-backup.tmp` exists until the complete,
+//!   frozen snapshot is renamed to `<pkg>.install-backup`: a `.tmp` is
+//!   always incomplete, deleted. `<pkg>.install-backup.ro`, the record of
+//!   the read-only nested subvolumes, is written before that rename and is
+//!   garbage without a backup.
+//! - **restore**: the writable copy `<pkg>.rollback` is made, then the
+//!   record `<pkg>.rollback.id` naming that copy's identity (subvolume UUID,
+//!   or inode and birth time of a plain directory) once it is complete and
+//!   committed, then one `RENAME_EXCHANGE` swaps it with `<pkg>`, then the
+//!   replaced volume moves to `<pkg>.replaced`, the backup is dropped, and
+//!   the record removed. Without the record, `.rollback` is an incomplete
+//!   copy (deleted; the backup stays). With it, whichever of `<pkg>` and
+//!   `<pkg>.rollback` has the recorded identity is the restored volume:
+//!   `<pkg>` means the exchange happened (finish), `.rollback` that it did
+//!   not (exchange, then finish).
+//! - **drop**: the backup is renamed to `.install-backup.drop`, which is
+//!   garbage.
+//! - **delete**: `<pkg>` is renamed to `<pkg>.delete`, the commit point;
+//!   while `.delete` exists the delete is under way, so recovery drops the
+//!   backup, then deletes `.delete`, last.
+//! - `<pkg>.replaced` is always garbage.
 
+use std::collections::BTreeSet;
 use std::ffi::OsStr;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
+use color_eyre::eyre::eyre;
 use models::{Error, ErrorKind, PackageId, ResultExt, VolumeId};
+use rustix::fs::FileType;
 use serde::Serialize;
 
 use crate::failpoint::failpoint;
-use crate::layout::{self, Names, ROLLBACK_MARKER};
-use crate::lock::PackageLock;
-use crate::mounts;
+use crate::layout::{self, Names};
+use crate::lock::{LockDir, PackageLock};
+use crate::mounts::{self, MountUse};
+use crate::record::{self, Identity};
 use crate::sys;
 use crate::usage::{self, Split, Usage};
 
@@ -109,6 +145,29 @@ pub struct Recovery {
     pub error: Option<String>,
 }
 
+/// What an entry of the volumes root is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Entry {
+    Absent,
+    Tree(VolumeKind),
+    /// Not a directory: no volume of ours, whatever its name.
+    Other(FileType),
+}
+
+/// A file type in words, for messages.
+fn type_name(ty: FileType) -> &'static str {
+    match ty {
+        FileType::RegularFile => "a regular file",
+        FileType::Symlink => "a symlink",
+        FileType::Fifo => "a FIFO",
+        FileType::Socket => "a socket",
+        FileType::CharacterDevice => "a character device",
+        FileType::BlockDevice => "a block device",
+        FileType::Directory => "a directory",
+        _ => "not a directory",
+    }
+}
+
 /// Package volumes under one root directory (upstream:
 /// `/media/startos/data/package-data/volumes`).
 ///
@@ -120,6 +179,7 @@ pub struct VolumeStore {
     dir: OwnedFd,
     btrfs: bool,
     reflink_extent_limit: u64,
+    locks: LockDir,
 }
 
 /// Canonicalizes the volumes root and opens it, with the errors every
@@ -144,6 +204,37 @@ pub fn open_root(root: impl AsRef<Path>) -> Result<(PathBuf, OwnedFd), Error> {
     Ok((canonical, dir))
 }
 
+/// The lock directory of the volumes root open as `dir`, with the error
+/// every caller reports.
+pub fn open_locks(root: &Path, dir: BorrowedFd<'_>) -> Result<LockDir, Error> {
+    LockDir::for_root(dir).with_ctx(|_| {
+        (
+            ErrorKind::Filesystem,
+            format!(
+                "opening the lock directory of {} under {}",
+                root.display(),
+                crate::lock::LOCK_DIR
+            ),
+        )
+    })
+}
+
+/// Appends to `e` that undoing the failed step failed too, if it did.
+fn with_cleanup(e: Error, cleanup: io::Result<()>, what: &str) -> Error {
+    match cleanup {
+        Ok(()) => e,
+        Err(c) => {
+            let kind = e.kind;
+            Error::new(
+                e.source.wrap_err(format!(
+                    "{what} failed too ({c}); the next operation retries"
+                )),
+                kind,
+            )
+        }
+    }
+}
+
 impl VolumeStore {
     /// Opens the store at `root` (which must be an existing directory) and
     /// finishes or undoes every operation a crash interrupted, for all
@@ -160,11 +251,13 @@ impl VolumeStore {
         let (root, dir) = open_root(root)?;
         let btrfs = sys::is_btrfs(dir.as_fd())
             .with_ctx(|_| (ErrorKind::Filesystem, format!("statfs {}", root.display())))?;
+        let locks = open_locks(&root, dir.as_fd())?;
         Ok(VolumeStore {
             root,
             dir,
             btrfs,
             reflink_extent_limit: DEFAULT_REFLINK_EXTENT_LIMIT,
+            locks,
         })
     }
 
@@ -192,7 +285,8 @@ impl VolumeStore {
 
     /// `<root>/<pkg>.install-backup`.
     pub fn backup_path(&self, pkg: &PackageId) -> PathBuf {
-        self.root.join(&Names::new(pkg).backup)
+        self.root
+            .join(format!("{pkg}{}", layout::INSTALL_BACKUP_SUFFIX))
     }
 
     /// `<root>/<pkg>/data/<volume>`, where the service sees its volume.
@@ -204,11 +298,14 @@ impl VolumeStore {
         self.dir.as_fd()
     }
 
-    fn lock(&self, pkg: &PackageId, names: &Names) -> Result<PackageLock, Error> {
-        PackageLock::acquire(self.root_fd(), &names.lock).with_ctx(|_| {
+    fn lock(&self, pkg: &PackageId) -> Result<PackageLock, Error> {
+        self.locks.lock(pkg).with_ctx(|_| {
             (
                 ErrorKind::Filesystem,
-                pkg.context("taking the package lock"),
+                pkg.context(format!(
+                    "taking the package lock in {}",
+                    self.locks.path().display()
+                )),
             )
         })
     }
@@ -217,21 +314,38 @@ impl VolumeStore {
         sys::stat_at(self.root_fd(), name)
     }
 
-    fn exists(&self, name: &OsStr) -> io::Result<bool> {
+    fn exists_at(&self, name: &OsStr) -> io::Result<bool> {
         Ok(self.stat(name)?.is_some())
     }
 
-    /// How the entry `name` of the root is stored, if it is a directory.
-    fn kind_of(&self, name: &OsStr) -> io::Result<Option<VolumeKind>> {
+    /// Whether `pkg` has anything under the root: a volume, a backup, or
+    /// any of the names an operation passes through. Without any, every
+    /// operation but `create` has nothing to do, and takes no lock.
+    pub fn exists(&self, pkg: &PackageId) -> Result<bool, Error> {
+        let names = Names::new(pkg)?;
+        self.any_name(pkg, &names)
+    }
+
+    fn any_name(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
+        for name in names.all() {
+            if self
+                .exists_at(name)
+                .with_ctx(|_| (ErrorKind::Filesystem, pkg.context("looking for its names")))?
+            {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// What the entry `name` of the root is.
+    fn entry(&self, name: &OsStr) -> io::Result<Entry> {
         match self.stat(name)? {
-            None => Ok(None),
-            Some(st) if !st.is_dir() => Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("{} is not a directory", Path::new(name).display()),
-            )),
+            None => Ok(Entry::Absent),
+            Some(st) if !st.is_dir() => Ok(Entry::Other(st.file_type)),
             Some(_) => {
                 let fd = sys::open_dir_at(self.root_fd(), name)?;
-                Ok(Some(if sys::is_subvolume(fd.as_fd())? {
+                Ok(Entry::Tree(if sys::is_subvolume(fd.as_fd())? {
                     VolumeKind::Subvolume
                 } else {
                     VolumeKind::Directory
@@ -240,20 +354,52 @@ impl VolumeStore {
         }
     }
 
+    /// How the tree `name` is stored, `None` if absent; an error naming the
+    /// entry if it is not a directory (no volume or backup of ours).
+    fn tree(&self, pkg: &PackageId, name: &OsStr) -> Result<Option<VolumeKind>, Error> {
+        let path = self.root.join(name);
+        match self.entry(name).with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                pkg.context(format!("inspecting {}", path.display())),
+            )
+        })? {
+            Entry::Absent => Ok(None),
+            Entry::Tree(kind) => Ok(Some(kind)),
+            Entry::Other(ty) => Err(Error::for_package(
+                pkg,
+                ErrorKind::InvalidRequest,
+                format!(
+                    "{} is {}, not a package volume; move it out of the volumes root",
+                    path.display(),
+                    type_name(ty)
+                ),
+            )),
+        }
+    }
+
     fn fsync_root(&self) -> io::Result<()> {
         sys::fsync(self.root_fd())
     }
 
-    /// Refuses with a one-line error if anything is mounted from inside
-    /// `<pkg>`: a bind mount would keep pointing at the old data.
-    fn ensure_not_mounted(&self, pkg: &PackageId) -> Result<(), Error> {
-        let path = self.volume_path(pkg);
-        let busy = mounts::active_mounts_inside(&path).with_ctx(|_| {
+    /// Every mount, in any mount namespace, that exposes something inside
+    /// `<pkg>` (see [`mounts::uses_of`]): what a restore or a delete refuses
+    /// to run beside. A caller that can stop the processes holding them
+    /// (start-core, through its services) does so first.
+    pub fn mount_uses(&self, pkg: &PackageId) -> Result<Vec<MountUse>, Error> {
+        mounts::uses_of(&self.volume_path(pkg)).with_ctx(|_| {
             (
                 ErrorKind::Filesystem,
-                pkg.context("reading /proc/self/mountinfo"),
+                pkg.context("reading the mount tables of every mount namespace"),
             )
-        })?;
+        })
+    }
+
+    /// Refuses with a one-line error if anything is mounted from inside
+    /// `<pkg>`, in any mount namespace: a bind mount would keep pointing at
+    /// the old data.
+    fn ensure_not_mounted(&self, pkg: &PackageId) -> Result<(), Error> {
+        let busy = self.mount_uses(pkg)?;
         if busy.is_empty() {
             Ok(())
         } else {
@@ -262,7 +408,7 @@ impl VolumeStore {
                 ErrorKind::InvalidRequest,
                 format!(
                     "volume {} is in use, mounted at {}; stop the service first",
-                    path.display(),
+                    self.volume_path(pkg).display(),
                     mounts::describe(&busy)
                 ),
             ))
@@ -305,13 +451,10 @@ impl VolumeStore {
     /// Creating the subvolume is one atomic ioctl; a crash afterwards leaves
     /// some volume directories missing, which a rerun adds.
     pub fn create(&self, pkg: &PackageId, volumes: &[VolumeId]) -> Result<VolumeKind, Error> {
-        let names = Names::new(pkg);
-        let _lock = self.lock(pkg, &names)?;
+        let names = Names::new(pkg)?;
+        let _lock = self.lock(pkg)?;
         self.recover_locked(pkg, &names)?;
-        let kind = match self
-            .kind_of(&names.live)
-            .with_ctx(|_| (ErrorKind::Filesystem, pkg.context("inspecting the volume")))?
-        {
+        let kind = match self.tree(pkg, &names.live)? {
             Some(kind) => kind,
             None if self.btrfs => {
                 sys::create_subvolume(self.root_fd(), &names.live).with_ctx(|_| {
@@ -365,32 +508,30 @@ impl VolumeStore {
     /// subvolumes included, in milliseconds whatever the fragmentation. It is
     /// built under `<pkg>.install-backup.tmp` and renamed into place only once
     /// complete and frozen, so a backup under its real name is never partial.
+    /// Which nested subvolumes were read-only in the volume is recorded
+    /// beside it (`<pkg>.install-backup.ro`), so a restore gives them back
+    /// read-only and the others writable.
     ///
     /// Fallbacks, each with a warning naming the package: not btrfs, no
     /// backup; a plain directory on btrfs, a reflink copy if its extent count
-    /// is within the configured bound, else no backup.
+    /// is within the configured bound (nested subvolumes copied as
+    /// subvolumes, read-only ones kept read-only), else no backup.
     ///
     /// Fails with `Incoherent` if a backup already exists: it belongs to an
     /// unfinished install that must be restored or dropped first, and
-    /// replacing it could throw away the only good copy.
+    /// replacing it could throw away the only good copy. A failure removes
+    /// whatever the call had made.
     pub fn snapshot(&self, pkg: &PackageId) -> Result<SnapshotOutcome, Error> {
-        let names = Names::new(pkg);
-        let _lock = self.lock(pkg, &names)?;
+        let names = Names::new(pkg)?;
+        if !self.any_name(pkg, &names)? {
+            return Ok(SnapshotOutcome::NoVolume);
+        }
+        let _lock = self.lock(pkg)?;
         self.recover_locked(pkg, &names)?;
-        let io_ctx = |what: &str| {
-            let what = what.to_owned();
-            move |_: &io::Error| (ErrorKind::DiskManagement, pkg.context(what))
-        };
-        let Some(kind) = self
-            .kind_of(&names.live)
-            .with_ctx(io_ctx("inspecting the volume"))?
-        else {
+        let Some(kind) = self.tree(pkg, &names.live)? else {
             return Ok(SnapshotOutcome::NoVolume);
         };
-        if self
-            .exists(&names.backup)
-            .with_ctx(io_ctx("looking for a backup"))?
-        {
+        if self.tree(pkg, &names.backup)?.is_some() {
             return Err(Error::for_package(
                 pkg,
                 ErrorKind::Incoherent,
@@ -406,28 +547,66 @@ impl VolumeStore {
             return Ok(SnapshotOutcome::Skipped { reason });
         }
         match kind {
-            VolumeKind::Subvolume => {
-                let live = sys::open_dir_at(self.root_fd(), &names.live)
-                    .with_ctx(io_ctx("opening the volume"))?;
-                let tmp = sys::snapshot_tree(live.as_fd(), self.root_fd(), &names.backup_tmp)
-                    .with_ctx(io_ctx(&format!(
-                        "snapshotting {} to {}",
-                        self.volume_path(pkg).display(),
-                        self.root.join(&names.backup_tmp).display()
-                    )))?;
-                failpoint("snapshot.created");
-                sys::make_tree_read_only(tmp.as_fd())
-                    .with_ctx(io_ctx("making the snapshot read-only"))?;
-                failpoint("snapshot.frozen");
-                sys::rename_noreplace(self.root_fd(), &names.backup_tmp, &names.backup)
-                    .with_ctx(io_ctx("renaming the snapshot into place"))?;
-                self.fsync_root()
-                    .with_ctx(io_ctx("syncing the volumes root"))?;
-                tracing::info!(package = %pkg, "install backup snapshot taken");
-                Ok(SnapshotOutcome::Snapshot)
-            }
+            VolumeKind::Subvolume => self.snapshot_subvolume(pkg, &names),
             VolumeKind::Directory => self.reflink_backup(pkg, &names),
         }
+    }
+
+    fn snapshot_subvolume(&self, pkg: &PackageId, names: &Names) -> Result<SnapshotOutcome, Error> {
+        let (what, result) = self.build_snapshot(names);
+        if let Err(e) = result {
+            // Nothing of a backup may be left unless it has its real name.
+            let cleanup = (|| {
+                self.delete_entry(&names.backup_tmp)?;
+                if !self.exists_at(&names.backup)? {
+                    record::remove(self.root_fd(), &names.backup_ro)?;
+                }
+                self.fsync_root()
+            })();
+            let e = Error::new(
+                eyre!(e)
+                    .wrap_err(pkg.context(format!("{what} {}", self.volume_path(pkg).display()))),
+                ErrorKind::DiskManagement,
+            );
+            return Err(with_cleanup(e, cleanup, "removing the partial snapshot"));
+        }
+        tracing::info!(package = %pkg, "install backup snapshot taken");
+        Ok(SnapshotOutcome::Snapshot)
+    }
+
+    /// The steps of a subvolume snapshot; the step that failed, if one did.
+    fn build_snapshot(&self, names: &Names) -> (&'static str, io::Result<()>) {
+        let live = match sys::open_dir_at(self.root_fd(), &names.live) {
+            Ok(fd) => fd,
+            Err(e) => return ("opening", Err(e)),
+        };
+        let tmp = match sys::snapshot_tree(live.as_fd(), self.root_fd(), &names.backup_tmp) {
+            Ok(fd) => fd,
+            Err(e) => return ("snapshotting", Err(e)),
+        };
+        failpoint("snapshot.created");
+        let ro = match read_only_nested(live.as_fd(), tmp.as_fd()) {
+            Ok(ro) => ro,
+            Err(e) => {
+                return (
+                    "reading the read-only flags of the subvolumes nested in",
+                    Err(e),
+                );
+            }
+        };
+        if !ro.is_empty() {
+            let value = record::encode_read_only_ids(&ro);
+            if let Err(e) = record::write(self.root_fd(), &names.backup_ro, &value) {
+                return ("recording the read-only subvolumes nested in", Err(e));
+            }
+        }
+        if let Err(e) = sys::make_tree_read_only(tmp.as_fd()) {
+            return ("making read-only the snapshot of", Err(e));
+        }
+        failpoint("snapshot.frozen");
+        let publish = sys::rename_noreplace(self.root_fd(), &names.backup_tmp, &names.backup)
+            .and_then(|()| self.fsync_root());
+        ("putting in place the snapshot of", publish)
     }
 
     /// The fallback for a volume that is still a plain directory on btrfs.
@@ -457,8 +636,24 @@ impl VolumeStore {
             tracing::warn!(package = %pkg, extents, "no install backup: {reason}");
             return Ok(SnapshotOutcome::Skipped { reason });
         }
-        if let Err(e) = crate::copy::reflink_tree(live.as_fd(), self.root_fd(), &names.backup_tmp) {
-            let cleanup = self.delete_entry(&names.backup_tmp);
+        let copy = || -> io::Result<()> {
+            rustix::fs::mkdirat(
+                self.root_fd(),
+                &names.backup_tmp,
+                rustix::fs::Mode::from_raw_mode(0o700),
+            )?;
+            let dst = sys::open_dir_at(self.root_fd(), &names.backup_tmp)?;
+            let opts = crate::copy::CopyOptions {
+                nested_subvolumes: true,
+                ..Default::default()
+            };
+            crate::copy::reflink_into(live.as_fd(), dst.as_fd(), &opts, &mut |_| Ok(()))?;
+            Ok(())
+        };
+        if let Err(e) = copy() {
+            let cleanup = self
+                .delete_entry(&names.backup_tmp)
+                .and_then(|()| self.fsync_root());
             let reason = format!("reflink copy failed: {e}");
             tracing::warn!(package = %pkg, "no install backup: {reason}");
             cleanup.with_ctx(|_| {
@@ -470,18 +665,21 @@ impl VolumeStore {
             return Ok(SnapshotOutcome::Skipped { reason });
         }
         failpoint("snapshot.created");
-        let publish = || -> io::Result<()> {
-            // The copy's data must be durable before its name says "complete".
-            sys::commit(self.root_fd())?;
-            sys::rename_noreplace(self.root_fd(), &names.backup_tmp, &names.backup)?;
-            self.fsync_root()
-        };
-        publish().with_ctx(|_| {
-            (
+        // The copy shares its data with the volume: committing its metadata
+        // makes it durable before its name says "complete".
+        let publish = sys::commit_metadata(self.root_fd())
+            .and_then(|()| sys::rename_noreplace(self.root_fd(), &names.backup_tmp, &names.backup))
+            .and_then(|()| self.fsync_root());
+        if let Err(e) = publish {
+            let cleanup = self
+                .delete_entry(&names.backup_tmp)
+                .and_then(|()| self.fsync_root());
+            let e = Error::new(
+                eyre!(e).wrap_err(pkg.context("putting the reflink copy in place")),
                 ErrorKind::Filesystem,
-                pkg.context("putting the reflink copy in place"),
-            )
-        })?;
+            );
+            return Err(with_cleanup(e, cleanup, "removing the reflink copy"));
+        }
         tracing::info!(package = %pkg, extents, "install backup reflink copy taken");
         Ok(SnapshotOutcome::ReflinkCopy { extents })
     }
@@ -489,16 +687,23 @@ impl VolumeStore {
     /// Rolls `<pkg>` back to its install backup, atomically, and removes the
     /// backup. Returns `false` (and changes nothing) if there is no backup.
     ///
-    /// A writable snapshot of the backup is made under `<pkg>.rollback`,
-    /// marked complete, and swapped with `<pkg>` by one renameat2
-    /// RENAME_EXCHANGE; the replaced volume is then deleted. So `<pkg>` is
-    /// never missing: before the exchange it is the current volume, after it
-    /// the restored one, whatever instant a crash or power cut hits.
+    /// A writable snapshot of the backup is made under `<pkg>.rollback`
+    /// (read-only nested subvolumes made read-only again), its identity is
+    /// recorded once it is complete and committed, and one renameat2
+    /// RENAME_EXCHANGE swaps it with `<pkg>`; the replaced volume is then
+    /// deleted. So `<pkg>` is never missing: before the exchange it is the
+    /// current volume, after it the restored one, whatever instant a crash
+    /// or power cut hits. Nothing is written inside either volume.
     ///
-    /// Refuses while anything is mounted from inside `<pkg>`.
+    /// Refuses while anything is mounted from inside `<pkg>`, in any mount
+    /// namespace. A failure before the exchange removes the copy and the
+    /// record: the disk is as before the call.
     pub fn restore(&self, pkg: &PackageId) -> Result<bool, Error> {
-        let names = Names::new(pkg);
-        let _lock = self.lock(pkg, &names)?;
+        let names = Names::new(pkg)?;
+        if !self.any_name(pkg, &names)? {
+            return Ok(false);
+        }
+        let _lock = self.lock(pkg)?;
         self.recover_locked(pkg, &names)?;
         let restored = self.restore_locked(pkg, &names)?;
         self.purge_locked(pkg, &names)?;
@@ -515,8 +720,11 @@ impl VolumeStore {
     /// when this returns; `<pkg>.replaced` is garbage that any later
     /// operation's recovery, or `purge`, deletes.
     pub fn restore_deferring_purge(&self, pkg: &PackageId) -> Result<bool, Error> {
-        let names = Names::new(pkg);
-        let _lock = self.lock(pkg, &names)?;
+        let names = Names::new(pkg)?;
+        if !self.any_name(pkg, &names)? {
+            return Ok(false);
+        }
+        let _lock = self.lock(pkg)?;
         self.recover_locked(pkg, &names)?;
         self.restore_locked(pkg, &names)
     }
@@ -524,8 +732,11 @@ impl VolumeStore {
     /// Deletes the volume a restore replaced (`<pkg>.replaced`), if any:
     /// O(1) per subvolume plus the eviction of its cached pages.
     pub fn purge(&self, pkg: &PackageId) -> Result<bool, Error> {
-        let names = Names::new(pkg);
-        let _lock = self.lock(pkg, &names)?;
+        let names = Names::new(pkg)?;
+        if !self.any_name(pkg, &names)? {
+            return Ok(false);
+        }
+        let _lock = self.lock(pkg)?;
         self.purge_locked(pkg, &names)
     }
 
@@ -536,7 +747,7 @@ impl VolumeStore {
                 pkg.context("deleting the volume a restore replaced"),
             )
         };
-        if !self.exists(&names.replaced).with_ctx(io_ctx)? {
+        if !self.exists_at(&names.replaced).with_ctx(io_ctx)? {
             return Ok(false);
         }
         self.delete_entry(&names.replaced).with_ctx(io_ctx)?;
@@ -545,133 +756,153 @@ impl VolumeStore {
     }
 
     fn restore_locked(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
-        let io_ctx =
-            |what: String| move |_: &io::Error| (ErrorKind::DiskManagement, pkg.context(what));
-        let Some(backup_kind) = self
-            .kind_of(&names.backup)
-            .with_ctx(io_ctx("inspecting the backup".into()))?
-        else {
+        let Some(backup_kind) = self.tree(pkg, &names.backup)? else {
             return Ok(false);
         };
+        self.tree(pkg, &names.live)?;
         self.ensure_not_mounted(pkg)?;
-        match backup_kind {
-            VolumeKind::Subvolume => {
-                let backup = sys::open_dir_at(self.root_fd(), &names.backup)
-                    .with_ctx(io_ctx("opening the backup".into()))?;
-                sys::snapshot_tree(backup.as_fd(), self.root_fd(), &names.rollback).with_ctx(
-                    io_ctx(format!(
-                        "snapshotting {} to {}",
-                        self.backup_path(pkg).display(),
-                        self.root.join(&names.rollback).display()
-                    )),
-                )?;
-                failpoint("restore.copied");
-                self.mark_complete(&names.rollback)
-                    .with_ctx(io_ctx("marking the rollback copy complete".into()))?;
-            }
-            VolumeKind::Directory => {
-                // A reflink backup is already a private copy: use it as is.
-                self.mark_complete(&names.backup)
-                    .with_ctx(io_ctx("marking the backup complete".into()))?;
-                failpoint("restore.copied");
-                sys::rename_noreplace(self.root_fd(), &names.backup, &names.rollback)
-                    .and_then(|()| self.fsync_root())
-                    .with_ctx(io_ctx("moving the backup aside".into()))?;
-            }
+        let prepared = match backup_kind {
+            VolumeKind::Subvolume => self.prepare_rollback_copy(names),
+            VolumeKind::Directory => self.prepare_rollback_in_place(names),
+        };
+        let exchanged = prepared.and_then(|()| {
+            failpoint("restore.recorded");
+            self.swap_in_rollback(names)
+        });
+        if let Err((what, e)) = exchanged {
+            let cleanup = self.undo_rollback(names, backup_kind);
+            let e = Error::new(
+                eyre!(e).wrap_err(pkg.context(format!(
+                    "{what} {}",
+                    self.root.join(&names.rollback).display()
+                ))),
+                ErrorKind::DiskManagement,
+            );
+            return Err(with_cleanup(e, cleanup, "undoing the restore"));
         }
-        failpoint("restore.marked");
-        self.swap_in_rollback(names).with_ctx(io_ctx(format!(
-            "exchanging {} with {}",
-            self.root.join(&names.rollback).display(),
-            self.volume_path(pkg).display()
-        )))?;
+        // The exchange is the commit point: from here on, a failure is
+        // finished by recovery, never undone.
+        self.fsync_root().with_ctx(|_| {
+            (
+                ErrorKind::DiskManagement,
+                pkg.context("syncing the volumes root after the exchange"),
+            )
+        })?;
         failpoint("restore.exchanged");
         self.finish_restore(pkg, names)?;
         tracing::info!(package = %pkg, "volume restored from install backup");
         Ok(true)
     }
 
-    /// Creates the completion marker at the top of `name` and makes it and
-    /// everything before it durable.
-    ///
-    /// The marker holds the directory's own access and modification times
-    /// from before it was created, so the restore's last step can put them
-    /// back: the restored volume is then identical to the backup, its top
-    /// directory's mtime included.
-    fn mark_complete(&self, name: &OsStr) -> io::Result<()> {
-        let dir = sys::open_dir_at(self.root_fd(), name)?;
-        let t = sys::times(dir.as_fd())?;
-        let marker = sys::create_file_at(dir.as_fd(), OsStr::new(ROLLBACK_MARKER), 0o600)?;
-        let record = format!(
-            "{} {} {} {}\n",
-            t.last_access.tv_sec,
-            t.last_access.tv_nsec,
-            t.last_modification.tv_sec,
-            t.last_modification.tv_nsec
-        );
-        rustix::fs::ftruncate(&marker, 0)?;
-        sys::write_all(marker.as_fd(), record.as_bytes())?;
-        sys::fsync(marker.as_fd())?;
-        // A reflink backup may keep the marker if a crash stops the restore
-        // here; its times stay the backup's all the same.
-        sys::set_times(dir.as_fd(), &t)?;
-        sys::fsync(dir.as_fd())
+    /// Makes the rollback copy of a snapshot backup: a writable snapshot,
+    /// nested subvolumes included and the read-only ones made read-only
+    /// again, then its identity recorded and everything committed.
+    fn prepare_rollback_copy(&self, names: &Names) -> Result<(), (&'static str, io::Error)> {
+        let backup = sys::open_dir_at(self.root_fd(), &names.backup)
+            .map_err(|e| ("opening the backup for", e))?;
+        let copy = sys::snapshot_tree(backup.as_fd(), self.root_fd(), &names.rollback)
+            .map_err(|e| ("snapshotting the backup to", e))?;
+        failpoint("restore.copied");
+        self.restore_read_only_flags(names, backup.as_fd(), copy.as_fd())
+            .map_err(|e| ("making read-only again the nested subvolumes of", e))?;
+        self.record_rollback(names, copy.as_fd())
     }
 
-    /// The times [`VolumeStore::mark_complete`] recorded, if the marker
-    /// holds them.
-    fn marked_times(dir: BorrowedFd<'_>) -> io::Result<Option<rustix::fs::Timestamps>> {
-        let Some(bytes) = sys::read_small_file_at(dir, OsStr::new(ROLLBACK_MARKER), 128)? else {
-            return Ok(None);
-        };
-        let text = String::from_utf8_lossy(&bytes);
-        let n: Vec<i64> = text
-            .split_whitespace()
-            .filter_map(|w| w.parse().ok())
-            .collect();
-        let [a_sec, a_nsec, m_sec, m_nsec] = n[..] else {
-            return Ok(None);
-        };
-        Ok(Some(rustix::fs::Timestamps {
-            last_access: rustix::fs::Timespec {
-                tv_sec: a_sec as _,
-                tv_nsec: a_nsec as _,
-            },
-            last_modification: rustix::fs::Timespec {
-                tv_sec: m_sec as _,
-                tv_nsec: m_nsec as _,
-            },
-        }))
+    /// A reflink backup is already a private copy, used as is: its identity
+    /// recorded, then renamed to `<pkg>.rollback`.
+    fn prepare_rollback_in_place(&self, names: &Names) -> Result<(), (&'static str, io::Error)> {
+        let backup = sys::open_dir_at(self.root_fd(), &names.backup)
+            .map_err(|e| ("opening the backup for", e))?;
+        self.record_rollback(names, backup.as_fd())?;
+        failpoint("restore.copied");
+        sys::rename_noreplace(self.root_fd(), &names.backup, &names.rollback)
+            .and_then(|()| self.fsync_root())
+            .map_err(|e| ("moving the backup to", e))
     }
 
-    fn has_marker(&self, name: &OsStr) -> io::Result<bool> {
-        match self.stat(name)? {
-            Some(st) if st.is_dir() => {
-                let dir = sys::open_dir_at(self.root_fd(), name)?;
-                Ok(sys::stat_at(dir.as_fd(), OsStr::new(ROLLBACK_MARKER))?.is_some())
-            }
-            _ => Ok(false),
+    /// Records the identity of the complete rollback copy open as `copy`
+    /// and commits (off btrfs, where only a plain directory is ever used
+    /// in place, syncs the root), so the copy, its flags and times, and the
+    /// record are durable together before anything is exchanged.
+    fn record_rollback(
+        &self,
+        names: &Names,
+        copy: BorrowedFd<'_>,
+    ) -> Result<(), (&'static str, io::Error)> {
+        let id = Identity::of(copy).map_err(|e| ("reading the identity of", e))?;
+        record::write(self.root_fd(), &names.rollback_id, &id.encode())
+            .map_err(|e| ("recording the identity of", e))?;
+        if self.btrfs {
+            sys::commit_metadata(self.root_fd())
+        } else {
+            self.fsync_root()
         }
+        .map_err(|e| ("committing", e))
+    }
+
+    /// Sets the read-only flag, in the rollback copy open as `copy`, on each
+    /// nested subvolume whose counterpart in the backup open as `backup` is
+    /// listed in the backup's read-only record.
+    fn restore_read_only_flags(
+        &self,
+        names: &Names,
+        backup: BorrowedFd<'_>,
+        copy: BorrowedFd<'_>,
+    ) -> io::Result<()> {
+        let Some(text) = record::read(self.root_fd(), &names.backup_ro)? else {
+            return Ok(());
+        };
+        let ids = record::read_only_ids(&text).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("unreadable record {:?}", names.backup_ro),
+            )
+        })?;
+        for rel in sys::nested_subvolumes(backup)? {
+            let id = sys::subvolume_info(sys::open_beneath(backup, &rel)?.as_fd())?.id;
+            if ids.contains(&id) {
+                sys::set_read_only(sys::open_beneath(copy, &rel)?.as_fd(), true)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts back what a failed restore made before its exchange: the record
+    /// goes, a snapshot copy is deleted, a reflink backup gets its name back.
+    fn undo_rollback(&self, names: &Names, backup_kind: VolumeKind) -> io::Result<()> {
+        match backup_kind {
+            VolumeKind::Subvolume => self.delete_entry(&names.rollback)?,
+            VolumeKind::Directory => {
+                if self.exists_at(&names.rollback)? && !self.exists_at(&names.backup)? {
+                    sys::rename_noreplace(self.root_fd(), &names.rollback, &names.backup)?;
+                }
+            }
+        }
+        record::remove(self.root_fd(), &names.rollback_id)?;
+        self.fsync_root()
     }
 
     /// The one step that changes what `<pkg>` is: exchange it with the
     /// complete rollback copy (or just rename the copy in if `<pkg>` is gone).
-    fn swap_in_rollback(&self, names: &Names) -> io::Result<()> {
-        if self.exists(&names.live)? {
-            sys::rename_exchange(self.root_fd(), &names.rollback, &names.live)?;
+    fn swap_in_rollback(&self, names: &Names) -> Result<(), (&'static str, io::Error)> {
+        let live = self
+            .exists_at(&names.live)
+            .map_err(|e| ("looking for the volume to exchange with", e))?;
+        if live {
+            sys::rename_exchange(self.root_fd(), &names.rollback, &names.live)
         } else {
-            sys::rename_noreplace(self.root_fd(), &names.rollback, &names.live)?;
+            sys::rename_noreplace(self.root_fd(), &names.rollback, &names.live)
         }
-        self.fsync_root()
+        .map_err(|e| ("exchanging the volume with", e))
     }
 
     /// After the exchange: move the replaced volume (now `<pkg>.rollback`)
-    /// aside to `<pkg>.replaced`, drop the backup, then remove the marker
-    /// from `<pkg>`. Each step is idempotent, and the marker goes last so
-    /// recovery can redo the rest.
+    /// aside to `<pkg>.replaced`, drop the backup, then remove the rollback
+    /// record. Each step is idempotent, and the record goes last so recovery
+    /// can redo the rest.
     fn finish_restore(&self, pkg: &PackageId, names: &Names) -> Result<(), Error> {
         let set_aside = || -> io::Result<()> {
-            if !self.exists(&names.rollback)? {
+            if !self.exists_at(&names.rollback)? {
                 return Ok(());
             }
             // Garbage from an earlier restore nobody purged.
@@ -688,21 +919,14 @@ impl VolumeStore {
         failpoint("restore.replaced-moved");
         self.drop_locked(pkg, names)?;
         failpoint("restore.backup-dropped");
-        let unmark = || -> io::Result<()> {
-            let live = sys::open_dir_at(self.root_fd(), &names.live)?;
-            let times = Self::marked_times(live.as_fd())?;
-            sys::unlink_if_exists(live.as_fd(), OsStr::new(ROLLBACK_MARKER))?;
-            if let Some(t) = times {
-                sys::set_times(live.as_fd(), &t)?;
-            }
-            sys::fsync(live.as_fd())
-        };
-        unmark().with_ctx(|_| {
-            (
-                ErrorKind::Filesystem,
-                pkg.context("removing the rollback marker"),
-            )
-        })
+        record::remove(self.root_fd(), &names.rollback_id)
+            .and_then(|()| self.fsync_root())
+            .with_ctx(|_| {
+                (
+                    ErrorKind::Filesystem,
+                    pkg.context("removing the rollback record"),
+                )
+            })
     }
 
     /// Drops the install backup after a successful install: O(1), the
@@ -713,8 +937,11 @@ impl VolumeStore {
     /// during a multi-subvolume delete never leaves a half-deleted tree under
     /// the backup's name.
     pub fn drop_backup(&self, pkg: &PackageId) -> Result<bool, Error> {
-        let names = Names::new(pkg);
-        let _lock = self.lock(pkg, &names)?;
+        let names = Names::new(pkg)?;
+        if !self.any_name(pkg, &names)? {
+            return Ok(false);
+        }
+        let _lock = self.lock(pkg)?;
         self.recover_locked(pkg, &names)?;
         self.drop_locked(pkg, &names)
     }
@@ -723,62 +950,90 @@ impl VolumeStore {
         let io_ctx = |what: &'static str| {
             move |_: &io::Error| (ErrorKind::DiskManagement, pkg.context(what))
         };
-        if !self
-            .exists(&names.backup)
-            .with_ctx(io_ctx("looking for the backup"))?
-        {
-            return Ok(false);
+        let existed = self.tree(pkg, &names.backup)?.is_some();
+        if existed {
+            sys::rename_noreplace(self.root_fd(), &names.backup, &names.backup_drop)
+                .and_then(|()| self.fsync_root())
+                .with_ctx(io_ctx("moving the backup aside"))?;
+            failpoint("drop.renamed");
+            self.delete_entry(&names.backup_drop)
+                .with_ctx(io_ctx("deleting the backup"))?;
+            tracing::info!(package = %pkg, "install backup dropped");
         }
-        sys::rename_noreplace(self.root_fd(), &names.backup, &names.backup_drop)
+        record::remove(self.root_fd(), &names.backup_ro)
             .and_then(|()| self.fsync_root())
-            .with_ctx(io_ctx("moving the backup aside"))?;
-        failpoint("drop.renamed");
-        self.delete_entry(&names.backup_drop)
-            .with_ctx(io_ctx("deleting the backup"))?;
-        tracing::info!(package = %pkg, "install backup dropped");
-        Ok(true)
+            .with_ctx(io_ctx("removing the backup's read-only record"))?;
+        Ok(existed)
     }
 
     /// Deletes the package's volume and its backup, on uninstall: O(1) per
     /// subvolume, nested subvolumes included. Returns `false` if there was
-    /// nothing to delete. Refuses while anything is mounted from inside.
+    /// nothing to delete. Refuses while anything is mounted from inside,
+    /// and refuses an entry under the package's name that is no directory.
     ///
-    /// `<pkg>` is renamed to `<pkg>.delete` first: after a crash the package
-    /// either still has its whole volume or none, never a partial one.
+    /// `<pkg>` is renamed to `<pkg>.delete` first, the commit point: after a
+    /// crash the package either still has its whole volume and backup, or
+    /// the delete goes on until nothing of it is left (the backup is
+    /// dropped, then `.delete` deleted last).
     pub fn delete(&self, pkg: &PackageId) -> Result<bool, Error> {
-        let names = Names::new(pkg);
-        let _lock = self.lock(pkg, &names)?;
+        let names = Names::new(pkg)?;
+        if !self.any_name(pkg, &names)? {
+            return Ok(false);
+        }
+        let _lock = self.lock(pkg)?;
         self.recover_locked(pkg, &names)?;
         let io_ctx = |what: &'static str| {
             move |_: &io::Error| (ErrorKind::DiskManagement, pkg.context(what))
         };
         let mut deleted = false;
-        if self
-            .exists(&names.live)
-            .with_ctx(io_ctx("looking for the volume"))?
-        {
+        if self.tree(pkg, &names.live)?.is_some() {
             self.ensure_not_mounted(pkg)?;
             sys::rename_noreplace(self.root_fd(), &names.live, &names.delete)
                 .and_then(|()| self.fsync_root())
                 .with_ctx(io_ctx("moving the volume aside"))?;
             failpoint("delete.renamed");
-            self.delete_entry(&names.delete)
-                .with_ctx(io_ctx("deleting the volume"))?;
             deleted = true;
         }
-        deleted |= self.drop_locked(pkg, &names)?;
+        deleted |= self.finish_delete(pkg, &names)?;
         if deleted {
             tracing::info!(package = %pkg, "volume deleted");
         }
         Ok(deleted)
     }
 
+    /// The rest of a delete once `<pkg>` is `<pkg>.delete` (or gone): the
+    /// backup, then `.delete` itself. Returns whether anything was there.
+    fn finish_delete(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
+        let dropped = self.drop_locked(pkg, names)?;
+        failpoint("delete.backup-dropped");
+        let io_ctx = |_: &io::Error| {
+            (
+                ErrorKind::DiskManagement,
+                pkg.context("deleting the volume"),
+            )
+        };
+        let pending = self.exists_at(&names.delete).with_ctx(io_ctx)?;
+        if pending {
+            self.delete_entry(&names.delete)
+                .and_then(|()| self.fsync_root())
+                .with_ctx(io_ctx)?;
+        }
+        Ok(dropped || pending)
+    }
+
     /// Finishes or undoes whatever a crash interrupted for `pkg`, from the
-    /// names on disk alone. Idempotent; a no-op costing a few `fstatat`s when
-    /// nothing is pending.
+    /// names and records on disk alone. Idempotent; a no-op costing a few
+    /// `fstatat`s when nothing is pending.
     pub fn recover(&self, pkg: &PackageId) -> Result<Recovery, Error> {
-        let names = Names::new(pkg);
-        let _lock = self.lock(pkg, &names)?;
+        let names = Names::new(pkg)?;
+        if !self.any_name(pkg, &names)? {
+            return Ok(Recovery {
+                package: pkg.clone(),
+                actions: Vec::new(),
+                error: None,
+            });
+        }
+        let _lock = self.lock(pkg)?;
         self.recover_locked(pkg, &names)
     }
 
@@ -813,65 +1068,47 @@ impl VolumeStore {
         };
         // A backup that never got its real name is incomplete: discard it.
         if self
-            .exists(&names.backup_tmp)
+            .exists_at(&names.backup_tmp)
             .with_ctx(io_ctx("looking for a partial backup"))?
         {
             self.delete_entry(&names.backup_tmp)
+                .and_then(|()| self.fsync_root())
                 .with_ctx(io_ctx("deleting a partial backup"))?;
             actions.push("deleted an incomplete install backup".to_owned());
         }
-        let mut restore_pending = self
-            .has_marker(&names.live)
-            .with_ctx(io_ctx("checking the volume for a rollback marker"))?;
-        if self
-            .exists(&names.rollback)
-            .with_ctx(io_ctx("looking for a rollback"))?
-        {
-            if restore_pending {
-                // Exchanged already: .rollback holds the replaced volume,
-                // which finish_restore below moves aside.
-            } else if self
-                .has_marker(&names.rollback)
-                .with_ctx(io_ctx("checking the rollback copy"))?
-            {
-                // The same rule as a restore: never swap a volume out from
-                // under a bind mount of it.
-                self.ensure_not_mounted(pkg)?;
-                self.swap_in_rollback(names)
-                    .with_ctx(io_ctx("swapping in the complete rollback copy"))?;
-                actions.push("finished an interrupted restore (exchanged)".to_owned());
-                restore_pending = true;
-            } else {
-                self.delete_entry(&names.rollback)
-                    .with_ctx(io_ctx("deleting an incomplete rollback copy"))?;
-                actions.push(
-                    "undid an interrupted restore (incomplete copy deleted, backup kept)"
-                        .to_owned(),
-                );
-            }
-        }
-        if restore_pending {
-            self.finish_restore(pkg, names)?;
-            actions.push("finished an interrupted restore".to_owned());
+        if let Some(action) = self.recover_restore(pkg, names)? {
+            actions.push(action.to_owned());
         }
         if self
-            .exists(&names.backup_drop)
+            .exists_at(&names.backup_drop)
             .with_ctx(io_ctx("looking for a dropped backup"))?
         {
             self.delete_entry(&names.backup_drop)
+                .and_then(|()| self.fsync_root())
                 .with_ctx(io_ctx("deleting a dropped backup"))?;
             actions.push("finished dropping the install backup".to_owned());
+        }
+        if !self
+            .exists_at(&names.backup)
+            .with_ctx(io_ctx("looking for the backup"))?
+            && self
+                .exists_at(&names.backup_ro)
+                .with_ctx(io_ctx("looking for the backup's read-only record"))?
+        {
+            record::remove(self.root_fd(), &names.backup_ro)
+                .and_then(|()| self.fsync_root())
+                .with_ctx(io_ctx("removing the read-only record of a dropped backup"))?;
+            actions.push("removed the read-only record of a dropped backup".to_owned());
         }
         if self.purge_locked(pkg, names)? {
             actions.push("deleted the volume a restore replaced".to_owned());
         }
         if self
-            .exists(&names.delete)
+            .exists_at(&names.delete)
             .with_ctx(io_ctx("looking for a deleted volume"))?
         {
-            self.delete_entry(&names.delete)
-                .with_ctx(io_ctx("deleting a removed volume"))?;
-            actions.push("finished deleting the volume".to_owned());
+            self.finish_delete(pkg, names)?;
+            actions.push("finished deleting the volume and its backup".to_owned());
         }
         for a in &actions {
             tracing::warn!(package = %pkg, "recovery: {a}");
@@ -881,6 +1118,91 @@ impl VolumeStore {
             actions,
             error: None,
         })
+    }
+
+    /// Finishes or undoes an interrupted restore, from the rollback record
+    /// and the identities of the trees; returns what it did, if anything.
+    fn recover_restore(
+        &self,
+        pkg: &PackageId,
+        names: &Names,
+    ) -> Result<Option<&'static str>, Error> {
+        let io_ctx = |what: &'static str| {
+            move |_: &io::Error| (ErrorKind::DiskManagement, pkg.context(what))
+        };
+        let text = record::read(self.root_fd(), &names.rollback_id)
+            .with_ctx(io_ctx("reading the rollback record"))?;
+        let Some(text) = text else {
+            // No record: the copy was never complete, so the exchange never
+            // happened. The backup stays.
+            if !self
+                .exists_at(&names.rollback)
+                .with_ctx(io_ctx("looking for a rollback copy"))?
+            {
+                return Ok(None);
+            }
+            self.delete_entry(&names.rollback)
+                .and_then(|()| self.fsync_root())
+                .with_ctx(io_ctx("deleting an incomplete rollback copy"))?;
+            return Ok(Some(
+                "undid an interrupted restore (incomplete copy deleted, backup kept)",
+            ));
+        };
+        let recorded = Identity::decode(&text).ok_or_else(|| {
+            Error::for_package(
+                pkg,
+                ErrorKind::Incoherent,
+                format!(
+                    "unreadable rollback record {} ({text:?}); check which of {} and {} is \
+                     the right volume, then remove the record",
+                    self.root.join(&names.rollback_id).display(),
+                    self.volume_path(pkg).display(),
+                    self.root.join(&names.rollback).display()
+                ),
+            )
+        })?;
+        let identity = |name: &OsStr| {
+            Identity::of_entry(self.root_fd(), name)
+                .with_ctx(io_ctx("reading the identity of a tree"))
+        };
+        if identity(&names.live)? == Some(recorded) {
+            self.finish_restore(pkg, names)?;
+            return Ok(Some("finished an interrupted restore"));
+        }
+        if identity(&names.rollback)? == Some(recorded) {
+            // The same rule as a restore: never swap a volume out from
+            // under a mount of it.
+            self.ensure_not_mounted(pkg)?;
+            self.swap_in_rollback(names)
+                .map_err(|(_, e)| e)
+                .and_then(|()| self.fsync_root())
+                .with_ctx(io_ctx("swapping in the complete rollback copy"))?;
+            self.finish_restore(pkg, names)?;
+            return Ok(Some("finished an interrupted restore (exchanged)"));
+        }
+        if identity(&names.backup)? == Some(recorded)
+            && !self
+                .exists_at(&names.rollback)
+                .with_ctx(io_ctx("looking for a rollback copy"))?
+        {
+            // A reflink backup recorded but not yet moved: nothing changed.
+            record::remove(self.root_fd(), &names.rollback_id)
+                .and_then(|()| self.fsync_root())
+                .with_ctx(io_ctx("removing the rollback record"))?;
+            return Ok(Some("undid an interrupted restore (backup kept)"));
+        }
+        Err(Error::for_package(
+            pkg,
+            ErrorKind::Incoherent,
+            format!(
+                "the rollback record {} names a tree that is none of {}, {} and {}; check \
+                 which is the right volume, then remove the record",
+                self.root.join(&names.rollback_id).display(),
+                self.volume_path(pkg).display(),
+                self.root.join(&names.rollback).display(),
+                self.backup_path(pkg).display()
+            ),
+        ))
     }
 
     /// Every package with any entry under the root, sorted.
@@ -894,6 +1216,7 @@ impl VolumeStore {
         let mut pkgs: Vec<PackageId> = entries
             .iter()
             .filter_map(|(name, _, _)| layout::package_of(name))
+            .filter(|pkg| layout::check_id_len(pkg).is_ok())
             .collect();
         pkgs.sort();
         pkgs.dedup();
@@ -905,8 +1228,17 @@ impl VolumeStore {
     /// how the disk bytes split between the two. Read-only; waits for any
     /// operation running on the package.
     pub fn usage(&self, pkg: &PackageId) -> Result<VolumeUsage, Error> {
-        let names = Names::new(pkg);
-        let _lock = self.lock(pkg, &names)?;
+        let names = Names::new(pkg)?;
+        let none = VolumeUsage {
+            package: pkg.clone(),
+            volume: None,
+            backup: None,
+            split: None,
+        };
+        if !self.any_name(pkg, &names)? {
+            return Ok(none);
+        }
+        let _lock = self.lock(pkg)?;
         let measure = |name: &OsStr| -> Result<Option<(Usage, usage::ExtentSet)>, Error> {
             let io_ctx = |_: &io::Error| {
                 (
@@ -914,7 +1246,7 @@ impl VolumeStore {
                     pkg.context(format!("measuring {}", self.root.join(name).display())),
                 )
             };
-            if !self.exists(name).with_ctx(io_ctx)? {
+            if self.tree(pkg, name)?.is_none() {
                 return Ok(None);
             }
             if !self.btrfs {
@@ -935,24 +1267,32 @@ impl VolumeStore {
             _ => None,
         };
         Ok(VolumeUsage {
-            package: pkg.clone(),
             volume: volume.map(|(u, _)| u),
             backup: backup.map(|(u, _)| u),
             split,
+            ..none
         })
     }
 
     /// Every package that has a volume or a backup, with how each is stored.
+    /// An entry under a package's name that is no directory is no volume:
+    /// it is skipped with a warning, and the listing goes on.
     pub fn list(&self) -> Result<Vec<VolumeInfo>, Error> {
         let mut out = Vec::new();
         for pkg in self.packages()? {
-            let names = Names::new(&pkg);
-            let kind = |name: &OsStr| {
-                self.kind_of(name)
-                    .with_ctx(|_| (ErrorKind::Filesystem, pkg.context("inspecting")))
+            let Ok(names) = Names::new(&pkg) else {
+                continue;
             };
-            let volume = kind(&names.live)?;
-            let backup = kind(&names.backup)?;
+            let tree = |name: &OsStr| match self.tree(&pkg, name) {
+                Ok(kind) => Ok(kind),
+                Err(e) if e.kind == ErrorKind::InvalidRequest => {
+                    tracing::warn!("skipped: {e}");
+                    Ok(None)
+                }
+                Err(e) => Err(e),
+            };
+            let volume = tree(&names.live)?;
+            let backup = tree(&names.backup)?;
             if volume.is_some() || backup.is_some() {
                 out.push(VolumeInfo {
                     package: pkg,
@@ -963,4 +1303,16 @@ impl VolumeStore {
         }
         Ok(out)
     }
+}
+
+/// The ids, in the snapshot open as `copy`, of the nested subvolumes whose
+/// counterparts in `source` (the subvolume it was taken of) are read-only.
+fn read_only_nested(source: BorrowedFd<'_>, copy: BorrowedFd<'_>) -> io::Result<BTreeSet<u64>> {
+    let mut ids = BTreeSet::new();
+    for rel in sys::nested_subvolumes(source)? {
+        if sys::is_read_only(sys::open_beneath(source, &rel)?.as_fd())? {
+            ids.insert(sys::subvolume_info(sys::open_beneath(copy, &rel)?.as_fd())?.id);
+        }
+    }
+    Ok(ids)
 }

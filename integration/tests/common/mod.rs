@@ -21,14 +21,12 @@ pub const BTRFS_SIZE: u64 = 512 * MIB;
 /// under the volumes root once an operation (or recovery) has returned.
 pub const TRANSIENT_SUFFIXES: &[&str] = &[
     ".rollback",
+    ".rollback.id",
     ".replaced",
     ".install-backup.tmp",
     ".install-backup.drop",
     ".delete",
 ];
-
-/// The completion marker a restore puts at the top of its rollback copy.
-pub const ROLLBACK_MARKER: &str = ".startos-rollback-complete";
 
 pub fn pkg(id: &str) -> PackageId {
     id.parse()
@@ -87,6 +85,15 @@ pub fn package_subvolumes(fs: &LoopFs, id: &str) -> Vec<String> {
             p == &live || p.starts_with(&format!("{live}/")) || p.starts_with(&format!("{live}."))
         })
         .collect()
+}
+
+/// Where the store keeps the lock of package `id` for the volumes root `root`.
+pub fn lock_path(root: &Path, id: &str) -> PathBuf {
+    let dir = volume::sys::open_dir_path(root).expect("opening the volumes root");
+    volume::lock::LockDir::for_root(std::os::fd::AsFd::as_fd(&dir))
+        .expect("opening the lock directory")
+        .path()
+        .join(id)
 }
 
 /// Names in the volumes root, sorted.

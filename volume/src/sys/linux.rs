@@ -342,6 +342,85 @@ pub fn is_read_only(fd: BorrowedFd<'_>) -> io::Result<bool> {
     Ok(ro)
 }
 
+/// What the kernel records of one subvolume (BTRFS_IOC_GET_SUBVOL_INFO).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SubvolumeInfo {
+    /// The subvolume's tree id (5 for the top level).
+    pub id: u64,
+    /// Its own UUID, drawn at creation: unique among every subvolume the
+    /// filesystem ever held, so it names this one subvolume for good.
+    pub uuid: [u8; 16],
+    /// The UUID of the subvolume it is a snapshot of; zero if none.
+    pub parent_uuid: [u8; 16],
+    /// Whether it is read-only.
+    pub read_only: bool,
+}
+
+/// [`SubvolumeInfo`] of the subvolume holding the directory open as `fd`
+/// (Linux 4.18+, no privilege needed). Fails with ENOTTY off btrfs.
+pub fn subvolume_info(fd: BorrowedFd<'_>) -> io::Result<SubvolumeInfo> {
+    use rustix::ioctl::{Getter, opcode};
+    /// `struct btrfs_ioctl_timespec`, padded as the C compiler pads it.
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct Timespec {
+        sec: u64,
+        nsec: u32,
+    }
+    /// `struct btrfs_ioctl_get_subvol_info_args` from `linux/btrfs.h`.
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct Args {
+        treeid: u64,
+        name: [u8; 256],
+        parent_id: u64,
+        dirid: u64,
+        generation: u64,
+        flags: u64,
+        uuid: [u8; 16],
+        parent_uuid: [u8; 16],
+        received_uuid: [u8; 16],
+        ctransid: u64,
+        otransid: u64,
+        stransid: u64,
+        rtransid: u64,
+        times: [Timespec; 4],
+        reserved: [u64; 8],
+    }
+    const _: () = assert!(std::mem::size_of::<Args>() == 504);
+    const GET_SUBVOL_INFO: rustix::ioctl::Opcode = opcode::read::<Args>(0x94, 60);
+    /// `BTRFS_ROOT_SUBVOL_RDONLY` in the root item's flags.
+    const ROOT_SUBVOL_RDONLY: u64 = 1;
+    // SAFETY: GET_SUBVOL_INFO is _IOR(0x94, 60, struct
+    // btrfs_ioctl_get_subvol_info_args) and fills that struct, which Args
+    // matches in size and layout.
+    let args = unsafe { rustix::ioctl::ioctl(fd, Getter::<GET_SUBVOL_INFO, Args>::new()) }?;
+    Ok(SubvolumeInfo {
+        id: args.treeid,
+        uuid: args.uuid,
+        parent_uuid: args.parent_uuid,
+        read_only: args.flags & ROOT_SUBVOL_RDONLY != 0,
+    })
+}
+
+/// Creates the symlink `name` in `dir` pointing at `target`, never
+/// replacing anything (EEXIST). One atomic step: after a crash the name is
+/// either absent or holds the whole target. On btrfs the target lives in
+/// the metadata tree, so this needs no data space.
+pub fn symlink_at(dir: BorrowedFd<'_>, name: &OsStr, target: &[u8]) -> io::Result<()> {
+    Ok(rustix::fs::symlinkat(OsStr::from_bytes(target), dir, name)?)
+}
+
+/// The target of the symlink `name` in `dir`, never followed; `None` if
+/// `name` does not exist, EINVAL if it is not a symlink.
+pub fn read_link_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Vec<u8>>> {
+    match rustix::fs::readlinkat(dir, name, Vec::new()) {
+        Ok(target) => Ok(Some(target.into_bytes())),
+        Err(Errno::NOENT) => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Paths (relative to `fd`) of every subvolume nested below the subvolume
 /// open as `fd`, children before their parents.
 pub fn nested_subvolumes(fd: BorrowedFd<'_>) -> io::Result<Vec<PathBuf>> {
@@ -472,6 +551,15 @@ pub fn mkdir_if_missing(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Res
     }
 }
 
+/// Creates the directory at `path` (its parent must exist); already
+/// existing is fine.
+pub fn mkdir_path_if_missing(path: &Path, mode: u32) -> io::Result<()> {
+    match rustix::fs::mkdir(path, Mode::from_raw_mode(mode)) {
+        Ok(()) | Err(Errno::EXIST) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// `fsync` of a file or directory.
 ///
 /// On btrfs a directory fsync after a rename goes through the tree log, or
@@ -496,6 +584,23 @@ pub fn start_commit(fd: BorrowedFd<'_>) -> io::Result<()> {
     let mut transid = 0u64;
     // SAFETY: valid fd and out-pointer.
     check(unsafe { bu::btrfs_util_start_sync_fd(fd.as_raw_fd(), &mut transid) })
+}
+
+/// Commits the running btrfs transaction of the filesystem holding `fd`
+/// and waits until it is on disk (BTRFS_IOC_START_SYNC, then
+/// BTRFS_IOC_WAIT_SYNC), without first writing out every file's dirty
+/// data as [`commit`] does: every metadata change made so far (renames,
+/// times, flags, records) is then durable, at the cost of one commit,
+/// however much data other writers have in the page cache.
+pub fn commit_metadata(fd: BorrowedFd<'_>) -> io::Result<()> {
+    use rustix::ioctl::{Getter, Setter, opcode};
+    const START_SYNC: rustix::ioctl::Opcode = opcode::read::<u64>(0x94, 24);
+    const WAIT_SYNC: rustix::ioctl::Opcode = opcode::write::<u64>(0x94, 22);
+    // SAFETY: START_SYNC is _IOR(0x94, 24, __u64) and writes the transid.
+    let transid = unsafe { rustix::ioctl::ioctl(fd, Getter::<START_SYNC, u64>::new()) }?;
+    // SAFETY: WAIT_SYNC is _IOW(0x94, 22, __u64) and reads the transid.
+    unsafe { rustix::ioctl::ioctl(fd, Setter::<WAIT_SYNC, u64>::new(transid)) }?;
+    Ok(())
 }
 
 /// Sets or clears the immutable and append-only flags of the file or
