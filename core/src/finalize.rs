@@ -12,9 +12,9 @@ use tracing::instrument;
 use volume::{SnapshotOutcome, VolumeStore};
 
 use crate::db::{Db, InstallingInfo, PackageDataEntry, Phase, StateInfo};
-use crate::failpoint::failpoint;
 use crate::notify::{Cancel, Event, Notification, Notifier};
 use crate::service::Services;
+use volume::failpoint::failpoint;
 
 /// What to install.
 #[derive(Debug, Clone)]
@@ -310,7 +310,7 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
             Ok(())
         })
         .await?;
-        failpoint("finalize.recorded");
+        failpoint("finalize.recorded")?;
 
         let run = self
             .run_phases(
@@ -346,7 +346,7 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
                 .roll_back(req, old, had_volume, failed_kind, &mut progress, e)
                 .await);
         }
-        failpoint("finalize.committed");
+        failpoint("finalize.committed")?;
         let at = self.notify(
             pkg,
             Event::Installed {
@@ -392,7 +392,7 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
             svc.stop(pkg).await?;
             progress.timings.stop = t.elapsed();
         }
-        failpoint("finalize.stopped");
+        failpoint("finalize.stopped")?;
 
         progress.phase = Phase::Snapshot;
         if cancel.is_cancelled() {
@@ -403,7 +403,7 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
         progress.snapshot = blocking(move || store.snapshot(&p)).await?;
         progress.timings.snapshot = t.elapsed();
         progress.backup_taken = progress.snapshot.created();
-        failpoint("finalize.snapshotted");
+        failpoint("finalize.snapshotted")?;
         if progress.backup_taken {
             let (p, taken) = (pkg.clone(), progress.backup_taken);
             self.write_state(&mut progress.timings, move |db| {
@@ -432,7 +432,7 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
                 svc.uninit(pkg, old, Some(&req.version)),
             )
             .await?;
-            failpoint("finalize.uninit");
+            failpoint("finalize.uninit")?;
         }
         progress.phase = Phase::Install;
         step(
@@ -442,13 +442,13 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
             svc.install(pkg, &req.version, &req.s9pk),
         )
         .await?;
-        failpoint("finalize.install");
+        failpoint("finalize.install")?;
         progress.phase = Phase::Init;
         step(pkg, Phase::Init, cancel, svc.init(pkg, &req.version, old)).await?;
-        failpoint("finalize.init");
+        failpoint("finalize.init")?;
         progress.phase = Phase::Start;
         step(pkg, Phase::Start, cancel, svc.start(pkg, &req.version)).await?;
-        failpoint("finalize.start");
+        failpoint("finalize.start")?;
         progress.timings.service = t.elapsed();
         Ok(())
     }
@@ -550,7 +550,7 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
         had_volume: bool,
     ) -> Result<Result<(), Error>, Error> {
         self.services.stop(pkg).await?;
-        failpoint("rollback.stopped");
+        failpoint("rollback.stopped")?;
         let (store, p) = (self.store()?, pkg.clone());
         blocking(move || {
             if !store.restore_deferring_purge(&p)? && !had_volume {
@@ -561,7 +561,7 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
             Ok(())
         })
         .await?;
-        failpoint("rollback.restored");
+        failpoint("rollback.restored")?;
         let p = pkg.clone();
         let back = old.cloned();
         self.db
@@ -584,7 +584,7 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
                 Ok(())
             })
             .await?;
-        failpoint("rollback.recorded");
+        failpoint("rollback.recorded")?;
         Ok(match old {
             Some((v, _)) => self.services.start(pkg, v).await,
             None => Ok(()),
@@ -628,16 +628,16 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
                 Ok(())
             })
             .await?;
-        failpoint("uninstall.recorded");
+        failpoint("uninstall.recorded")?;
         self.services.stop(pkg).await?;
-        failpoint("uninstall.stopped");
+        failpoint("uninstall.stopped")?;
         if let Some(v) = &entry.version {
             self.services.uninit(pkg, v, None).await?;
         }
-        failpoint("uninstall.uninit");
+        failpoint("uninstall.uninit")?;
         let (store, p) = (self.store()?, pkg.clone());
         blocking(move || finish_removal(&store, &p, soft)).await?;
-        failpoint("uninstall.volume");
+        failpoint("uninstall.volume")?;
         let p = pkg.clone();
         self.db
             .mutate(move |db| {

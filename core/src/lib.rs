@@ -18,7 +18,6 @@
 #![warn(missing_docs)]
 
 mod db;
-mod failpoint;
 #[cfg(target_os = "linux")]
 mod finalize;
 mod notify;
@@ -30,7 +29,6 @@ mod service;
 pub use db::{
     Db, FileDb, InstallingInfo, Mutated, PackageDataEntry, PackageDataMap, Phase, StateInfo,
 };
-pub use failpoint::FAILPOINT_ENV;
 #[cfg(target_os = "linux")]
 pub use finalize::{Finalized, Finalizer, InstallRequest, Timings, finalize_update};
 pub use notify::{Cancel, Event, Notification, Notifier};
@@ -40,3 +38,4 @@ pub use reconcile::{ReconcileReport, reconcile};
 pub use service::{
     DB_FILE, MAIN_VOLUME, ProcessServices, SEQ_FILE, Services, last_sequence, service_main,
 };
+pub use volume::failpoint::FAILPOINT_ENV;

@@ -8,8 +8,8 @@ use tracing::instrument;
 use volume::{Recovery, VolumeStore};
 
 use crate::db::{Db, PackageDataEntry, StateInfo};
-use crate::failpoint::failpoint;
 use crate::finalize::{blocking, finish_removal};
+use volume::failpoint::failpoint;
 
 /// What [`reconcile`] found and did.
 #[derive(Debug, Default)]
@@ -156,7 +156,7 @@ async fn reconcile_entry<D: Db>(
                 }
             })
             .await?;
-            failpoint("reconcile.restored");
+            failpoint("reconcile.restored")?;
             let (p, old) = (pkg.clone(), entry.version.clone());
             db.mutate(move |db| {
                 match old {

@@ -277,7 +277,7 @@ fn refuses_without_enough_free_space_and_changes_nothing() {
     };
     let m = Migrator::open(&root).unwrap();
     let opts = MigrateOptions {
-        reserve_bytes: free + 1,
+        reserve_bytes: Some(free + 1),
         ..MigrateOptions::default()
     };
     let e = m
@@ -287,6 +287,17 @@ fn refuses_without_enough_free_space_and_changes_nothing() {
     assert!(
         e.to_string().contains("package full") && e.to_string().contains("free metadata space"),
         "{e}"
+    );
+    // The refusal counts the package: its real figures, not zeros.
+    let plan = m.plan().unwrap();
+    let est = plan[0].estimate.expect("the dry run's estimate");
+    assert!(est.entries > 0, "{est:?}");
+    assert!(
+        e.to_string().contains(&format!(
+            "({} extents, {} entries",
+            est.extents, est.entries
+        )),
+        "the refusal must give the dry run's figures {est:?}: {e}"
     );
     assert_same(&before, &raw(&root.join("full")), "untouched");
     assert!(migrate_names(&root).is_empty());

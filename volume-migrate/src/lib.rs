@@ -68,7 +68,6 @@
 
 #![warn(missing_docs)]
 
-mod failpoint;
 #[cfg(target_os = "linux")]
 mod migrate;
 #[cfg(target_os = "linux")]

@@ -16,17 +16,29 @@ use volume::layout::{MIGRATE_OLD_SUFFIX, MIGRATE_PARENT_SUFFIX, MIGRATE_SUFFIX, 
 use volume::lock::PackageLock;
 use volume::sys;
 
-use crate::failpoint::failpoint;
 use crate::scan::{ExtentsByInode, Limits, scan, scan_within};
 use crate::{Estimate, Method, Phase, Progress, ProgressSink};
+use volume::failpoint::failpoint;
 
 /// Default FICLONERANGE chunk: 64 MiB. Each chunk is one ioctl costing
 /// O(extents in it); a crash loses at most one chunk of work.
 pub const DEFAULT_CHUNK_BYTES: u64 = 64 << 20;
-/// Default headroom of free metadata space kept on top of the estimated
-/// need (the global reserve is already held back): what the estimate may
-/// miss, and room for the services' first writes after the conversion.
-pub const DEFAULT_RESERVE_BYTES: u64 = 64 << 20;
+/// Headroom of free metadata space kept on top of the estimated need (the
+/// global reserve is already held back): what the estimate may miss, and
+/// room for the services' first writes after the conversion. By default
+/// 1/128 of the filesystem's size ([`default_reserve`]), between these
+/// bounds: 64 MiB from 8 GiB up, 8 MiB on 1 GiB, so a small filesystem can
+/// still convert.
+pub const MAX_RESERVE_BYTES: u64 = 64 << 20;
+/// The least default reserve: 1 MiB, a few dozen tree nodes.
+pub const MIN_RESERVE_BYTES: u64 = 1 << 20;
+const RESERVE_FRACTION: u64 = 128;
+
+/// The default reserve for a filesystem of `space`'s size: 1/128 of it,
+/// clamped to [`MIN_RESERVE_BYTES`]..=[`MAX_RESERVE_BYTES`].
+pub fn default_reserve(space: &sys::MetadataSpace) -> u64 {
+    (space.device_bytes / RESERVE_FRACTION).clamp(MIN_RESERVE_BYTES, MAX_RESERVE_BYTES)
+}
 /// [`Method::Auto`] clones a package with less work than this (entries plus
 /// extent items): its clone takes a fraction of a second (about 30 us an
 /// entry, 7 us an extent), not worth snapshotting the parent for.
@@ -49,8 +61,9 @@ pub struct MigrateOptions {
     /// Bytes per FICLONERANGE call (rounded up to the block size).
     pub chunk_bytes: u64,
     /// Free metadata space required beyond the estimate; see
-    /// [`Migrator::convert`].
-    pub reserve_bytes: u64,
+    /// [`Migrator::convert`]. `None`: [`default_reserve`], scaled with the
+    /// filesystem.
+    pub reserve_bytes: Option<u64>,
     /// [`Migrator::run`]: after converting every package, remove the old
     /// directories too (otherwise call [`Migrator::remove_all_old`] later).
     pub remove_old: bool,
@@ -58,12 +71,19 @@ pub struct MigrateOptions {
     pub method: Method,
 }
 
+impl MigrateOptions {
+    /// The reserve to keep on a filesystem of `space`'s size.
+    pub fn reserve(&self, space: &sys::MetadataSpace) -> u64 {
+        self.reserve_bytes.unwrap_or_else(|| default_reserve(space))
+    }
+}
+
 impl Default for MigrateOptions {
     fn default() -> Self {
         MigrateOptions {
             dry_run: false,
             chunk_bytes: DEFAULT_CHUNK_BYTES,
-            reserve_bytes: DEFAULT_RESERVE_BYTES,
+            reserve_bytes: None,
             remove_old: true,
             method: Method::Auto,
         }
@@ -267,9 +287,22 @@ impl Migrator {
             };
             let s = name.to_string_lossy();
             let relevant = if s == pkg.as_str() {
-                self.kind(&name)
+                match self
+                    .kind(&name)
                     .with_ctx(|_| (ErrorKind::Filesystem, pkg.context("inspecting the volume")))?
-                    != Kind::Subvolume
+                {
+                    Kind::Dir => true,
+                    Kind::Other => {
+                        // Not a volume, whatever its name: nothing to
+                        // convert, and no reason to stop the others.
+                        tracing::warn!(
+                            "skipped {}: not a directory, so not a package volume",
+                            self.root.join(&name).display()
+                        );
+                        false
+                    }
+                    Kind::Subvolume | Kind::Absent => false,
+                }
             } else {
                 [MIGRATE_SUFFIX, MIGRATE_PARENT_SUFFIX, MIGRATE_OLD_SUFFIX]
                     .iter()
@@ -317,7 +350,7 @@ impl Migrator {
                     .with_ctx(io("scanning the volume"))?
                     .0;
                 let space = self.metadata_space(pkg)?;
-                let reserve = MigrateOptions::default().reserve_bytes;
+                let reserve = MigrateOptions::default().reserve(&space);
                 let method = match self.auto_parent(pkg, &names, &fd, tmp, &space, reserve) {
                     Some(_) => Method::SnapshotParent,
                     None => Method::Clone,
@@ -676,7 +709,10 @@ impl Migrator {
         // estimate checked against it when the scan has it. The reserve alone
         // is checked now, so a volumes root short of it is never touched.
         let space = self.metadata_space(pkg)?;
-        let free = space.free();
+        let room = MetadataRoom {
+            free: space.free(),
+            reserve: opts.reserve(&space),
+        };
         let short = |why: String| {
             Error::for_package(
                 pkg,
@@ -684,12 +720,18 @@ impl Migrator {
                 format!("{why}; nothing was changed"),
             )
         };
-        self.check_space(free, &Estimate::default(), opts)
-            .map_err(short)?;
+        if room.check(&Estimate::default()).is_err() {
+            // Short of the reserve alone: count the package too, so the
+            // refusal gives what it really needs.
+            let (estimate, _) =
+                scan(src.as_fd(), &AtomicBool::new(false)).with_ctx(io("scanning the volume"))?;
+            report.estimate = Some(estimate);
+            return Err(short(room.shortfall(&estimate)));
+        }
 
         let parent_plan = match opts.method {
             Method::Clone => None,
-            Method::Auto => self.auto_parent(pkg, &names, &src, tmp, &space, opts.reserve_bytes),
+            Method::Auto => self.auto_parent(pkg, &names, &src, tmp, &space, opts.reserve(&space)),
             Method::SnapshotParent => {
                 let plan = self.plan_parent(pkg, &names, &src, false)?.map_err(|why| {
                     Error::for_package(
@@ -701,7 +743,7 @@ impl Migrator {
                         ),
                     )
                 })?;
-                plan.check_space(&space, opts.reserve_bytes)
+                plan.check_space(&space, opts.reserve(&space))
                     .map_err(short)?;
                 if tmp == Kind::Subvolume {
                     copy::remove_tree_at(self.root_fd(), &names.tmp, &mut |_| Ok(()))
@@ -743,7 +785,7 @@ impl Migrator {
                 tmp,
                 &src,
                 opts,
-                free,
+                room,
                 &mut tracker,
                 &mut report,
                 scanner,
@@ -767,7 +809,7 @@ impl Migrator {
         tmp: Kind,
         src: &OwnedFd,
         opts: &MigrateOptions,
-        free: u64,
+        room: MetadataRoom,
         tracker: &mut Tracker<'_>,
         report: &mut PackageReport,
         scanner: ScopedJoinHandle<'_, io::Result<(Estimate, ExtentsByInode)>>,
@@ -794,9 +836,7 @@ impl Migrator {
                 Ok((estimate, per_file)) => {
                     report.estimate = Some(estimate);
                     tracker.scanned(estimate, per_file);
-                    self.check_space(free, &estimate, opts)
-                        .err()
-                        .map(ScanFailure::Space)
+                    room.check(&estimate).err().map(ScanFailure::Space)
                 }
             }
         };
@@ -1201,16 +1241,21 @@ impl Migrator {
         })
     }
 
-    /// Metadata bytes the filesystem holding the root can still take, as
-    /// [`Migrator::convert`] reads them before converting (see
-    /// [`volume::sys::MetadataSpace::free`]); for a dry run to show beside
-    /// the estimates' [`Estimate::metadata_bytes`]. Off btrfs, `None`.
-    pub fn free_metadata_space(&self) -> Result<Option<u64>, Error> {
+    /// The metadata bytes the filesystem holding the root can still take,
+    /// and the reserve `opts` keeps, as [`Migrator::convert`] reads them
+    /// before converting; for a dry run to show beside the estimates'
+    /// [`Estimate::metadata_bytes`]. Off btrfs, `None`.
+    pub fn metadata_room(&self, opts: &MigrateOptions) -> Result<Option<MetadataRoom>, Error> {
         if !self.btrfs {
             return Ok(None);
         }
         sys::metadata_space(self.root_fd())
-            .map(|space| Some(space.free()))
+            .map(|space| {
+                Some(MetadataRoom {
+                    free: space.free(),
+                    reserve: opts.reserve(&space),
+                })
+            })
             .with_ctx(|_| {
                 (
                     ErrorKind::Filesystem,
@@ -1231,19 +1276,46 @@ impl Migrator {
             )
         })
     }
+}
 
-    /// Whether `free` metadata bytes (read before the clone) cover what
-    /// converting `est` needs; see [`Migrator::convert`].
-    fn check_space(&self, free: u64, est: &Estimate, opts: &MigrateOptions) -> Result<(), String> {
-        let need = est.metadata_bytes().saturating_add(opts.reserve_bytes);
-        if free < need {
-            return Err(format!(
-                "not enough free metadata space to convert: {free} bytes free, {need} needed \
-                 ({} extents, {} entries, plus {} reserved)",
-                est.extents, est.entries, opts.reserve_bytes
-            ));
+/// The free metadata space of the filesystem holding the volumes root, as
+/// read before a conversion, and the reserve to keep on top of what it
+/// needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct MetadataRoom {
+    /// New metadata the filesystem can take ([`sys::MetadataSpace::free`]).
+    pub free: u64,
+    /// What must stay free beyond a conversion's estimate
+    /// ([`MigrateOptions::reserve`]).
+    pub reserve: u64,
+}
+
+impl MetadataRoom {
+    /// Whether the free space covers converting `est`; see
+    /// [`Migrator::convert`].
+    fn check(&self, est: &Estimate) -> Result<(), String> {
+        if self.free < self.need(est) {
+            return Err(self.shortfall(est));
         }
         Ok(())
+    }
+
+    /// What converting `est` needs, the reserve included.
+    pub fn need(&self, est: &Estimate) -> u64 {
+        est.metadata_bytes().saturating_add(self.reserve)
+    }
+
+    /// Why `est` does not fit, with the figures.
+    fn shortfall(&self, est: &Estimate) -> String {
+        format!(
+            "not enough free metadata space to convert: {} bytes free, {} needed \
+             ({} extents, {} entries, plus {} reserved)",
+            self.free,
+            self.need(est),
+            est.extents,
+            est.entries,
+            self.reserve
+        )
     }
 }
 

@@ -1,19 +1,67 @@
-//! Named crash sites for the crash-safety tests.
+//! Named crash sites for the crash-safety tests, shared by every crate of
+//! the workspace.
+//!
+//! A test names a site in [`FAILPOINT_ENV`]; when the process reaches it,
+//! it dies by SIGKILL, as a crash or `kill -9` would: no destructor, no
+//! unwinding, no flush. Two extensions, for sites that repeat or that
+//! should fail rather than die:
+//! - `name@N` fires on the N-th hit of `name` in this process (1 if absent);
+//! - a trailing `=enospc` or `=eio` makes the site return that error
+//!   instead, so a test can check what a failed step leaves on disk.
+//!
+//! Without the `failpoints` feature nothing fires and every site is free.
 
-/// Environment variable naming the failpoint at which to die.
+use std::io;
+
+/// Environment variable naming the failpoint at which to die or fail.
 pub const FAILPOINT_ENV: &str = "STARTOS_VOLUME_FAILPOINT";
 
-/// With the `failpoints` feature, SIGKILLs the whole process when
-/// `STARTOS_VOLUME_FAILPOINT` equals `name`, exactly as a crash or `kill -9`
-/// would: no destructor, no unwinding, no flush. Without it, does nothing.
+/// With the `failpoints` feature, SIGKILLs the process (or, for
+/// `...=enospc` and `...=eio`, returns that error) when [`FAILPOINT_ENV`]
+/// names this hit of `name`. Without it, does nothing.
 #[inline]
-pub(crate) fn failpoint(name: &str) {
+pub fn failpoint(name: &str) -> io::Result<()> {
     #[cfg(all(feature = "failpoints", target_os = "linux"))]
-    if std::env::var_os(FAILPOINT_ENV).is_some_and(|v| v == name) {
+    {
+        use std::collections::HashMap;
+        use std::sync::Mutex;
+        static HITS: Mutex<Option<HashMap<String, u64>>> = Mutex::new(None);
+        let Some(spec) = std::env::var_os(FAILPOINT_ENV) else {
+            return Ok(());
+        };
+        let spec = spec.to_string_lossy().into_owned();
+        let (site, errno) = match spec.rsplit_once('=') {
+            Some((s, "enospc")) => (s, Some(libc::ENOSPC)),
+            Some((s, "eio")) => (s, Some(libc::EIO)),
+            _ => (spec.as_str(), None),
+        };
+        let (site, nth) = match site.split_once('@') {
+            Some((s, n)) => (s, n.parse::<u64>().unwrap_or(1)),
+            None => (site, 1),
+        };
+        if site != name {
+            return Ok(());
+        }
+        let hit = {
+            let mut guard = HITS.lock().unwrap_or_else(|p| p.into_inner());
+            let hits = guard.get_or_insert_with(HashMap::new);
+            let n = hits.entry(name.to_owned()).or_insert(0);
+            *n += 1;
+            *n
+        };
+        if hit != nth {
+            return Ok(());
+        }
+        if let Some(errno) = errno {
+            return Err(io::Error::from_raw_os_error(errno));
+        }
         let _ =
             rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
         std::process::abort();
     }
     #[cfg(not(all(feature = "failpoints", target_os = "linux")))]
-    let _ = name;
+    {
+        let _ = name;
+        Ok(())
+    }
 }

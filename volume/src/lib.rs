@@ -22,7 +22,7 @@ pub mod carve;
 pub mod copy;
 #[cfg(target_os = "linux")]
 pub mod extents;
-mod failpoint;
+pub mod failpoint;
 #[cfg(target_os = "linux")]
 pub mod layout;
 #[cfg(target_os = "linux")]

@@ -428,7 +428,7 @@ impl VolumeStore {
                 if sys::is_subvolume(fd.as_fd())? {
                     sys::make_tree_writable(fd.as_fd())?;
                     drop(fd);
-                    failpoint("delete-entry.writable");
+                    failpoint("delete-entry.writable")?;
                     sys::delete_subvolume(self.root_fd(), name, true)
                 } else {
                     drop(fd);
@@ -584,7 +584,9 @@ impl VolumeStore {
             Ok(fd) => fd,
             Err(e) => return ("snapshotting", Err(e)),
         };
-        failpoint("snapshot.created");
+        if let Err(e) = failpoint("snapshot.created") {
+            return ("snapshotting", Err(e));
+        }
         let ro = match read_only_nested(live.as_fd(), tmp.as_fd()) {
             Ok(ro) => ro,
             Err(e) => {
@@ -603,7 +605,9 @@ impl VolumeStore {
         if let Err(e) = sys::make_tree_read_only(tmp.as_fd()) {
             return ("making read-only the snapshot of", Err(e));
         }
-        failpoint("snapshot.frozen");
+        if let Err(e) = failpoint("snapshot.frozen") {
+            return ("making read-only the snapshot of", Err(e));
+        }
         let publish = sys::rename_noreplace(self.root_fd(), &names.backup_tmp, &names.backup)
             .and_then(|()| self.fsync_root());
         ("putting in place the snapshot of", publish)
@@ -664,10 +668,10 @@ impl VolumeStore {
             })?;
             return Ok(SnapshotOutcome::Skipped { reason });
         }
-        failpoint("snapshot.created");
         // The copy shares its data with the volume: committing its metadata
         // makes it durable before its name says "complete".
-        let publish = sys::commit_metadata(self.root_fd())
+        let publish = failpoint("snapshot.created")
+            .and_then(|()| sys::commit_metadata(self.root_fd()))
             .and_then(|()| sys::rename_noreplace(self.root_fd(), &names.backup_tmp, &names.backup))
             .and_then(|()| self.fsync_root());
         if let Err(e) = publish {
@@ -751,7 +755,7 @@ impl VolumeStore {
             return Ok(false);
         }
         self.delete_entry(&names.replaced).with_ctx(io_ctx)?;
-        failpoint("restore.replaced-deleted");
+        failpoint("restore.replaced-deleted").with_ctx(io_ctx)?;
         Ok(true)
     }
 
@@ -766,7 +770,7 @@ impl VolumeStore {
             VolumeKind::Directory => self.prepare_rollback_in_place(names),
         };
         let exchanged = prepared.and_then(|()| {
-            failpoint("restore.recorded");
+            failpoint("restore.recorded").map_err(|e| ("exchanging the volume with", e))?;
             self.swap_in_rollback(names)
         });
         if let Err((what, e)) = exchanged {
@@ -788,7 +792,12 @@ impl VolumeStore {
                 pkg.context("syncing the volumes root after the exchange"),
             )
         })?;
-        failpoint("restore.exchanged");
+        failpoint("restore.exchanged").with_ctx(|_| {
+            (
+                ErrorKind::DiskManagement,
+                pkg.context("finishing the restore"),
+            )
+        })?;
         self.finish_restore(pkg, names)?;
         tracing::info!(package = %pkg, "volume restored from install backup");
         Ok(true)
@@ -802,7 +811,7 @@ impl VolumeStore {
             .map_err(|e| ("opening the backup for", e))?;
         let copy = sys::snapshot_tree(backup.as_fd(), self.root_fd(), &names.rollback)
             .map_err(|e| ("snapshotting the backup to", e))?;
-        failpoint("restore.copied");
+        failpoint("restore.copied").map_err(|e| ("snapshotting the backup to", e))?;
         self.restore_read_only_flags(names, backup.as_fd(), copy.as_fd())
             .map_err(|e| ("making read-only again the nested subvolumes of", e))?;
         self.record_rollback(names, copy.as_fd())
@@ -814,8 +823,8 @@ impl VolumeStore {
         let backup = sys::open_dir_at(self.root_fd(), &names.backup)
             .map_err(|e| ("opening the backup for", e))?;
         self.record_rollback(names, backup.as_fd())?;
-        failpoint("restore.copied");
-        sys::rename_noreplace(self.root_fd(), &names.backup, &names.rollback)
+        failpoint("restore.copied")
+            .and_then(|()| sys::rename_noreplace(self.root_fd(), &names.backup, &names.rollback))
             .and_then(|()| self.fsync_root())
             .map_err(|e| ("moving the backup to", e))
     }
@@ -916,10 +925,15 @@ impl VolumeStore {
                 pkg.context("moving the replaced volume aside"),
             )
         })?;
-        failpoint("restore.replaced-moved");
+        failpoint("restore.replaced-moved").with_ctx(|_| {
+            (
+                ErrorKind::DiskManagement,
+                pkg.context("moving the replaced volume aside"),
+            )
+        })?;
         self.drop_locked(pkg, names)?;
-        failpoint("restore.backup-dropped");
-        record::remove(self.root_fd(), &names.rollback_id)
+        failpoint("restore.backup-dropped")
+            .and_then(|()| record::remove(self.root_fd(), &names.rollback_id))
             .and_then(|()| self.fsync_root())
             .with_ctx(|_| {
                 (
@@ -955,8 +969,8 @@ impl VolumeStore {
             sys::rename_noreplace(self.root_fd(), &names.backup, &names.backup_drop)
                 .and_then(|()| self.fsync_root())
                 .with_ctx(io_ctx("moving the backup aside"))?;
-            failpoint("drop.renamed");
-            self.delete_entry(&names.backup_drop)
+            failpoint("drop.renamed")
+                .and_then(|()| self.delete_entry(&names.backup_drop))
                 .with_ctx(io_ctx("deleting the backup"))?;
             tracing::info!(package = %pkg, "install backup dropped");
         }
@@ -991,7 +1005,7 @@ impl VolumeStore {
             sys::rename_noreplace(self.root_fd(), &names.live, &names.delete)
                 .and_then(|()| self.fsync_root())
                 .with_ctx(io_ctx("moving the volume aside"))?;
-            failpoint("delete.renamed");
+            failpoint("delete.renamed").with_ctx(io_ctx("deleting the volume"))?;
             deleted = true;
         }
         deleted |= self.finish_delete(pkg, &names)?;
@@ -1005,13 +1019,13 @@ impl VolumeStore {
     /// backup, then `.delete` itself. Returns whether anything was there.
     fn finish_delete(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
         let dropped = self.drop_locked(pkg, names)?;
-        failpoint("delete.backup-dropped");
         let io_ctx = |_: &io::Error| {
             (
                 ErrorKind::DiskManagement,
                 pkg.context("deleting the volume"),
             )
         };
+        failpoint("delete.backup-dropped").with_ctx(io_ctx)?;
         let pending = self.exists_at(&names.delete).with_ctx(io_ctx)?;
         if pending {
             self.delete_entry(&names.delete)

@@ -190,14 +190,14 @@ fn run(cli: Cli) -> ExitCode {
             .filter_map(|e| e.estimate)
             .map(|e| e.metadata_bytes())
             .sum();
-        let free = match migrator.free_metadata_space() {
-            Ok(free) => free,
+        let room = match migrator.metadata_room(&MigrateOptions::default()) {
+            Ok(room) => room,
             Err(e) => {
                 eprintln!("volume-migrate: {e}");
                 return ExitCode::from(1);
             }
         };
-        let reserve = MigrateOptions::default().reserve_bytes;
+        let (free, reserve) = (room.map(|r| r.free), room.map_or(0, |r| r.reserve));
         let short = free.is_some_and(|f| f < needed.saturating_add(reserve));
         if plan.is_empty() && !cli.json {
             println!("nothing to convert");

@@ -80,7 +80,9 @@ mod run {
     use super::*;
 
     fn pkg(s: &str) -> Result<PackageId, Error> {
-        Ok(s.parse::<PackageId>()?)
+        let p = s.parse::<PackageId>()?;
+        volume::layout::check_id_len(&p)?;
+        Ok(p)
     }
 
     fn kind(k: Option<VolumeKind>) -> &'static str {
@@ -191,6 +193,21 @@ mod run {
         })
     }
 
+    /// Fails with `NotFound` ("no volume for PKG") if the package has
+    /// nothing under the root: the library answers such a call with
+    /// `false`, as upstream, but an operator who named a package that is
+    /// not there typed it wrong.
+    fn existing(store: &VolumeStore, p: &PackageId) -> Result<(), Error> {
+        if store.exists(p)? {
+            Ok(())
+        } else {
+            Err(Error::new(
+                color_eyre::eyre::eyre!("no volume for {p} under {}", store.root().display()),
+                volume::ErrorKind::NotFound,
+            ))
+        }
+    }
+
     pub fn run(cli: Cli) -> Result<(), Error> {
         let op = validate(cli.command)?;
         let json = cli.json;
@@ -213,6 +230,7 @@ mod run {
                 );
             }
             Op::Snapshot(p) => {
+                existing(&store, &p)?;
                 let outcome = store.snapshot(&p)?;
                 let human = match &outcome {
                     SnapshotOutcome::Snapshot => {
@@ -232,6 +250,7 @@ mod run {
                 );
             }
             Op::Restore(p) => {
+                existing(&store, &p)?;
                 let restored = store.restore(&p)?;
                 let human = if restored {
                     format!(
@@ -244,6 +263,7 @@ mod run {
                 emit(json, json!({"package": p, "restored": restored}), human);
             }
             Op::Drop(p) => {
+                existing(&store, &p)?;
                 let dropped = store.drop_backup(&p)?;
                 let human = if dropped {
                     format!("dropped the install backup of {p}")
@@ -253,6 +273,7 @@ mod run {
                 emit(json, json!({"package": p, "dropped": dropped}), human);
             }
             Op::Delete(p) => {
+                existing(&store, &p)?;
                 let deleted = store.delete(&p)?;
                 let human = if deleted {
                     format!("deleted the volume of {p}")
@@ -311,6 +332,7 @@ mod run {
                 }
             }
             Op::Usage(p) => {
+                existing(&store, &p)?;
                 let u = store.usage(&p)?;
                 if json {
                     println!("{}", json!(u));
@@ -320,7 +342,10 @@ mod run {
             }
             Op::Recover(target) => {
                 let done = match &target {
-                    Some(p) => vec![store.recover(p)?],
+                    Some(p) => {
+                        existing(&store, p)?;
+                        vec![store.recover(p)?]
+                    }
                     None => store.recover_all()?,
                 };
                 if json {

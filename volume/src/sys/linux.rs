@@ -837,6 +837,8 @@ mod space {
         /// Raw device bytes allocated to no block group yet, summed over
         /// devices.
         pub unallocated: u64,
+        /// Raw bytes of every device, summed: the filesystem's size.
+        pub device_bytes: u64,
         /// Raw bytes one metadata byte takes (2 for DUP and RAID1, ...;
         /// rounded up for RAID5 and RAID6).
         pub copies: u64,
@@ -956,12 +958,12 @@ mod space {
         Ok(fs)
     }
 
-    /// Raw bytes allocated to no block group, over the devices of the
-    /// filesystem `fs` describes. A seed device (read-only) has its own fsid
+    /// Raw bytes allocated to no block group, and raw bytes in all, over
+    /// the devices of the filesystem `fs` describes. A seed device (read-only) has its own fsid
     /// and is skipped; kernels before 6.3 leave DEV_INFO's fsid zero, and
     /// there every device counts.
-    fn unallocated(fd: BorrowedFd<'_>, fs: &FsInfo) -> io::Result<u64> {
-        let (mut free, mut found) = (0u64, 0u64);
+    fn unallocated(fd: BorrowedFd<'_>, fs: &FsInfo) -> io::Result<(u64, u64)> {
+        let (mut free, mut size, mut found) = (0u64, 0u64, 0u64);
         for devid in 1..=fs.max_id {
             if found >= fs.num_devices {
                 break;
@@ -981,6 +983,7 @@ mod space {
                 Ok(()) if dev.fsid == fs.fsid || dev.fsid == [0; 16] => {
                     found += 1;
                     free += dev.total_bytes.saturating_sub(dev.bytes_used);
+                    size += dev.total_bytes;
                 }
                 Ok(()) => {}
                 // Ids of removed devices leave gaps.
@@ -988,7 +991,7 @@ mod space {
                 Err(e) => return Err(e.into()),
             }
         }
-        Ok(free)
+        Ok((free, size))
     }
 
     /// The metadata space of the btrfs filesystem holding `fd`, as of the
@@ -996,11 +999,13 @@ mod space {
     /// off, so commit first for a figure that holds.
     pub fn metadata_space(fd: BorrowedFd<'_>) -> io::Result<MetadataSpace> {
         let fs = fs_info(fd)?;
+        let (unallocated, device_bytes) = unallocated(fd, &fs)?;
         let mut out = MetadataSpace {
             total: 0,
             used: 0,
             global_reserve: 0,
-            unallocated: unallocated(fd, &fs)?,
+            unallocated,
+            device_bytes,
             copies: 1,
             node_size: u64::from(fs.nodesize),
         };
