@@ -118,6 +118,15 @@ async fn step(
     }
 }
 
+/// What a rollback did once the volume and the state were back.
+struct RolledBack {
+    /// Starting the old version again (Ok where there is none).
+    restart: Result<(), Error>,
+    /// The services stopped because they held a mount of the volume, each
+    /// with how starting it again went.
+    holders: Vec<(PackageId, Result<(), Error>)>,
+}
+
 /// How far an install got, for the rollback.
 struct Progress {
     phase: Phase,
@@ -496,12 +505,26 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
             message
         };
         match self.restore_old(pkg, old.as_ref(), had_volume).await {
-            Ok(restarted) => {
+            Ok(back) => {
                 let rolled_back_to = old.map(|(v, _)| v);
-                let message = match restarted {
+                let mut message = match back.restart {
                     Ok(()) => message,
                     Err(e) => format!("{message}; the old version did not start again: {e}"),
                 };
+                if !back.holders.is_empty() {
+                    let names: Vec<&str> = back.holders.iter().map(|(h, _)| h.as_str()).collect();
+                    message.push_str(&format!(
+                        "; stopped {} for the restore (holding a mount of its volume) and \
+                         started {} again",
+                        names.join(", "),
+                        if names.len() == 1 { "it" } else { "them" }
+                    ));
+                    for (h, r) in &back.holders {
+                        if let Err(e) = r {
+                            message.push_str(&format!("; {h} did not start again: {e}"));
+                        }
+                    }
+                }
                 self.notify(
                     pkg,
                     Event::Failed {
@@ -539,20 +562,26 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
         }
     }
 
-    /// Stop, restore, state, start. The outer error means the volume or the
-    /// state could not be put back (the state still says in flight); the
-    /// inner one that only restarting the old version failed.
+    /// Stop, restore, state, start. An error means the volume or the state
+    /// could not be put back (the state still says in flight); what
+    /// restarting went like is in [`RolledBack`].
+    ///
+    /// Services holding a mount of the volume in a mount namespace of their
+    /// own (a dependent's container) are stopped before the restore, which
+    /// would refuse to swap the volume from under them, and started again
+    /// after it.
     #[instrument(skip_all)]
     async fn restore_old(
         &self,
         pkg: &PackageId,
         old: Option<&(String, String)>,
         had_volume: bool,
-    ) -> Result<Result<(), Error>, Error> {
+    ) -> Result<RolledBack, Error> {
         self.services.stop(pkg).await?;
         failpoint("rollback.stopped")?;
+        let holders = self.stop_mount_holders(pkg).await?;
         let (store, p) = (self.store()?, pkg.clone());
-        blocking(move || {
+        let restored = blocking(move || {
             if !store.restore_deferring_purge(&p)? && !had_volume {
                 // A fresh install with nothing before it: the volume holds
                 // only what the failed install wrote.
@@ -560,7 +589,14 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
             }
             Ok(())
         })
-        .await?;
+        .await;
+        if let Err(e) = restored {
+            for (h, r) in self.start_again(holders).await {
+                r.log_err();
+                tracing::info!(package = %pkg, holder = %h, "started again after a failed restore");
+            }
+            return Err(e);
+        }
         failpoint("rollback.restored")?;
         let p = pkg.clone();
         let back = old.cloned();
@@ -585,10 +621,60 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
             })
             .await?;
         failpoint("rollback.recorded")?;
-        Ok(match old {
+        let restart = match old {
             Some((v, _)) => self.services.start(pkg, v).await,
             None => Ok(()),
-        })
+        };
+        let holders = self.start_again(holders).await;
+        Ok(RolledBack { restart, holders })
+    }
+
+    /// Stops every service that holds a mount of `pkg`'s volume in a mount
+    /// namespace of its own, as [`Services::service_of`] names them, and
+    /// returns each with the version to start again (mounts in this
+    /// process's own namespace belong to no one service).
+    async fn stop_mount_holders(
+        &self,
+        pkg: &PackageId,
+    ) -> Result<Vec<(PackageId, Option<String>)>, Error> {
+        let (store, p) = (self.store()?, pkg.clone());
+        let uses = blocking(move || store.mount_uses(&p)).await?;
+        let mut holders: Vec<PackageId> = Vec::new();
+        for u in uses.iter().filter(|u| !u.own_namespace) {
+            let holder = u.pids.iter().find_map(|pid| self.services.service_of(*pid));
+            if let Some(h) = holder.filter(|h| h != pkg && !holders.contains(h)) {
+                holders.push(h);
+            }
+        }
+        let db = self.db.peek().await;
+        let mut out = Vec::with_capacity(holders.len());
+        for h in holders {
+            tracing::warn!(package = %pkg, holder = %h, "stopping a service that holds a mount of the volume, for the restore");
+            self.services.stop(&h).await?;
+            let version = db.get(&h).and_then(|e| e.version.clone());
+            out.push((h, version));
+        }
+        Ok(out)
+    }
+
+    /// Starts again the services [`Finalizer::stop_mount_holders`] stopped.
+    async fn start_again(
+        &self,
+        holders: Vec<(PackageId, Option<String>)>,
+    ) -> Vec<(PackageId, Result<(), Error>)> {
+        let mut out = Vec::with_capacity(holders.len());
+        for (h, version) in holders {
+            let r = match &version {
+                Some(v) => self.services.start(&h, v).await,
+                None => Err(Error::for_package(
+                    &h,
+                    ErrorKind::Incoherent,
+                    "has no installed version to start",
+                )),
+            };
+            out.push((h, r));
+        }
+        out
     }
 
     /// Uninstalls `pkg`: soft keeps its volume for a later reinstall, hard

@@ -3,8 +3,10 @@
 //! volumes like a database until stopped.
 
 use std::collections::HashMap;
+use std::ffi::CString;
 use std::future::Future;
 use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -56,6 +58,17 @@ pub trait Services: Send + Sync + 'static {
         pkg: &PackageId,
         version: &str,
     ) -> impl Future<Output = Result<(), Error>> + Send;
+    /// The package whose running service includes the process `pid`, if
+    /// any. A rollback asks it of the processes that hold a mount of the
+    /// volume it must swap in another mount namespace (a dependent
+    /// package's container holding a dependency mount): it stops those
+    /// services first and starts them again after. The default knows no
+    /// process, so such a mount makes the rollback fail, as the volume
+    /// store refuses to swap a volume from under a mount.
+    fn service_of(&self, pid: u32) -> Option<PackageId> {
+        let _ = pid;
+        None
+    }
 }
 
 /// The volume every [`ProcessServices`] service writes to.
@@ -70,6 +83,8 @@ const BLOCK: usize = 4096;
 
 struct Running {
     child: tokio::process::Child,
+    /// The child's pid, kept: `Child::id` forgets it once waited for.
+    pid: Option<u32>,
 }
 
 /// Process-based [`Services`]: each running service is a child process of
@@ -85,8 +100,11 @@ struct Running {
 ///
 /// A service polls its parent pid and exits if this process dies, as a
 /// reboot after a crash would stop it; `<run_dir>/<pkg>.pid` names it so a
-/// test can make sure it is gone. No mounts are involved: stop returns once
-/// the process has exited, which is when it can no longer write.
+/// test can make sure it is gone. Stop returns once the process has
+/// exited, which is when it can no longer write. A service given
+/// dependencies ([`ProcessServices::mount_dependency`]) runs in a mount
+/// namespace of its own holding a bind mount of each dependency's volume,
+/// as a container does; the mounts go with the process.
 pub struct ProcessServices {
     volumes_root: PathBuf,
     run_dir: PathBuf,
@@ -95,6 +113,7 @@ pub struct ProcessServices {
     faults: Mutex<HashMap<PackageId, Phase>>,
     delays: Mutex<HashMap<Phase, Duration>>,
     reports: Mutex<HashMap<PackageId, u64>>,
+    dependencies: Mutex<HashMap<PackageId, Vec<PackageId>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -126,6 +145,7 @@ impl ProcessServices {
             faults: Mutex::new(HashMap::new()),
             delays: Mutex::new(HashMap::new()),
             reports: Mutex::new(HashMap::new()),
+            dependencies: Mutex::new(HashMap::new()),
         })
     }
 
@@ -157,6 +177,23 @@ impl ProcessServices {
     /// Makes `pkg`'s next `phase` fail (after doing its writes). One-shot.
     pub fn fail_at(&self, pkg: &PackageId, phase: Phase) {
         lock(&self.faults).insert(pkg.clone(), phase);
+    }
+
+    /// Makes `pkg`'s service, from its next start on, run in a mount
+    /// namespace of its own in which `dep`'s `data/main` is bind-mounted at
+    /// [`ProcessServices::dependency_mount`], as a container holds a
+    /// dependency's volume.
+    pub fn mount_dependency(&self, pkg: &PackageId, dep: &PackageId) {
+        lock(&self.dependencies)
+            .entry(pkg.clone())
+            .or_default()
+            .push(dep.clone());
+    }
+
+    /// Where `pkg`'s service sees `dep`'s volume, in its own mount
+    /// namespace: `<run_dir>/<pkg>.deps/<dep>`.
+    pub fn dependency_mount(&self, pkg: &PackageId, dep: &PackageId) -> PathBuf {
+        self.run_dir.join(format!("{pkg}.deps")).join(dep.as_str())
     }
 
     /// Makes every `phase` take `delay` longer (to see parallelism).
@@ -260,28 +297,99 @@ impl ProcessServices {
                 pkg.context("creating the service log"),
             )
         })?;
-        let child = tokio::process::Command::new(&self.program)
-            .arg(&dir)
+        let mut cmd = tokio::process::Command::new(&self.program);
+        cmd.arg(&dir)
             .arg(&report)
             .arg(version)
             .stdin(std::process::Stdio::null())
             .stdout(log)
             .stderr(log2)
-            .kill_on_drop(false)
-            .spawn()
-            .with_ctx(|_| {
-                (
-                    ErrorKind::Unknown,
-                    pkg.context(format!("spawning {}", self.program.display())),
-                )
-            })?;
-        if let Some(pid) = child.id() {
+            .kill_on_drop(false);
+        let binds = self.dependency_binds(pkg)?;
+        if !binds.is_empty() {
+            // SAFETY: between fork and exec the closure makes only raw
+            // system calls on strings built beforehand: no allocation, no
+            // lock.
+            unsafe {
+                cmd.pre_exec(move || enter_own_mount_namespace(&binds));
+            }
+        }
+        let child = cmd.spawn().with_ctx(|_| {
+            (
+                ErrorKind::Unknown,
+                pkg.context(format!("spawning {}", self.program.display())),
+            )
+        })?;
+        let pid = child.id();
+        if let Some(pid) = pid {
             std::fs::write(self.pid_path(pkg), pid.to_string())
                 .with_ctx(|_| (ErrorKind::Filesystem, pkg.context("writing the pid file")))?;
         }
-        lock(&self.running).insert(pkg.clone(), Running { child });
+        lock(&self.running).insert(pkg.clone(), Running { child, pid });
         Ok(())
     }
+
+    /// The (source, target) pairs `pkg`'s service bind-mounts in its own
+    /// namespace, targets created.
+    fn dependency_binds(&self, pkg: &PackageId) -> Result<Vec<(CString, CString)>, Error> {
+        let deps = lock(&self.dependencies)
+            .get(pkg)
+            .cloned()
+            .unwrap_or_default();
+        let mut binds = Vec::with_capacity(deps.len());
+        for dep in deps {
+            let source = self.data_dir(&dep).join(MAIN_VOLUME);
+            let target = self.dependency_mount(pkg, &dep);
+            std::fs::create_dir_all(&target).with_ctx(|_| {
+                (
+                    ErrorKind::Filesystem,
+                    pkg.context(format!("creating {}", target.display())),
+                )
+            })?;
+            let c = |p: &Path| {
+                CString::new(p.as_os_str().as_bytes()).with_ctx(|_| {
+                    (
+                        ErrorKind::InvalidRequest,
+                        pkg.context(format!("a NUL byte in {}", p.display())),
+                    )
+                })
+            };
+            binds.push((c(&source)?, c(&target)?));
+        }
+        Ok(binds)
+    }
+}
+
+/// In a child before exec: a mount namespace of its own, private so that
+/// nothing propagates back, with each (source, target) bind-mounted.
+fn enter_own_mount_namespace(binds: &[(CString, CString)]) -> std::io::Result<()> {
+    // SAFETY: plain system calls on NUL-terminated strings that outlive them.
+    unsafe {
+        if libc::unshare(libc::CLONE_NEWNS) != 0
+            || libc::mount(
+                std::ptr::null(),
+                c"/".as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            ) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+        for (source, target) in binds {
+            if libc::mount(
+                source.as_ptr(),
+                target.as_ptr(),
+                std::ptr::null(),
+                libc::MS_BIND,
+                std::ptr::null(),
+            ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Services for ProcessServices {
@@ -385,6 +493,13 @@ impl Services for ProcessServices {
             return Err(Self::injected(pkg, Phase::Start));
         }
         Ok(())
+    }
+
+    fn service_of(&self, pid: u32) -> Option<PackageId> {
+        lock(&self.running)
+            .iter()
+            .find(|(_, r)| r.pid == Some(pid))
+            .map(|(p, _)| p.clone())
     }
 }
 

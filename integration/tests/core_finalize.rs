@@ -401,3 +401,84 @@ async fn a_failed_update_without_a_backup_says_the_data_was_not_rolled_back() {
     assert_installed(entry(&fin, "plain").await, "1.0", "after the failed update");
     fin.services().stop(&p).await.unwrap();
 }
+
+/// A dependent's service holds a bind mount of a dependency's volume in a
+/// mount namespace of its own, as a container does. A failed update of the
+/// dependency must still roll back: the dependent is stopped (the volume
+/// store would refuse to swap the volume from under its mount), the volume
+/// restored, both started again, and the notification names the dependent.
+/// Its new namespace then sees the restored volume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollback_stops_and_restarts_a_service_holding_a_mount_of_the_volume() {
+    let Some(env) = env() else { return };
+    let (fin, mut rx) = env.finalizer();
+    let (dep, user) = (pkg("dep"), pkg("user"));
+    install_running(&fin, "dep", "1.0", RUN).await;
+    rx.recv().await.unwrap();
+    fin.services().inner.mount_dependency(&user, &dep);
+    install_running(&fin, "user", "1.0", RUN).await;
+    rx.recv().await.unwrap();
+    let pid_of = |p: &volume::PackageId| -> u32 {
+        std::fs::read_to_string(fin.services().inner.pid_path(p))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    let holder = pid_of(&user);
+    let store = volume::VolumeStore::open_without_recovery(&env.root).unwrap();
+    let target = fin.services().inner.dependency_mount(&user, &dep);
+    let uses = store.mount_uses(&dep).unwrap();
+    assert!(
+        uses.iter()
+            .any(|u| !u.own_namespace && u.pids.contains(&holder) && u.mount_point == target),
+        "user's service must hold dep's volume in its own namespace: {uses:?}"
+    );
+
+    fin.services().after_stop.lock().unwrap().clear();
+    fin.services().inner.fail_at(&dep, Phase::Init);
+    let e = fin
+        .install(&req("dep", "2.0"), &Cancel::new())
+        .await
+        .expect_err("the update must fail");
+    assert_eq!(e.kind, ErrorKind::UpdateFailed, "{e}");
+    match rx.recv().await.unwrap().event {
+        Event::Failed {
+            rolled_back_to,
+            message,
+            ..
+        } => {
+            assert_eq!(rolled_back_to.as_deref(), Some("1.0"), "{message}");
+            assert!(
+                message.contains("stopped user for the restore"),
+                "the notification must name the service it stopped: {message}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    let stopped = fin.services().take_first_stop(&dep);
+    let restarted =
+        fin.services().before_start.lock().unwrap()[&(dep.clone(), "1.0".to_owned())].clone();
+    assert_same(&stopped, &restarted, "dep's volume given back to 1.0");
+    assert_installed(entry(&fin, "dep").await, "1.0", "dep");
+    assert!(!env.backup(&dep).exists());
+    assert!(fin.services().inner.is_running(&dep), "dep 1.0 runs again");
+    assert!(fin.services().inner.is_running(&user), "user runs again");
+    let again = pid_of(&user);
+    assert_ne!(again, holder, "user was restarted");
+    // What user's new namespace sees through its mount is the restored volume.
+    let seen = std::path::PathBuf::from(format!("/proc/{again}/root"))
+        .join(target.strip_prefix("/").unwrap());
+    assert!(
+        seen.join(startos_core::DB_FILE).exists(),
+        "{}",
+        seen.display()
+    );
+    assert!(
+        !seen.join("init-2.0-from-1.0").exists(),
+        "user must see the restored volume, not the failed update's"
+    );
+    assert_no_transient_names(&env.root, "after the rollback");
+    fin.services().stop(&user).await.unwrap();
+    fin.services().stop(&dep).await.unwrap();
+}

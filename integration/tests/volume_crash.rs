@@ -144,6 +144,12 @@ fn check_state(
                     "{when}: the live volume must be writable"
                 );
             }
+            if live.join(FROZEN).is_dir() {
+                assert!(
+                    is_read_only(&live.join(FROZEN)),
+                    "{when}: the read-only nested subvolume must stay read-only"
+                );
+            }
         }
         None => assert!(
             !live.exists(),
@@ -173,11 +179,19 @@ fn check_state(
                 }
             }
         }
-        None => assert!(
-            !backup.exists(),
-            "{when}: the backup {} must be gone",
-            backup.display()
-        ),
+        None => {
+            assert!(
+                !backup.exists(),
+                "{when}: the backup {} must be gone",
+                backup.display()
+            );
+            let record = scn.root.join(format!("{package}.install-backup.ro"));
+            assert!(
+                std::fs::symlink_metadata(&record).is_err(),
+                "{when}: the read-only record {} outlived its backup",
+                record.display()
+            );
+        }
     }
     assert_no_transient_names(scn.root, when);
     if expected.live.is_none() && expected.backup.is_none() {
@@ -261,12 +275,30 @@ fn state(store: &VolumeStore, package: &str) -> State {
     }
 }
 
+/// A read-only nested subvolume, `data/main/frozen`, as a package may keep
+/// an archive: the snapshot records it, and it must come back read-only.
+fn add_frozen(vol: &Path) {
+    let frozen = vol.join(FROZEN);
+    subvolume_create(&frozen);
+    std::fs::write(frozen.join("archive"), bytes(11, 20_000)).expect("writing the archive");
+    integration::run(
+        Command::new("btrfs")
+            .args(["property", "set", "-ts"])
+            .arg(&frozen)
+            .args(["ro", "true"]),
+    )
+    .expect("making frozen read-only");
+}
+
+const FROZEN: &str = "data/main/frozen";
+
 /// A subvolume volume with nested subvolumes, a backup of it, then changes:
 /// live holds "current" data B, the backup the older data A.
 fn volume_with_backup(store: &VolumeStore, package: &str) -> State {
     let p = pkg(package);
     store.create(&p, &[vol("main")]).expect("create");
     populate_volume(&store.volume_path(&p), true);
+    add_frozen(&store.volume_path(&p));
     assert_eq!(
         store.snapshot(&p).expect("snapshot"),
         SnapshotOutcome::Snapshot
@@ -284,6 +316,7 @@ fn snapshot_survives_a_crash_at_every_step() {
         let p = pkg(package);
         store.create(&p, &[vol("main")]).expect("create");
         populate_volume(&store.volume_path(&p), true);
+        add_frozen(&store.volume_path(&p));
         let before = state(store, package);
         let after = State {
             live: before.live.clone(),
@@ -615,6 +648,66 @@ fn restore_from_a_reflink_copy_survives_a_crash_at_every_step() {
                 failpoint: "restore.backup-dropped",
                 expect: Expect::After,
                 why: "only the marker was left to remove",
+            },
+        ],
+    );
+}
+
+/// A plain-directory volume with its reflink backup, deleted: a kill at any
+/// step, even while the directory is being removed file by file, ends with
+/// nothing of the package left (recovery used to finish deleting the volume
+/// and keep the backup, a full copy of the uninstalled data).
+#[test]
+fn delete_of_a_plain_directory_with_a_backup_survives_a_crash() {
+    let Some((fs, root)) = new_fs() else { return };
+    let setup = |store: &VolumeStore, package: &str| {
+        plain_volume(store, package);
+        let p = pkg(package);
+        let outcome = store.snapshot(&p).expect("snapshot");
+        assert!(
+            matches!(outcome, SnapshotOutcome::ReflinkCopy { .. }),
+            "{outcome:?}"
+        );
+        modify_volume(&store.volume_path(&p), false);
+        let before = state(store, package);
+        let after = State {
+            live: None,
+            backup: None,
+        };
+        (before, after)
+    };
+    let rerun = |store: &VolumeStore, package: &str, _: bool| {
+        assert!(
+            !store.delete(&pkg(package)).expect("delete after recovery"),
+            "recovery already deleted everything"
+        );
+    };
+    let scn = Scenario {
+        root: &root,
+        fs: &fs,
+        op: "delete",
+        backup: Backup::Reflink,
+        setup: &setup,
+        rerun: &rerun,
+    };
+    run_scenario(
+        &scn,
+        &[
+            Case {
+                failpoint: "delete.renamed",
+                expect: Expect::After,
+                why: "the volume was renamed to .delete, so recovery drops the backup and \
+                      deletes the volume",
+            },
+            Case {
+                failpoint: "drop.renamed",
+                expect: Expect::After,
+                why: "the backup was renamed to .drop with the volume still .delete",
+            },
+            Case {
+                failpoint: "delete.backup-dropped",
+                expect: Expect::After,
+                why: "only .delete was left to delete",
             },
         ],
     );

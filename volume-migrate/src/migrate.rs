@@ -1013,23 +1013,41 @@ impl Migrator {
         };
         // Sync: the copy must be durable before its name says "volume".
         tracker.phase(Phase::Sync);
-        sys::commit(dst.as_fd()).with_ctx(io("committing the new subvolume"))?;
+        let committed = sys::commit(dst.as_fd());
         drop(dst);
-        failpoint("migrate.durable").with_ctx(io("failpoint"))?;
-
-        tracker.phase(Phase::Exchange);
-        sys::rename_exchange(self.root_fd(), tmp, &names.live)
-            .and_then(|()| sys::fsync(self.root_fd()))
-            .with_ctx(|_| {
-                (
-                    ErrorKind::MigrationFailed,
-                    pkg.context(format!(
-                        "exchanging {} with {}",
-                        self.root.join(tmp).display(),
-                        self.root.join(&names.live).display()
-                    )),
-                )
-            })?;
+        let exchanged = committed
+            .and_then(|()| failpoint("migrate.durable"))
+            .and_then(|()| {
+                tracker.phase(Phase::Exchange);
+                sys::rename_exchange(self.root_fd(), tmp, &names.live)
+            });
+        if let Err(e) = exchanged {
+            let what = format!(
+                "exchanging {} with {}",
+                self.root.join(tmp).display(),
+                self.root.join(&names.live).display()
+            );
+            if !is_enospc(&e) {
+                return Err(e).with_ctx(|_| (ErrorKind::MigrationFailed, pkg.context(what)));
+            }
+            // Out of metadata space with the copy complete: a rerun would
+            // meet the same wall, so the copy goes and frees what it took.
+            let cleanup = copy::remove_tree_at(self.root_fd(), tmp, &mut |_| Ok(()))
+                .and_then(|()| sys::fsync(self.root_fd()));
+            return Err(Error::for_package(
+                pkg,
+                ErrorKind::MigrationFailed,
+                format!(
+                    "out of metadata space {what} ({e}); {} is untouched{}",
+                    self.root.join(&names.live).display(),
+                    match cleanup {
+                        Ok(()) => " and the copy was removed".to_owned(),
+                        Err(c) => format!(", but removing the copy failed: {c}"),
+                    }
+                ),
+            ));
+        }
+        sys::fsync(self.root_fd()).with_ctx(io("syncing the volumes root"))?;
         failpoint("migrate.exchanged").with_ctx(io("failpoint"))?;
         self.settle_exchanged(pkg, names)?;
         tracker.phase(Phase::Done);

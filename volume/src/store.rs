@@ -219,6 +219,10 @@ pub fn open_locks(root: &Path, dir: BorrowedFd<'_>) -> Result<LockDir, Error> {
     })
 }
 
+fn is_enospc(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
+}
+
 /// Appends to `e` that undoing the failed step failed too, if it did.
 fn with_cleanup(e: Error, cleanup: io::Result<()>, what: &str) -> Error {
     match cleanup {
@@ -444,6 +448,45 @@ impl VolumeStore {
         }
     }
 
+    /// Whether the tree `name` can be deleted in one atomic step, under its
+    /// own name: a subvolume with no subvolume nested in it (one
+    /// `SNAP_DESTROY`, which leaves it either whole or gone, read-only or
+    /// not).
+    fn can_delete_in_one_step(&self, name: &OsStr) -> io::Result<bool> {
+        if self.entry(name)? != Entry::Tree(VolumeKind::Subvolume) {
+            return Ok(false);
+        }
+        let fd = sys::open_dir_at(self.root_fd(), name)?;
+        Ok(sys::nested_subvolumes(fd.as_fd())?.is_empty())
+    }
+
+    /// Deletes the tree `name` in one atomic step if it can be
+    /// ([`VolumeStore::can_delete_in_one_step`]), for when renaming it
+    /// aside failed for want of metadata space: a rename needs some, while
+    /// deleting a subvolume may draw on the filesystem's global reserve.
+    /// Returns whether it did.
+    fn one_step_delete(&self, name: &OsStr) -> io::Result<bool> {
+        if !self.can_delete_in_one_step(name)? {
+            return Ok(false);
+        }
+        sys::delete_subvolume(self.root_fd(), name, false)?;
+        self.fsync_root()?;
+        Ok(true)
+    }
+
+    /// The error for a step that needs metadata space the filesystem does
+    /// not have, and that cannot be done another way.
+    fn metadata_full(&self, pkg: &PackageId, what: &str, e: io::Error) -> Error {
+        Error::new(
+            eyre!(e).wrap_err(pkg.context(format!(
+                "{what}: the filesystem holding {} has no metadata space left; free some \
+                 (delete files, or drop another package's backup) and retry",
+                self.root.display()
+            ))),
+            ErrorKind::DiskManagement,
+        )
+    }
+
     /// Creates `<pkg>` (a subvolume on btrfs, a directory elsewhere) and
     /// `data/<volume>` inside it for each volume. Idempotent: an existing
     /// volume, subvolume or plain directory, is kept as it is.
@@ -454,7 +497,8 @@ impl VolumeStore {
         let names = Names::new(pkg)?;
         let _lock = self.lock(pkg)?;
         self.recover_locked(pkg, &names)?;
-        let kind = match self.tree(pkg, &names.live)? {
+        let existed = self.tree(pkg, &names.live)?;
+        let kind = match existed {
             Some(kind) => kind,
             None if self.btrfs => {
                 sys::create_subvolume(self.root_fd(), &names.live).with_ctx(|_| {
@@ -489,15 +533,23 @@ impl VolumeStore {
             sys::fsync(live.as_fd())?;
             self.fsync_root()
         };
-        mk().with_ctx(|_| {
-            (
-                ErrorKind::Filesystem,
-                pkg.context(format!(
+        if let Err(e) = mk() {
+            // A volume this call made goes again: nothing half-made stays.
+            let cleanup = match existed {
+                Some(_) => Ok(()),
+                None => self
+                    .delete_entry(&names.live)
+                    .and_then(|()| self.fsync_root()),
+            };
+            let e = Error::new(
+                eyre!(e).wrap_err(pkg.context(format!(
                     "creating volume directories in {}",
                     self.volume_path(pkg).join("data").display()
-                )),
-            )
-        })?;
+                ))),
+                ErrorKind::Filesystem,
+            );
+            return Err(with_cleanup(e, cleanup, "removing the new volume"));
+        }
         tracing::info!(package = %pkg, ?kind, "volume ready");
         Ok(kind)
     }
@@ -760,10 +812,11 @@ impl VolumeStore {
     }
 
     fn restore_locked(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
+        // Refuses a non-directory under the package's name first.
+        self.tree(pkg, &names.live)?;
         let Some(backup_kind) = self.tree(pkg, &names.backup)? else {
             return Ok(false);
         };
-        self.tree(pkg, &names.live)?;
         self.ensure_not_mounted(pkg)?;
         let prepared = match backup_kind {
             VolumeKind::Subvolume => self.prepare_rollback_copy(names),
@@ -966,12 +1019,25 @@ impl VolumeStore {
         };
         let existed = self.tree(pkg, &names.backup)?.is_some();
         if existed {
-            sys::rename_noreplace(self.root_fd(), &names.backup, &names.backup_drop)
-                .and_then(|()| self.fsync_root())
-                .with_ctx(io_ctx("moving the backup aside"))?;
-            failpoint("drop.renamed")
-                .and_then(|()| self.delete_entry(&names.backup_drop))
-                .with_ctx(io_ctx("deleting the backup"))?;
+            match sys::rename_noreplace(self.root_fd(), &names.backup, &names.backup_drop) {
+                Ok(()) => {
+                    self.fsync_root()
+                        .and_then(|()| failpoint("drop.renamed"))
+                        .and_then(|()| self.delete_entry(&names.backup_drop))
+                        .with_ctx(io_ctx("deleting the backup"))?;
+                }
+                Err(e) if is_enospc(&e) => {
+                    if !self
+                        .one_step_delete(&names.backup)
+                        .with_ctx(io_ctx("deleting the backup"))?
+                    {
+                        return Err(self.metadata_full(pkg, "dropping the backup", e));
+                    }
+                }
+                Err(e) => {
+                    return Err(e).with_ctx(io_ctx("moving the backup aside"));
+                }
+            }
             tracing::info!(package = %pkg, "install backup dropped");
         }
         record::remove(self.root_fd(), &names.backup_ro)
@@ -1002,10 +1068,31 @@ impl VolumeStore {
         let mut deleted = false;
         if self.tree(pkg, &names.live)?.is_some() {
             self.ensure_not_mounted(pkg)?;
-            sys::rename_noreplace(self.root_fd(), &names.live, &names.delete)
-                .and_then(|()| self.fsync_root())
-                .with_ctx(io_ctx("moving the volume aside"))?;
-            failpoint("delete.renamed").with_ctx(io_ctx("deleting the volume"))?;
+            match sys::rename_noreplace(self.root_fd(), &names.live, &names.delete) {
+                Ok(()) => {
+                    self.fsync_root()
+                        .and_then(|()| failpoint("delete.renamed"))
+                        .with_ctx(io_ctx("deleting the volume"))?;
+                }
+                Err(e) if is_enospc(&e) => {
+                    // No room to rename: the backup, then the volume, each
+                    // in one atomic step. A crash in between leaves the
+                    // package with its volume and no backup, which the next
+                    // delete finishes.
+                    if !self
+                        .can_delete_in_one_step(&names.live)
+                        .with_ctx(io_ctx("inspecting the volume"))?
+                    {
+                        return Err(self.metadata_full(pkg, "deleting the volume", e));
+                    }
+                    self.drop_locked(pkg, &names)?;
+                    self.one_step_delete(&names.live)
+                        .with_ctx(io_ctx("deleting the volume"))?;
+                    tracing::info!(package = %pkg, "volume deleted");
+                    return Ok(true);
+                }
+                Err(e) => return Err(e).with_ctx(io_ctx("moving the volume aside")),
+            }
             deleted = true;
         }
         deleted |= self.finish_delete(pkg, &names)?;

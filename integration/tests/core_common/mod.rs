@@ -258,6 +258,10 @@ impl Services for Probe {
         }
         self.timed(p, "start", version, self.inner.start(p, version))
     }
+
+    fn service_of(&self, pid: u32) -> Option<PackageId> {
+        self.inner.service_of(pid)
+    }
 }
 
 pub fn req(p: &str, version: &str) -> startos_core::InstallRequest {
