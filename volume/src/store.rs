@@ -474,15 +474,34 @@ impl VolumeStore {
         Ok(true)
     }
 
-    /// The error for a step that needs metadata space the filesystem does
-    /// not have, and that cannot be done another way.
-    fn metadata_full(&self, pkg: &PackageId, what: &str, e: io::Error) -> Error {
-        Error::new(
-            eyre!(e).wrap_err(pkg.context(format!(
-                "{what}: the filesystem holding {} has no metadata space left; free some \
-                 (delete files, or drop another package's backup) and retry",
+    /// The error for a step that failed with `e`, saying `what` it was; when
+    /// the filesystem ran out of space, also how much metadata space is free
+    /// and what to do (snapshots, renames and records need metadata space
+    /// only, so a full data space never stops them).
+    fn failed(&self, pkg: &PackageId, what: impl std::fmt::Display, e: io::Error) -> Error {
+        let what = if is_enospc(&e) {
+            let free = match self.btrfs {
+                true => sys::metadata_space(self.root_fd())
+                    .map(|s| {
+                        format!(
+                            "{} KiB of metadata space left, less than btrfs reserves for it",
+                            s.free() >> 10
+                        )
+                    })
+                    .unwrap_or_else(|_| "no figure for the free metadata space".to_owned()),
+                false => "not btrfs".to_owned(),
+            };
+            format!(
+                "{what}: the filesystem holding {} is out of space ({free}); this step needs \
+                 metadata space only: free some (delete files, or drop another package's \
+                 backup) and retry",
                 self.root.display()
-            ))),
+            )
+        } else {
+            what.to_string()
+        };
+        Error::new(
+            eyre!(e).wrap_err(pkg.context(what)),
             ErrorKind::DiskManagement,
         )
     }
@@ -541,12 +560,13 @@ impl VolumeStore {
                     .delete_entry(&names.live)
                     .and_then(|()| self.fsync_root()),
             };
-            let e = Error::new(
-                eyre!(e).wrap_err(pkg.context(format!(
+            let e = self.failed(
+                pkg,
+                format!(
                     "creating volume directories in {}",
                     self.volume_path(pkg).join("data").display()
-                ))),
-                ErrorKind::Filesystem,
+                ),
+                e,
             );
             return Err(with_cleanup(e, cleanup, "removing the new volume"));
         }
@@ -615,10 +635,10 @@ impl VolumeStore {
                 }
                 self.fsync_root()
             })();
-            let e = Error::new(
-                eyre!(e)
-                    .wrap_err(pkg.context(format!("{what} {}", self.volume_path(pkg).display()))),
-                ErrorKind::DiskManagement,
+            let e = self.failed(
+                pkg,
+                format!("{what} {}", self.volume_path(pkg).display()),
+                e,
             );
             return Err(with_cleanup(e, cleanup, "removing the partial snapshot"));
         }
@@ -730,10 +750,7 @@ impl VolumeStore {
             let cleanup = self
                 .delete_entry(&names.backup_tmp)
                 .and_then(|()| self.fsync_root());
-            let e = Error::new(
-                eyre!(e).wrap_err(pkg.context("putting the reflink copy in place")),
-                ErrorKind::Filesystem,
-            );
+            let e = self.failed(pkg, "putting the reflink copy in place", e);
             return Err(with_cleanup(e, cleanup, "removing the reflink copy"));
         }
         tracing::info!(package = %pkg, extents, "install backup reflink copy taken");
@@ -828,12 +845,10 @@ impl VolumeStore {
         });
         if let Err((what, e)) = exchanged {
             let cleanup = self.undo_rollback(names, backup_kind);
-            let e = Error::new(
-                eyre!(e).wrap_err(pkg.context(format!(
-                    "{what} {}",
-                    self.root.join(&names.rollback).display()
-                ))),
-                ErrorKind::DiskManagement,
+            let e = self.failed(
+                pkg,
+                format!("{what} {}", self.root.join(&names.rollback).display()),
+                e,
             );
             return Err(with_cleanup(e, cleanup, "undoing the restore"));
         }
@@ -1031,7 +1046,7 @@ impl VolumeStore {
                         .one_step_delete(&names.backup)
                         .with_ctx(io_ctx("deleting the backup"))?
                     {
-                        return Err(self.metadata_full(pkg, "dropping the backup", e));
+                        return Err(self.failed(pkg, "dropping the backup", e));
                     }
                 }
                 Err(e) => {
@@ -1083,7 +1098,7 @@ impl VolumeStore {
                         .can_delete_in_one_step(&names.live)
                         .with_ctx(io_ctx("inspecting the volume"))?
                     {
-                        return Err(self.metadata_full(pkg, "deleting the volume", e));
+                        return Err(self.failed(pkg, "deleting the volume", e));
                     }
                     self.drop_locked(pkg, &names)?;
                     self.one_step_delete(&names.live)
