@@ -544,6 +544,19 @@ fn plain_volume(store: &VolumeStore, package: &str) {
     std::fs::write(&nocow, bytes(9, 100_000)).expect("writing nocow.db");
 }
 
+/// [`plain_volume`], its reflink backup, then changes.
+fn plain_volume_with_backup(store: &VolumeStore, package: &str) -> State {
+    plain_volume(store, package);
+    let p = pkg(package);
+    let outcome = store.snapshot(&p).expect("snapshot");
+    assert!(
+        matches!(outcome, SnapshotOutcome::ReflinkCopy { .. }),
+        "{outcome:?}"
+    );
+    modify_volume(&store.volume_path(&p), false);
+    state(store, package)
+}
+
 #[test]
 fn reflink_snapshot_of_a_plain_directory_survives_a_crash() {
     let Some((fs, root)) = new_fs() else { return };
@@ -588,15 +601,7 @@ fn reflink_snapshot_of_a_plain_directory_survives_a_crash() {
 fn restore_from_a_reflink_copy_survives_a_crash_at_every_step() {
     let Some((fs, root)) = new_fs() else { return };
     let setup = |store: &VolumeStore, package: &str| {
-        plain_volume(store, package);
-        let p = pkg(package);
-        let outcome = store.snapshot(&p).expect("snapshot");
-        assert!(
-            matches!(outcome, SnapshotOutcome::ReflinkCopy { .. }),
-            "{outcome:?}"
-        );
-        modify_volume(&store.volume_path(&p), false);
-        let before = state(store, package);
+        let before = plain_volume_with_backup(store, package);
         assert_ne!(before.live, before.backup);
         let after = State {
             live: before.backup.clone(),
@@ -654,22 +659,15 @@ fn restore_from_a_reflink_copy_survives_a_crash_at_every_step() {
 }
 
 /// A plain-directory volume with its reflink backup, deleted: a kill at any
-/// step, even while the directory is being removed file by file, ends with
-/// nothing of the package left (recovery used to finish deleting the volume
-/// and keep the backup, a full copy of the uninstalled data).
+/// step after the rename to `.delete` (the commit point; removing the
+/// directory file by file comes last) ends with nothing of the package left
+/// (recovery used to finish deleting the volume and keep the backup, a full
+/// copy of the uninstalled data).
 #[test]
 fn delete_of_a_plain_directory_with_a_backup_survives_a_crash() {
     let Some((fs, root)) = new_fs() else { return };
     let setup = |store: &VolumeStore, package: &str| {
-        plain_volume(store, package);
-        let p = pkg(package);
-        let outcome = store.snapshot(&p).expect("snapshot");
-        assert!(
-            matches!(outcome, SnapshotOutcome::ReflinkCopy { .. }),
-            "{outcome:?}"
-        );
-        modify_volume(&store.volume_path(&p), false);
-        let before = state(store, package);
+        let before = plain_volume_with_backup(store, package);
         let after = State {
             live: None,
             backup: None,
