@@ -109,12 +109,31 @@ impl Error {
     ///
     /// Lets callers tell e.g. `EXDEV` or `ENOSPC` apart without string matching.
     pub fn raw_os_error(&self) -> Option<i32> {
-        self.source
-            .chain()
-            .find_map(|e| e.downcast_ref::<std::io::Error>())
-            .and_then(|e| e.raw_os_error())
+        self.source.chain().find_map(|e| {
+            if let Some(io) = e.downcast_ref::<std::io::Error>() {
+                io.raw_os_error()
+            } else {
+                e.downcast_ref::<Error>().and_then(Error::raw_os_error)
+            }
+        })
+    }
+
+    /// `report` as an [`Error`]: the very one if it wraps one (so its kind
+    /// and context survive a trip through `eyre`), else a new one of `kind`.
+    fn from_report(report: eyre::Report, kind: ErrorKind) -> Self {
+        match report.downcast::<Error>() {
+            Ok(e) => e,
+            Err(report) => Error::new(report, kind),
+        }
     }
 }
+
+/// So that code with an error type of its own (upstream's `crate::Error`)
+/// needs one `From` impl, and `?`, `eyre` and `.log_err()` take ours as
+/// they take any error. `source` is `None`: `Display` already prints the
+/// whole chain on one line, which a reporter walking the sources would print
+/// twice.
+impl std::error::Error for Error {}
 
 impl Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -173,7 +192,10 @@ where
     E: Into<eyre::Report> + Debug + Display,
 {
     fn with_kind(self, kind: ErrorKind) -> Result<T, Error> {
-        self.map_err(|e| Error::new(e, kind))
+        self.map_err(|e| Error {
+            kind,
+            ..Error::from_report(e.into(), kind)
+        })
     }
 
     fn with_ctx<F: FnOnce(&E) -> (ErrorKind, D), D: Display + Send + Sync + 'static>(
@@ -182,28 +204,9 @@ where
     ) -> Result<T, Error> {
         self.map_err(|e| {
             let (kind, ctx) = f(&e);
-            Error::new(e.into().wrap_err(ctx), kind)
-        })
-    }
-
-    fn log_err(self) -> Option<T> {
-        self.map_err(|e| log_error(&e)).ok()
-    }
-}
-
-impl<T> ResultExt<T, Error> for Result<T, Error> {
-    fn with_kind(self, kind: ErrorKind) -> Result<T, Error> {
-        self.map_err(|e| Error { kind, ..e })
-    }
-
-    fn with_ctx<F: FnOnce(&Error) -> (ErrorKind, D), D: Display + Send + Sync + 'static>(
-        self,
-        f: F,
-    ) -> Result<T, Error> {
-        self.map_err(|e| {
-            let (kind, ctx) = f(&e);
+            let inner = Error::from_report(e.into(), kind);
             Error {
-                source: e.source.wrap_err(ctx),
+                source: inner.source.wrap_err(ctx),
                 kind,
             }
         })
@@ -257,6 +260,27 @@ mod tests {
         let line = e.to_string();
         assert!(line.starts_with("Disk Management Error: renaming lnd: "));
         assert!(!line.contains('\n'));
+    }
+
+    #[test]
+    fn is_a_std_error_that_survives_a_trip_through_eyre() {
+        fn assert_std<E: std::error::Error + Send + Sync + 'static>(_: &E) {}
+        let io = std::io::Error::from_raw_os_error(28);
+        let e = Err::<(), _>(io)
+            .with_ctx(|_| (ErrorKind::DiskManagement, "package lnd: snapshot"))
+            .unwrap_err();
+        assert_std(&e);
+        let report = eyre::Report::from(e);
+        let back = Err::<(), _>(report)
+            .with_ctx(|_| (ErrorKind::Filesystem, "outer"))
+            .unwrap_err();
+        assert_eq!(back.kind, ErrorKind::Filesystem);
+        assert_eq!(back.raw_os_error(), Some(28));
+        assert!(
+            back.to_string()
+                .starts_with("Filesystem I/O Error: outer: package lnd: snapshot: "),
+            "{back}"
+        );
     }
 
     #[test]
