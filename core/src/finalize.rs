@@ -11,6 +11,7 @@ use models::{Error, ErrorKind, PackageId, ResultExt};
 use tracing::instrument;
 use volume::{SnapshotOutcome, VolumeStore};
 
+use crate::blocking::blocking;
 use crate::db::{Db, InstallingInfo, PackageDataEntry, Phase, StateInfo};
 use crate::notify::{Cancel, Event, Notification, Notifier};
 use crate::service::Services;
@@ -81,15 +82,6 @@ pub struct Finalizer<D, S, N> {
     notifier: Arc<N>,
     volumes_root: PathBuf,
     locks: Mutex<HashMap<PackageId, Arc<tokio::sync::Mutex<()>>>>,
-}
-
-/// Runs a blocking volume operation off the runtime.
-pub(crate) async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, Error> + Send + 'static,
-) -> Result<T, Error> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Error::new(eyre!("volume task: {e}"), ErrorKind::Unknown))?
 }
 
 fn cancelled(pkg: &PackageId, phase: Phase) -> Error {

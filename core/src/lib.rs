@@ -17,6 +17,8 @@
 
 #![warn(missing_docs)]
 
+#[cfg(target_os = "linux")]
+mod blocking;
 mod db;
 #[cfg(target_os = "linux")]
 mod finalize;
@@ -25,7 +27,10 @@ mod notify;
 mod reconcile;
 #[cfg(target_os = "linux")]
 mod service;
+#[cfg(target_os = "linux")]
+pub mod volume;
 
+pub use ::volume::failpoint::FAILPOINT_ENV;
 pub use db::{
     Db, FileDb, InstallingInfo, Mutated, PackageDataEntry, PackageDataMap, Phase, StateInfo,
 };
@@ -38,4 +43,3 @@ pub use reconcile::{ReconcileReport, reconcile};
 pub use service::{
     DB_FILE, MAIN_VOLUME, ProcessServices, SEQ_FILE, Services, last_sequence, service_main,
 };
-pub use volume::failpoint::FAILPOINT_ENV;

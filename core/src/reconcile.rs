@@ -7,8 +7,9 @@ use models::{Error, PackageId};
 use tracing::instrument;
 use volume::{Recovery, VolumeStore};
 
+use crate::blocking::blocking;
 use crate::db::{Db, PackageDataEntry, StateInfo};
-use crate::finalize::{blocking, finish_removal};
+use crate::finalize::finish_removal;
 use volume::failpoint::failpoint;
 
 /// What [`reconcile`] found and did.

@@ -61,17 +61,44 @@ pub const MIGRATE_PARENT_SUFFIX: &str = ".migrate-parent";
 /// delete.
 pub const MIGRATE_OLD_SUFFIX: &str = ".migrate-old";
 
+/// Upstream's marker of an install with no volume before it (an empty
+/// regular file): `InstallBackup::begin` makes it, `remove` drops it.
+pub const INSTALL_FRESH_SUFFIX: &str = ".install-fresh";
+/// Upstream's snapshot being made (its `.install-backup-tmp`): incomplete,
+/// deleted.
+pub(crate) const UPSTREAM_BACKUP_TMP_SUFFIX: &str = ".install-backup-tmp";
+/// Upstream's restore in flight: the live volume moved aside before its
+/// backup was renamed in. See [`crate::VolumeStore::recover`].
+pub(crate) const RESTORE_OLD_SUFFIX: &str = ".restore-old";
+/// Upstream's conversion copy being made: incomplete, deleted.
+pub(crate) const CONVERT_TMP_SUFFIX: &str = ".convert-tmp";
+/// Upstream's plain directory moved aside by its conversion: put back if
+/// `<pkg>` is missing, garbage (as `.migrate-old`) if not.
+pub(crate) const CONVERT_OLD_SUFFIX: &str = ".convert-old";
+/// Where recovery keeps what a package wrote into a volume root recreated
+/// half-way through one of upstream's restores (upstream's
+/// "restore-conflict", which it leaves for manual cleanup): nothing is
+/// lost, the restore is finished, and this is left for the operator to
+/// look at; deleted with the package.
+pub const RESTORE_CONFLICT_SUFFIX: &str = ".restore-conflict";
+
 /// Every suffix the crates give a package's names, longest first where one
 /// ends another, so [`package_of`] strips the right one.
 pub const SUFFIXES: &[&str] = &[
     BACKUP_TMP_SUFFIX,
     BACKUP_DROP_SUFFIX,
     BACKUP_RO_SUFFIX,
+    UPSTREAM_BACKUP_TMP_SUFFIX,
     INSTALL_BACKUP_SUFFIX,
+    INSTALL_FRESH_SUFFIX,
     ROLLBACK_ID_SUFFIX,
     ROLLBACK_SUFFIX,
     REPLACED_SUFFIX,
     DELETE_SUFFIX,
+    RESTORE_OLD_SUFFIX,
+    RESTORE_CONFLICT_SUFFIX,
+    CONVERT_TMP_SUFFIX,
+    CONVERT_OLD_SUFFIX,
     MIGRATE_OLD_SUFFIX,
     MIGRATE_PARENT_SUFFIX,
     MIGRATE_SUFFIX,
@@ -126,6 +153,15 @@ pub(crate) struct Names {
     pub rollback_id: OsString,
     pub replaced: OsString,
     pub delete: OsString,
+    pub fresh: OsString,
+    pub upstream_backup_tmp: OsString,
+    pub restore_old: OsString,
+    pub restore_conflict: OsString,
+    pub convert_tmp: OsString,
+    pub convert_old: OsString,
+    pub migrate: OsString,
+    pub migrate_parent: OsString,
+    pub migrate_old: OsString,
 }
 
 impl Names {
@@ -143,11 +179,20 @@ impl Names {
             rollback_id: with(ROLLBACK_ID_SUFFIX),
             replaced: with(REPLACED_SUFFIX),
             delete: with(DELETE_SUFFIX),
+            fresh: with(INSTALL_FRESH_SUFFIX),
+            upstream_backup_tmp: with(UPSTREAM_BACKUP_TMP_SUFFIX),
+            restore_old: with(RESTORE_OLD_SUFFIX),
+            restore_conflict: with(RESTORE_CONFLICT_SUFFIX),
+            convert_tmp: with(CONVERT_TMP_SUFFIX),
+            convert_old: with(CONVERT_OLD_SUFFIX),
+            migrate: with(MIGRATE_SUFFIX),
+            migrate_parent: with(MIGRATE_PARENT_SUFFIX),
+            migrate_old: with(MIGRATE_OLD_SUFFIX),
         })
     }
 
     /// Every name, the live volume first.
-    pub fn all(&self) -> [&OsStr; 9] {
+    pub fn all(&self) -> [&OsStr; 18] {
         [
             &self.live,
             &self.backup,
@@ -158,6 +203,15 @@ impl Names {
             &self.rollback_id,
             &self.replaced,
             &self.delete,
+            &self.fresh,
+            &self.upstream_backup_tmp,
+            &self.restore_old,
+            &self.restore_conflict,
+            &self.convert_tmp,
+            &self.convert_old,
+            &self.migrate,
+            &self.migrate_parent,
+            &self.migrate_old,
         ]
     }
 }
@@ -181,13 +235,8 @@ mod tests {
     fn every_name_maps_back_to_its_package() {
         let pkg: PackageId = "bitcoind".parse().unwrap();
         let n = Names::new(&pkg).unwrap();
-        let migrate = [MIGRATE_SUFFIX, MIGRATE_PARENT_SUFFIX, MIGRATE_OLD_SUFFIX]
-            .map(|s| OsString::from(format!("bitcoind{s}")));
-        for name in n
-            .all()
-            .into_iter()
-            .chain(migrate.iter().map(|m| m.as_os_str()))
-        {
+        assert_eq!(n.all().len(), SUFFIXES.len() + 1, "every suffix has a name");
+        for name in n.all() {
             assert_eq!(package_of(name).as_ref(), Some(&pkg), "{name:?}");
         }
         assert_eq!(package_of(OsStr::new("lost+found")), None);

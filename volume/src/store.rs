@@ -62,6 +62,8 @@ use crate::record::{self, Identity};
 use crate::sys;
 use crate::usage::{self, Split, Usage};
 
+mod upstream;
+
 /// Default bound on the extent count of a plain (not yet converted) volume
 /// directory for which a reflink backup is still taken. At the ~6.7 us per
 /// extent measured for `cp --reflink`, 100k extents is well under a second.
@@ -202,6 +204,17 @@ pub fn open_root(root: impl AsRef<Path>) -> Result<(PathBuf, OwnedFd), Error> {
         )
     })?;
     Ok((canonical, dir))
+}
+
+/// Creates the volumes root `root` and its parents if missing (upstream's
+/// `mkdir -p` before its first volume).
+pub fn create_root(root: &Path) -> Result<(), Error> {
+    std::fs::create_dir_all(root).with_ctx(|_| {
+        (
+            ErrorKind::Filesystem,
+            format!("creating {}", root.display()),
+        )
+    })
 }
 
 /// The lock directory of the volumes root open as `dir`, with the error
@@ -419,33 +432,13 @@ impl VolumeStore {
         }
     }
 
-    /// Removes the entry `name` of the root and everything below it: a
-    /// subvolume tree in O(1) per subvolume, a plain directory file by file.
+    /// Removes the entry `name` of the root and everything below it (see
+    /// [`delete_tree_at`]).
     ///
     /// Only ever called on transient names, so a crash part-way leaves a
     /// partial tree under a name that recovery deletes again.
     fn delete_entry(&self, name: &OsStr) -> io::Result<()> {
-        match self.stat(name)? {
-            None => Ok(()),
-            Some(st) if st.is_dir() => {
-                let fd = sys::open_dir_at(self.root_fd(), name)?;
-                if sys::is_subvolume(fd.as_fd())? {
-                    sys::make_tree_writable(fd.as_fd())?;
-                    drop(fd);
-                    failpoint("delete-entry.writable")?;
-                    sys::delete_subvolume(self.root_fd(), name, true)
-                } else {
-                    drop(fd);
-                    // Never follows a symlink; deletes nested subvolumes
-                    // whole (a package may have made one read-only) and
-                    // clears immutable and append-only flags (which a reflink
-                    // copy keeps): anything less would leave this transient
-                    // name, and every later recovery of the package, stuck.
-                    crate::copy::remove_tree_at(self.root_fd(), name, &mut |_| Ok(()))
-                }
-            }
-            Some(_) => sys::unlink_if_exists(self.root_fd(), name),
-        }
+        delete_tree_at(self.root_fd(), name)
     }
 
     /// Whether the tree `name` can be deleted in one atomic step, under its
@@ -506,6 +499,53 @@ impl VolumeStore {
         )
     }
 
+    /// Makes sure `<pkg>` exists, creating it empty if missing: a subvolume
+    /// on btrfs, a directory elsewhere (upstream's `ensure_volume_root`).
+    /// An existing volume, subvolume or plain directory, is kept as it is.
+    /// Finishes whatever a crash left for the package first. One atomic
+    /// step: after a crash `<pkg>` is absent or empty.
+    pub fn ensure(&self, pkg: &PackageId) -> Result<VolumeKind, Error> {
+        let names = Names::new(pkg)?;
+        let _lock = self.lock(pkg)?;
+        self.recover_locked(pkg, &names)?;
+        self.ensure_locked(pkg, &names).map(|(kind, _)| kind)
+    }
+
+    /// [`VolumeStore::ensure`] under the lock; also whether it created
+    /// the volume.
+    fn ensure_locked(&self, pkg: &PackageId, names: &Names) -> Result<(VolumeKind, bool), Error> {
+        if let Some(kind) = self.tree(pkg, &names.live)? {
+            return Ok((kind, false));
+        }
+        let kind = if self.btrfs {
+            sys::create_subvolume(self.root_fd(), &names.live).with_ctx(|_| {
+                (
+                    ErrorKind::DiskManagement,
+                    pkg.context(format!(
+                        "creating subvolume {}",
+                        self.volume_path(pkg).display()
+                    )),
+                )
+            })?;
+            VolumeKind::Subvolume
+        } else {
+            sys::mkdir_if_missing(self.root_fd(), &names.live, 0o755).with_ctx(|_| {
+                (
+                    ErrorKind::Filesystem,
+                    pkg.context(format!("creating {}", self.volume_path(pkg).display())),
+                )
+            })?;
+            VolumeKind::Directory
+        };
+        self.fsync_root().with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                pkg.context("syncing the volumes root"),
+            )
+        })?;
+        Ok((kind, true))
+    }
+
     /// Creates `<pkg>` (a subvolume on btrfs, a directory elsewhere) and
     /// `data/<volume>` inside it for each volume. Idempotent: an existing
     /// volume, subvolume or plain directory, is kept as it is.
@@ -516,31 +556,7 @@ impl VolumeStore {
         let names = Names::new(pkg)?;
         let _lock = self.lock(pkg)?;
         self.recover_locked(pkg, &names)?;
-        let existed = self.tree(pkg, &names.live)?;
-        let kind = match existed {
-            Some(kind) => kind,
-            None if self.btrfs => {
-                sys::create_subvolume(self.root_fd(), &names.live).with_ctx(|_| {
-                    (
-                        ErrorKind::DiskManagement,
-                        pkg.context(format!(
-                            "creating subvolume {}",
-                            self.volume_path(pkg).display()
-                        )),
-                    )
-                })?;
-                VolumeKind::Subvolume
-            }
-            None => {
-                sys::mkdir_if_missing(self.root_fd(), &names.live, 0o755).with_ctx(|_| {
-                    (
-                        ErrorKind::Filesystem,
-                        pkg.context(format!("creating {}", self.volume_path(pkg).display())),
-                    )
-                })?;
-                VolumeKind::Directory
-            }
-        };
+        let (kind, created) = self.ensure_locked(pkg, &names)?;
         let mk = || -> io::Result<()> {
             let live = sys::open_dir_at(self.root_fd(), &names.live)?;
             sys::mkdir_if_missing(live.as_fd(), OsStr::new("data"), 0o755)?;
@@ -554,9 +570,9 @@ impl VolumeStore {
         };
         if let Err(e) = mk() {
             // A volume this call made goes again: nothing half-made stays.
-            let cleanup = match existed {
-                Some(_) => Ok(()),
-                None => self
+            let cleanup = match created {
+                false => Ok(()),
+                true => self
                     .delete_entry(&names.live)
                     .and_then(|()| self.fsync_root()),
             };
@@ -1128,6 +1144,11 @@ impl VolumeStore {
             )
         };
         failpoint("delete.backup-dropped").with_ctx(io_ctx)?;
+        // What an interrupted restore of upstream's kept for the operator,
+        // and upstream's marker of a fresh install, go with the package.
+        for name in [&names.restore_conflict, &names.fresh] {
+            self.delete_entry(name).with_ctx(io_ctx)?;
+        }
         let pending = self.exists_at(&names.delete).with_ctx(io_ctx)?;
         if pending {
             self.delete_entry(&names.delete)
@@ -1182,6 +1203,9 @@ impl VolumeStore {
         let io_ctx = |what: &'static str| {
             move |_: &io::Error| (ErrorKind::DiskManagement, pkg.context(what))
         };
+        // What upstream's own code left comes first: it is older than
+        // anything of ours.
+        self.recover_upstream(pkg, names, &mut actions)?;
         // A backup that never got its real name is incomplete: discard it.
         if self
             .exists_at(&names.backup_tmp)
@@ -1321,6 +1345,70 @@ impl VolumeStore {
         ))
     }
 
+    /// Sets or clears upstream's `<pkg>.install-fresh` marker (an empty
+    /// regular file): an install with no volume before it, whose rollback
+    /// deletes the volume it made. One atomic step each way.
+    pub fn mark_fresh(&self, pkg: &PackageId, fresh: bool) -> Result<(), Error> {
+        let names = Names::new(pkg)?;
+        let _lock = self.lock(pkg)?;
+        let marked = if fresh {
+            sys::touch_at(self.root_fd(), &names.fresh, 0o600)
+        } else {
+            sys::unlink_if_exists(self.root_fd(), &names.fresh)
+        };
+        marked.and_then(|()| self.fsync_root()).with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                pkg.context(format!(
+                    "{} the fresh-install marker",
+                    if fresh { "writing" } else { "removing" }
+                )),
+            )
+        })
+    }
+
+    /// Whether upstream's `<pkg>.install-fresh` marker is there.
+    pub fn is_fresh(&self, pkg: &PackageId) -> Result<bool, Error> {
+        let names = Names::new(pkg)?;
+        self.exists_at(&names.fresh).with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                pkg.context("looking for the fresh-install marker"),
+            )
+        })
+    }
+
+    /// Deletes the live volume `<pkg>` only, keeping its backup: what
+    /// upstream's uninstall cleanup and fresh-install rollback ask of
+    /// `delete_tree` on a volume root, after which a restore may still put
+    /// the backup in. The volume is renamed to `<pkg>.replaced` first
+    /// (garbage to recovery, which never touches the backup for it), then
+    /// deleted: O(1) per subvolume. Returns whether there was a volume.
+    /// Refuses while anything is mounted from inside it.
+    pub fn discard_volume(&self, pkg: &PackageId) -> Result<bool, Error> {
+        let names = Names::new(pkg)?;
+        if !self.any_name(pkg, &names)? {
+            return Ok(false);
+        }
+        let _lock = self.lock(pkg)?;
+        self.recover_locked(pkg, &names)?;
+        if self.tree(pkg, &names.live)?.is_none() {
+            return Ok(false);
+        }
+        self.ensure_not_mounted(pkg)?;
+        sys::rename_noreplace(self.root_fd(), &names.live, &names.replaced)
+            .and_then(|()| self.fsync_root())
+            .with_ctx(|_| {
+                (
+                    ErrorKind::DiskManagement,
+                    pkg.context("moving the volume aside"),
+                )
+            })?;
+        self.purge_locked(pkg, &names)?;
+        tracing::info!(package = %pkg, "volume deleted, backup kept");
+        Ok(true)
+    }
+
     /// Every package with any entry under the root, sorted.
     fn packages(&self) -> Result<Vec<PackageId>, Error> {
         let entries = sys::read_dir_names(self.root_fd()).with_ctx(|_| {
@@ -1390,6 +1478,29 @@ impl VolumeStore {
         })
     }
 
+    /// How `pkg`'s volume and backup are stored, each `None` if absent. An
+    /// entry under the package's name that is no directory is an error
+    /// naming it. Reads two names; takes no lock.
+    pub fn info(&self, pkg: &PackageId) -> Result<VolumeInfo, Error> {
+        let names = Names::new(pkg)?;
+        Ok(VolumeInfo {
+            package: pkg.clone(),
+            volume: self.tree(pkg, &names.live)?,
+            backup: self.tree(pkg, &names.backup)?,
+        })
+    }
+
+    /// Every package with upstream's fresh-install marker.
+    pub fn fresh_packages(&self) -> Result<Vec<PackageId>, Error> {
+        let mut out = Vec::new();
+        for pkg in self.packages()? {
+            if self.is_fresh(&pkg)? {
+                out.push(pkg);
+            }
+        }
+        Ok(out)
+    }
+
     /// Every package that has a volume or a backup, with how each is stored.
     /// An entry under a package's name that is no directory is no volume:
     /// it is skipped with a warning, and the listing goes on.
@@ -1419,6 +1530,79 @@ impl VolumeStore {
         }
         Ok(out)
     }
+}
+
+/// Removes the entry `name` of the directory open as `dir` and everything
+/// below it, whatever it is: a subvolume tree in O(1) per subvolume
+/// (read-only ones made writable first), a plain directory entry by entry
+/// (nested subvolumes whole, immutable and append-only flags cleared), a
+/// file or special file by unlink; absent is fine. Never follows a symlink.
+/// Not atomic for a tree of several subvolumes or a plain directory: a
+/// crash leaves part of it.
+pub fn delete_tree_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+    match sys::stat_at(dir, name)? {
+        None => Ok(()),
+        Some(st) if st.is_dir() => {
+            let fd = sys::open_dir_at(dir, name)?;
+            if sys::is_subvolume(fd.as_fd())? && sys::stat(dir)?.dev != st.dev {
+                sys::make_tree_writable(fd.as_fd())?;
+                drop(fd);
+                failpoint("delete-entry.writable")?;
+                sys::delete_subvolume(dir, name, true)
+            } else {
+                drop(fd);
+                // Never follows a symlink; deletes nested subvolumes whole
+                // (a package may have made one read-only) and clears
+                // immutable and append-only flags (which a reflink copy
+                // keeps): anything less would leave a transient name, and
+                // every later recovery of the package, stuck.
+                crate::copy::remove_tree_at(dir, name, &mut |_| Ok(()))
+            }
+        }
+        Some(_) => sys::unlink_if_exists(dir, name),
+    }
+}
+
+/// Deletes whatever is at `path`, as upstream's `util::btrfs::delete_tree`:
+/// its parent is resolved as given (a trusted path), its last component
+/// never followed; absent is fine.
+///
+/// A package's volume root (`<volumes root>/<pkg>`, the one place upstream
+/// calls it) goes through [`VolumeStore::discard_volume`]: renamed aside
+/// first, so a crash never leaves half a volume under its name, then
+/// deleted in O(1) per subvolume, and its backup kept for the restore that
+/// may follow. Anything else is deleted in place ([`delete_tree_at`]).
+pub fn delete_tree(path: &Path) -> Result<(), Error> {
+    let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(Error::new(
+            eyre!("cannot delete {}: no parent directory", path.display()),
+            ErrorKind::InvalidRequest,
+        ));
+    };
+    let parent = if parent.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        parent
+    };
+    if let Some(pkg) = name.to_str().and_then(|n| n.parse::<PackageId>().ok()) {
+        if layout::check_id_len(&pkg).is_ok() {
+            return VolumeStore::open_without_recovery(parent)?
+                .discard_volume(&pkg)
+                .map(drop);
+        }
+    }
+    let dir = sys::open_dir_path(parent).with_ctx(|_| {
+        (
+            ErrorKind::Filesystem,
+            format!("opening {}", parent.display()),
+        )
+    })?;
+    delete_tree_at(dir.as_fd(), name).with_ctx(|_| {
+        (
+            ErrorKind::Filesystem,
+            format!("deleting {}", path.display()),
+        )
+    })
 }
 
 /// The ids, in the snapshot open as `copy`, of the nested subvolumes whose

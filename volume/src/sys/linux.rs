@@ -90,6 +90,20 @@ pub fn create_file_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Resul
     )?)
 }
 
+/// Creates the empty regular file `name` in `dir`, never following a
+/// symlink; already there is fine. Needs no data space.
+pub fn touch_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Result<()> {
+    match rustix::fs::openat(
+        dir,
+        name,
+        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(mode),
+    ) {
+        Ok(_) | Err(Errno::EXIST) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// `lstat` of `name` in `dir`; `None` when it does not exist.
 pub fn stat_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Stat>> {
     match rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {

@@ -1,0 +1,524 @@
+//! The drop-in for start-core's own `volume` module: the same names and
+//! call shapes, on [`volume::VolumeStore`] and [`volume_migrate::Migrator`].
+//!
+//! Upstream's `src/volume.rs` becomes a re-export of this module, its
+//! `crate::Error` gains one `From<models::Error>` impl, and its
+//! `PhaseProgressTrackerHandle` implements [`BootProgress`] in a few lines
+//! (`docs/upstream.md` has the whole wiring). Where upstream's protocol is
+//! sound this keeps its contract; where it can lose data this one is
+//! stronger, and says so on each item:
+//! - [`InstallBackup::restore`] is one `RENAME_EXCHANGE`: the volume path
+//!   is never empty (upstream renames the live volume away, then the backup
+//!   in);
+//! - nested subvolumes are snapshotted and restored with their read-only
+//!   flags (upstream's snapshot shows them as empty directories, and its
+//!   restore deletes their data with the replaced tree);
+//! - a `false` from [`InstallBackup::snapshot`] is always logged with why,
+//!   and [`InstallBackup::snapshot_outcome`] returns the reason;
+//! - the only good copy of a volume is never deleted ([`InstallBackup::begin`]
+//!   puts back a backup that has no live volume beside it rather than
+//!   deleting it);
+//! - every interrupted step of upstream's own code that a box upgraded from
+//!   its release may carry is resolved with nothing lost (see
+//!   [`volume::VolumeStore::recover`]).
+//!
+//! Ids are whatever upstream passes (its `PackageId`, `VolumeId`,
+//! `VersionString`): anything that displays as the id. Each is validated
+//! here; an invalid one is an `InvalidId` error, and never makes a path
+//! outside the volumes root.
+
+use std::collections::BTreeSet;
+use std::fmt::Display;
+use std::path::{Path, PathBuf};
+
+use color_eyre::eyre::eyre;
+use models::{Error, ErrorKind, PackageId, VolumeId};
+
+use crate::blocking::blocking;
+
+/// Package volumes, relative to the data directory (upstream's constant).
+pub const PKG_VOLUME_DIR: &str = volume::PKG_VOLUME_DIR;
+/// Where backups to a backup target are mounted (upstream's constant).
+pub const BACKUP_DIR: &str = "/media/startos/backups";
+
+/// One path component for an id that must be `valid`: the id itself, or,
+/// for one that is not (upstream's own types never hold one), its bytes
+/// percent-escaped: one component, never `.` or `..`, never a package's
+/// name (`%` is in no valid id). Logged, as it means a caller's bug.
+fn component(id: &str, valid: bool) -> String {
+    if valid {
+        return id.to_owned();
+    }
+    tracing::error!("invalid id {id:?} in a volume path; escaped");
+    id.bytes().map(|b| format!("%{b:02x}")).collect()
+}
+
+fn package_component(pkg_id: &impl Display) -> String {
+    let id = pkg_id.to_string();
+    let valid = id.parse::<PackageId>().is_ok();
+    component(&id, valid)
+}
+
+/// `<datadir>/package-data/volumes/<pkg>/data/<volume>`, where a volume is
+/// bind-mounted into the package's container.
+pub fn data_dir<P: AsRef<Path>>(
+    datadir: P,
+    pkg_id: &(impl Display + ?Sized),
+    volume_id: &(impl Display + ?Sized),
+) -> PathBuf {
+    let vol = volume_id.to_string();
+    let valid = vol.parse::<VolumeId>().is_ok();
+    datadir
+        .as_ref()
+        .join(PKG_VOLUME_DIR)
+        .join(package_component(&pkg_id))
+        .join("data")
+        .join(component(&vol, valid))
+}
+
+/// `<datadir>/package-data/volumes/<pkg>/assets/<version>`.
+pub fn asset_dir<P: AsRef<Path>>(
+    datadir: P,
+    pkg_id: &(impl Display + ?Sized),
+    version: &(impl Display + ?Sized),
+) -> PathBuf {
+    let v = version.to_string();
+    let valid = !v.is_empty() && v != "." && v != ".." && !v.contains(['/', '\0']);
+    datadir
+        .as_ref()
+        .join(PKG_VOLUME_DIR)
+        .join(package_component(&pkg_id))
+        .join("assets")
+        .join(component(&v, valid))
+}
+
+/// `/media/startos/backups/<pkg>/data`.
+pub fn backup_dir(pkg_id: &(impl Display + ?Sized)) -> PathBuf {
+    Path::new(BACKUP_DIR)
+        .join(package_component(&pkg_id))
+        .join("data")
+}
+
+/// The volumes root on a StartOS server.
+pub fn volumes_root() -> PathBuf {
+    volume::default_root()
+}
+
+/// A package id parsed and checked for every name derived from it.
+fn parse_package(pkg_id: &str) -> Result<PackageId, Error> {
+    let pkg: PackageId = pkg_id.parse()?;
+    volume::layout::check_id_len(&pkg)?;
+    Ok(pkg)
+}
+
+/// A package's install backup and the protocol around it, as upstream's:
+/// [`InstallBackup::begin`] before an install, [`InstallBackup::snapshot`]
+/// once the old service is stopped, then [`InstallBackup::remove`] on
+/// success or [`InstallBackup::restore`] on failure.
+///
+/// Every call first finishes or undoes whatever a crash left for the
+/// package ([`InstallBackup::resolve_pending`]), under the package's lock.
+pub struct InstallBackup {
+    root: PathBuf,
+    pkg: Result<PackageId, String>,
+}
+
+impl InstallBackup {
+    /// The install backup of `pkg_id` under upstream's volumes root.
+    pub fn of(pkg_id: &(impl Display + ?Sized)) -> Self {
+        Self::at(volumes_root(), pkg_id)
+    }
+
+    /// The install backup of `pkg_id` under `volumes_root` (tests, image
+    /// builds).
+    pub fn at(volumes_root: impl Into<PathBuf>, pkg_id: &(impl Display + ?Sized)) -> Self {
+        let id = pkg_id.to_string();
+        InstallBackup {
+            root: volumes_root.into(),
+            pkg: parse_package(&id).map_err(|_| id),
+        }
+    }
+
+    fn package(&self) -> Result<PackageId, Error> {
+        match &self.pkg {
+            Ok(p) => Ok(p.clone()),
+            Err(id) => parse_package(id),
+        }
+    }
+
+    /// Runs `f` on the store and the package, off the async runtime.
+    async fn run<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(volume::VolumeStore, PackageId) -> Result<T, Error> + Send + 'static,
+    ) -> Result<T, Error> {
+        let pkg = self.package()?;
+        let root = self.root.clone();
+        blocking(move || f(volume::VolumeStore::open_without_recovery(root)?, pkg)).await
+    }
+
+    /// Whether the backup `<pkg>.install-backup` exists. `false` for an
+    /// invalid id or when it cannot be told.
+    pub async fn exists(&self) -> bool {
+        self.run(|store, pkg| Ok(store.info(&pkg)?.backup.is_some()))
+            .await
+            .unwrap_or(false)
+    }
+
+    /// Before an install: resolves a pending restore, discards the previous
+    /// backup, and marks a rootless install (`<pkg>.install-fresh`), as
+    /// upstream. Stronger: a backup with no live volume beside it is the
+    /// only copy of the data, so it is put back as the volume rather than
+    /// deleted.
+    pub async fn begin(&self) -> Result<(), Error> {
+        self.run(|store, pkg| {
+            store.recover(&pkg)?;
+            if store.info(&pkg)?.volume.is_some() {
+                store.drop_backup(&pkg)?;
+            } else if store.restore(&pkg)? {
+                tracing::warn!(package = %pkg, "begin: the install backup was the only copy of the volume; put it back");
+            }
+            store.mark_fresh(&pkg, store.info(&pkg)?.volume.is_none())
+        })
+        .await
+    }
+
+    /// Whether [`InstallBackup::begin`] found no volume.
+    pub async fn is_fresh(&self) -> bool {
+        self.run(|store, pkg| store.is_fresh(&pkg))
+            .await
+            .unwrap_or(false)
+    }
+
+    /// Takes the backup: a read-only snapshot, nested subvolumes included,
+    /// in milliseconds; for a volume that is still a plain directory, a
+    /// reflink copy (NOCOW files included) within the extent bound. `true`
+    /// if a backup now exists. `false` (a fresh install, not btrfs, a
+    /// plain directory too fragmented to copy) is always logged with why;
+    /// see [`InstallBackup::snapshot_outcome`] for the reason as data. An
+    /// earlier backup left by an install that skipped `begin` is replaced.
+    pub async fn snapshot(&self) -> Result<bool, Error> {
+        let outcome = self.snapshot_outcome().await?;
+        match &outcome {
+            volume::SnapshotOutcome::Skipped { reason } => {
+                tracing::warn!("no install backup: {reason}");
+            }
+            volume::SnapshotOutcome::NoVolume => {
+                tracing::info!("no install backup: no volume yet (a fresh install)");
+            }
+            _ => {}
+        }
+        Ok(outcome.created())
+    }
+
+    /// [`InstallBackup::snapshot`], with what it did.
+    pub async fn snapshot_outcome(&self) -> Result<volume::SnapshotOutcome, Error> {
+        self.run(|store, pkg| {
+            let info = store.info(&pkg)?;
+            if info.backup.is_some() && info.volume.is_some() {
+                tracing::warn!(package = %pkg, "an install backup was left without `begin`; replacing it");
+                store.drop_backup(&pkg)?;
+            }
+            store.snapshot(&pkg)
+        })
+        .await
+    }
+
+    /// Rolls the volume back to the backup and consumes it; a no-op
+    /// without one. One `RENAME_EXCHANGE`: the volume path holds the
+    /// complete old or the complete restored volume at every instant
+    /// (upstream's path is empty between two renames), nested subvolumes
+    /// included. Refuses while anything, in any mount namespace, is
+    /// mounted from inside the volume.
+    pub async fn restore(&self) -> Result<(), Error> {
+        self.run(|store, pkg| store.restore(&pkg).map(drop)).await
+    }
+
+    /// Finishes or undoes whatever a crash interrupted for the package,
+    /// this crate's operations and upstream's own alike (see
+    /// [`volume::VolumeStore::recover`]). Idempotent.
+    pub async fn resolve_pending(&self) -> Result<(), Error> {
+        self.run(|store, pkg| store.recover(&pkg).map(drop)).await
+    }
+
+    /// Once the install is over: drops the fresh marker and the backup.
+    pub async fn remove(&self) -> Result<(), Error> {
+        self.run(|store, pkg| {
+            store.mark_fresh(&pkg, false)?;
+            store.drop_backup(&pkg).map(drop)
+        })
+        .await
+    }
+}
+
+/// Makes sure the package's volume exists, creating it empty if missing (a
+/// subvolume on btrfs, else a directory), after resolving whatever a crash
+/// left for it.
+pub async fn ensure_volume_root(pkg_id: &(impl Display + ?Sized)) -> Result<(), Error> {
+    ensure_volume_root_at(volumes_root(), pkg_id).await
+}
+
+/// [`ensure_volume_root`] under `volumes_root`.
+pub async fn ensure_volume_root_at(
+    volumes_root: impl Into<PathBuf>,
+    pkg_id: &(impl Display + ?Sized),
+) -> Result<(), Error> {
+    let root = volumes_root.into();
+    let pkg = parse_package(&pkg_id.to_string())?;
+    blocking(move || {
+        volume::create_root(&root)?;
+        volume::VolumeStore::open_without_recovery(&root)?
+            .ensure(&pkg)
+            .map(drop)
+    })
+    .await
+}
+
+/// Deletes whatever is at `path` (upstream's `util::btrfs::delete_tree`,
+/// which its uninstall cleanup calls on a package's volume root): a
+/// volume root is renamed aside first and deleted in O(1) per subvolume,
+/// its backup kept; see [`volume::delete_tree`].
+pub async fn delete_tree(path: impl AsRef<Path>) -> Result<(), Error> {
+    let path = path.as_ref().to_owned();
+    blocking(move || volume::delete_tree(&path)).await
+}
+
+/// Where boot maintenance reports to: upstream's
+/// `PhaseProgressTrackerHandle` implements it with a few lines of glue
+/// (`docs/upstream.md`).
+pub trait BootProgress {
+    /// Bytes to convert in all.
+    fn set_total(&mut self, bytes: u64);
+    /// Bytes converted so far.
+    fn set_done(&mut self, bytes: u64);
+    /// `pkg`'s volume is ready (already a subvolume, or just converted):
+    /// its service may start now, whatever the other packages still need.
+    fn package_ready(&mut self, pkg: &str) {
+        let _ = pkg;
+    }
+}
+
+/// What [`boot_volume_maintenance`] did.
+#[derive(Debug)]
+pub struct BootMaintenance {
+    /// What recovery finished or undid, package by package.
+    pub recovered: Vec<volume::Recovery>,
+    /// Installed packages whose volume is ready, in the order they became
+    /// so.
+    pub ready: Vec<PackageId>,
+    /// Packages whose recovery or conversion failed, with why; each keeps
+    /// its volume as it was (a plain directory still gets a reflink
+    /// backup before updates).
+    pub failed: Vec<(PackageId, Error)>,
+    /// The removal of the plain directories the conversions replaced,
+    /// running in the background after the function returned (O(their
+    /// extents)); await it, or let it run. Resolves to the packages cleaned.
+    pub cleanup: Option<tokio::task::JoinHandle<Result<Vec<PackageId>, Error>>>,
+}
+
+/// An event from the blocking boot work to the caller's progress handle.
+enum BootEvent {
+    Total(u64),
+    Done(u64),
+    Ready(PackageId),
+}
+
+/// Boot-time maintenance, before any service starts: finishes or undoes
+/// whatever a crash left for every package (this crate's operations and
+/// upstream's own), sweeps what upstream's sweep sweeps (the backups and
+/// fresh markers of packages no longer in the database), then converts
+/// each installed package's plain-directory volume into a subvolume with
+/// volume-migrate (resumable after a crash, every attribute kept), and
+/// reports each package ready as soon as its own volume is. The old
+/// directories are removed afterwards, in the background
+/// ([`BootMaintenance::cleanup`]). A package's failure is reported and the
+/// others go on; only an unreadable volumes root is an error.
+pub async fn boot_volume_maintenance<'a, P: Display + 'a>(
+    installed: impl IntoIterator<Item = &'a P>,
+    all: impl IntoIterator<Item = &'a P>,
+    progress: &mut impl BootProgress,
+) -> Result<BootMaintenance, Error> {
+    boot_volume_maintenance_at(volumes_root(), installed, all, progress).await
+}
+
+/// [`boot_volume_maintenance`] under `volumes_root`.
+pub async fn boot_volume_maintenance_at<'a, P: Display + 'a>(
+    volumes_root: impl Into<PathBuf>,
+    installed: impl IntoIterator<Item = &'a P>,
+    all: impl IntoIterator<Item = &'a P>,
+    progress: &mut impl BootProgress,
+) -> Result<BootMaintenance, Error> {
+    let root = volumes_root.into();
+    let ids = |set: &mut dyn Iterator<Item = String>| -> BTreeSet<String> { set.collect() };
+    let installed = ids(&mut installed.into_iter().map(|p| p.to_string()));
+    let all = ids(&mut all.into_iter().map(|p| p.to_string()));
+    if !root.exists() {
+        return Ok(BootMaintenance {
+            recovered: Vec::new(),
+            ready: Vec::new(),
+            failed: Vec::new(),
+            cleanup: None,
+        });
+    }
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let work = {
+        let root = root.clone();
+        tokio::task::spawn_blocking(move || boot_blocking(&root, &installed, &all, &tx))
+    };
+    let mut ready = Vec::new();
+    while let Some(event) = rx.recv().await {
+        match event {
+            BootEvent::Total(b) => progress.set_total(b),
+            BootEvent::Done(b) => progress.set_done(b),
+            BootEvent::Ready(pkg) => {
+                progress.package_ready(pkg.as_str());
+                ready.push(pkg);
+            }
+        }
+    }
+    let (recovered, failed, converted) = work
+        .await
+        .map_err(|e| Error::new(eyre!("boot maintenance task: {e}"), ErrorKind::Unknown))??;
+    let cleanup = converted.then(|| {
+        tokio::task::spawn_blocking(move || {
+            let migrator = volume_migrate::Migrator::open(&root)?;
+            migrator.remove_all_old(&mut |_: &volume_migrate::Progress| {})
+        })
+    });
+    Ok(BootMaintenance {
+        recovered,
+        ready,
+        failed,
+        cleanup,
+    })
+}
+
+/// The blocking part of boot maintenance; sends progress on `tx`. Returns
+/// the recoveries, the failures, and whether anything was converted.
+#[allow(clippy::type_complexity)]
+fn boot_blocking(
+    root: &Path,
+    installed: &BTreeSet<String>,
+    all: &BTreeSet<String>,
+    tx: &tokio::sync::mpsc::UnboundedSender<BootEvent>,
+) -> Result<(Vec<volume::Recovery>, Vec<(PackageId, Error)>, bool), Error> {
+    let store = volume::VolumeStore::open_without_recovery(root)?;
+    let mut failed = Vec::new();
+    let mut recovered = Vec::new();
+    for r in store.recover_all()? {
+        match &r.error {
+            Some(e) => failed.push((
+                r.package.clone(),
+                Error::new(eyre!("{e}"), ErrorKind::Incoherent),
+            )),
+            None => recovered.push(r),
+        }
+    }
+    sweep(&store, installed, all, &mut failed)?;
+    let migrator = volume_migrate::Migrator::open(root)?;
+    let plan = migrator.plan()?;
+    let to_convert: BTreeSet<PackageId> = plan
+        .iter()
+        .filter(|e| e.estimate.is_some() && installed.contains(e.package.as_str()))
+        .map(|e| e.package.clone())
+        .collect();
+    let total: u64 = plan
+        .iter()
+        .filter(|e| to_convert.contains(&e.package))
+        .filter_map(|e| e.estimate.map(|est| est.bytes))
+        .sum();
+    let _ = tx.send(BootEvent::Total(total));
+    // Everything installed that needs no conversion is ready now.
+    for id in installed {
+        let Ok(pkg) = id.parse::<PackageId>() else {
+            continue;
+        };
+        if !to_convert.contains(&pkg) && !failed.iter().any(|(p, _)| *p == pkg) {
+            let _ = tx.send(BootEvent::Ready(pkg));
+        }
+    }
+    let opts = volume_migrate::MigrateOptions {
+        remove_old: false,
+        ..Default::default()
+    };
+    let mut base = 0u64;
+    for pkg in &to_convert {
+        let mut sink = |p: &volume_migrate::Progress| {
+            let _ = tx.send(BootEvent::Done(base + p.bytes_done));
+        };
+        match migrator.convert(pkg, &opts, &mut sink) {
+            Ok(report) => {
+                base += report.estimate.map_or(0, |e| e.bytes);
+                let _ = tx.send(BootEvent::Done(base));
+                let _ = tx.send(BootEvent::Ready(pkg.clone()));
+            }
+            Err(e) => {
+                tracing::error!(package = %pkg, "converting the volume failed: {e}");
+                failed.push((pkg.clone(), e));
+            }
+        }
+    }
+    Ok((recovered, failed, !to_convert.is_empty()))
+}
+
+/// Upstream's sweep, made safe: a backup of a package no longer in the
+/// database is dropped when its live volume is there, and put back as the
+/// volume when it is not (the only copy); a fresh marker of a package that
+/// is installed, or no longer known, is removed.
+fn sweep(
+    store: &volume::VolumeStore,
+    installed: &BTreeSet<String>,
+    all: &BTreeSet<String>,
+    failed: &mut Vec<(PackageId, Error)>,
+) -> Result<(), Error> {
+    for pkg in store.fresh_packages()? {
+        if installed.contains(pkg.as_str()) || !all.contains(pkg.as_str()) {
+            if let Err(e) = store.mark_fresh(&pkg, false) {
+                failed.push((pkg, e));
+            }
+        }
+    }
+    for info in store.list()? {
+        let pkg = &info.package;
+        if all.contains(pkg.as_str()) || info.backup.is_none() {
+            continue;
+        }
+        let r = if info.volume.is_some() {
+            store.drop_backup(pkg).map(drop)
+        } else {
+            store.restore(pkg).map(drop)
+        };
+        if let Err(e) = r {
+            failed.push((pkg.clone(), e));
+        }
+    }
+    Ok(())
+}
+
+/// Converts one package's plain-directory volume into a subvolume
+/// (upstream calls it for a package migrated from 0.3.x before installing
+/// it), and removes the old directory. A no-op for a subvolume or off
+/// btrfs.
+pub async fn convert_package_to_subvolume(pkg_id: &(impl Display + ?Sized)) -> Result<(), Error> {
+    convert_package_to_subvolume_at(volumes_root(), pkg_id).await
+}
+
+/// [`convert_package_to_subvolume`] under `volumes_root`.
+pub async fn convert_package_to_subvolume_at(
+    volumes_root: impl Into<PathBuf>,
+    pkg_id: &(impl Display + ?Sized),
+) -> Result<(), Error> {
+    let root = volumes_root.into();
+    let pkg = parse_package(&pkg_id.to_string())?;
+    blocking(move || {
+        let migrator = volume_migrate::Migrator::open(&root)?;
+        let opts = volume_migrate::MigrateOptions {
+            remove_old: false,
+            ..Default::default()
+        };
+        migrator.convert(&pkg, &opts, &mut |_: &volume_migrate::Progress| {})?;
+        migrator
+            .remove_old(&pkg, &mut |_: &volume_migrate::Progress| {})
+            .map(drop)
+    })
+    .await
+}
