@@ -1584,12 +1584,11 @@ pub fn delete_tree(path: &Path) -> Result<(), Error> {
     } else {
         parent
     };
-    if let Some(pkg) = name.to_str().and_then(|n| n.parse::<PackageId>().ok()) {
-        if layout::check_id_len(&pkg).is_ok() {
-            return VolumeStore::open_without_recovery(parent)?
-                .discard_volume(&pkg)
-                .map(drop);
-        }
+    let pkg = name.to_str().and_then(|n| n.parse::<PackageId>().ok());
+    if let Some(pkg) = pkg.filter(|p| layout::check_id_len(p).is_ok()) {
+        return VolumeStore::open_without_recovery(parent)?
+            .discard_volume(&pkg)
+            .map(drop);
     }
     let dir = sys::open_dir_path(parent).with_ctx(|_| {
         (

@@ -43,11 +43,10 @@ fn holds_files(dir: BorrowedFd<'_>) -> io::Result<bool> {
     for (name, ty, _) in sys::read_dir_names(dir)? {
         match entry_type(dir, &name, ty)? {
             None => {}
-            Some(FileType::Directory) => {
-                if holds_files(sys::open_dir_at(dir, &name)?.as_fd())? {
-                    return Ok(true);
-                }
+            Some(FileType::Directory) if holds_files(sys::open_dir_at(dir, &name)?.as_fd())? => {
+                return Ok(true);
             }
+            Some(FileType::Directory) => {}
             Some(_) => return Ok(true),
         }
     }
