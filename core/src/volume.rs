@@ -471,10 +471,12 @@ fn sweep(
     failed: &mut Vec<(PackageId, Error)>,
 ) -> Result<(), Error> {
     for pkg in store.fresh_packages()? {
-        if installed.contains(pkg.as_str()) || !all.contains(pkg.as_str()) {
-            if let Err(e) = store.mark_fresh(&pkg, false) {
-                failed.push((pkg, e));
-            }
+        let stale = installed.contains(pkg.as_str()) || !all.contains(pkg.as_str());
+        if let Err(e) = stale
+            .then(|| store.mark_fresh(&pkg, false))
+            .unwrap_or(Ok(()))
+        {
+            failed.push((pkg, e));
         }
     }
     for info in store.list()? {
