@@ -470,12 +470,9 @@ fn sweep(
     all: &BTreeSet<String>,
     failed: &mut Vec<(PackageId, Error)>,
 ) -> Result<(), Error> {
-    for pkg in store.fresh_packages()? {
-        let stale = installed.contains(pkg.as_str()) || !all.contains(pkg.as_str());
-        if let Err(e) = stale
-            .then(|| store.mark_fresh(&pkg, false))
-            .unwrap_or(Ok(()))
-        {
+    let stale = |p: &PackageId| installed.contains(p.as_str()) || !all.contains(p.as_str());
+    for pkg in store.fresh_packages()?.into_iter().filter(stale) {
+        if let Err(e) = store.mark_fresh(&pkg, false) {
             failed.push((pkg, e));
         }
     }
