@@ -42,15 +42,18 @@ pub const PKG_VOLUME_DIR: &str = volume::PKG_VOLUME_DIR;
 pub const BACKUP_DIR: &str = "/media/startos/backups";
 
 /// One path component for an id that must be `valid`: the id itself, or,
-/// for one that is not (upstream's own types never hold one), its bytes
-/// percent-escaped: one component, never `.` or `..`, never a package's
-/// name (`%` is in no valid id). Logged, as it means a caller's bug.
+/// for one that is not (upstream's own types never hold one), `%` and its
+/// bytes in hex: one component, never `.` or `..`, never a package's name
+/// (`%` is in no valid id). Logged, as it means a caller's bug.
 fn component(id: &str, valid: bool) -> String {
     if valid {
         return id.to_owned();
     }
     tracing::error!("invalid id {id:?} in a volume path; escaped");
-    id.bytes().map(|b| format!("%{b:02x}")).collect()
+    // A leading `%` even for an empty id, so it still is one component.
+    std::iter::once("%".to_owned())
+        .chain(id.bytes().map(|b| format!("{b:02x}")))
+        .collect()
 }
 
 fn package_component(pkg_id: &impl Display) -> String {
