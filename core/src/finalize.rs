@@ -571,9 +571,45 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
     ) -> Result<RolledBack, Error> {
         self.services.stop(pkg).await?;
         failpoint("rollback.stopped")?;
-        let holders = self.stop_mount_holders(pkg).await?;
+        // Whatever happens from here, every holder stopped is started again.
+        let mut stopped = Vec::new();
+        let back = self.put_back(pkg, old, had_volume, &mut stopped).await;
+        let restart = match (&back, old) {
+            (Ok(()), Some((v, _))) => self.services.start(pkg, v).await,
+            _ => Ok(()),
+        };
+        let holders = self.start_again(stopped).await;
+        match back {
+            Ok(()) => Ok(RolledBack { restart, holders }),
+            Err(e) => {
+                for (h, r) in holders {
+                    match r {
+                        Ok(()) => {
+                            tracing::info!(package = %pkg, holder = %h, "started again after a failed restore")
+                        }
+                        Err(e) => {
+                            tracing::error!(package = %pkg, holder = %h, "did not start again after a failed restore: {e}")
+                        }
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The volume and the state put back: holders of mounts of the volume
+    /// stopped (each added to `stopped` as it is), the backup restored (or
+    /// a fresh install's volume deleted), the state back to the old version.
+    async fn put_back(
+        &self,
+        pkg: &PackageId,
+        old: Option<&(String, String)>,
+        had_volume: bool,
+        stopped: &mut Vec<(PackageId, Option<String>)>,
+    ) -> Result<(), Error> {
+        self.stop_mount_holders(pkg, stopped).await?;
         let (store, p) = (self.store()?, pkg.clone());
-        let restored = blocking(move || {
+        blocking(move || {
             if !store.restore_deferring_purge(&p)? && !had_volume {
                 // A fresh install with nothing before it: the volume holds
                 // only what the failed install wrote.
@@ -581,14 +617,7 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
             }
             Ok(())
         })
-        .await;
-        if let Err(e) = restored {
-            for (h, r) in self.start_again(holders).await {
-                r.log_err();
-                tracing::info!(package = %pkg, holder = %h, "started again after a failed restore");
-            }
-            return Err(e);
-        }
+        .await?;
         failpoint("rollback.restored")?;
         let p = pkg.clone();
         let back = old.cloned();
@@ -613,22 +642,18 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
             })
             .await?;
         failpoint("rollback.recorded")?;
-        let restart = match old {
-            Some((v, _)) => self.services.start(pkg, v).await,
-            None => Ok(()),
-        };
-        let holders = self.start_again(holders).await;
-        Ok(RolledBack { restart, holders })
+        Ok(())
     }
 
     /// Stops every service that holds a mount of `pkg`'s volume in a mount
-    /// namespace of its own, as [`Services::service_of`] names them, and
-    /// returns each with the version to start again (mounts in this
+    /// namespace of its own, as [`Services::service_of`] names them, adding
+    /// each, with the version to start again, to `stopped` (mounts in this
     /// process's own namespace belong to no one service).
     async fn stop_mount_holders(
         &self,
         pkg: &PackageId,
-    ) -> Result<Vec<(PackageId, Option<String>)>, Error> {
+        stopped: &mut Vec<(PackageId, Option<String>)>,
+    ) -> Result<(), Error> {
         let (store, p) = (self.store()?, pkg.clone());
         let uses = blocking(move || store.mount_uses(&p)).await?;
         let mut holders: Vec<PackageId> = Vec::new();
@@ -639,14 +664,15 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
             }
         }
         let db = self.db.peek().await;
-        let mut out = Vec::with_capacity(holders.len());
         for h in holders {
             tracing::warn!(package = %pkg, holder = %h, "stopping a service that holds a mount of the volume, for the restore");
-            self.services.stop(&h).await?;
             let version = db.get(&h).and_then(|e| e.version.clone());
-            out.push((h, version));
+            // Listed before the stop: a stop that fails half-way still gets
+            // a start (which does nothing for a service still running).
+            stopped.push((h.clone(), version));
+            self.services.stop(&h).await?;
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Starts again the services [`Finalizer::stop_mount_holders`] stopped.

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::ffi::CString;
 use std::future::Future;
 use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -329,16 +330,36 @@ impl ProcessServices {
         Ok(())
     }
 
-    /// The (source, target) pairs `pkg`'s service bind-mounts in its own
-    /// namespace, targets created.
+    /// What `pkg`'s service bind-mounts in its own namespace: each
+    /// dependency's `data/main`, checked to be reached beneath the volumes
+    /// root through no symlink (a dependency could have put one there);
+    /// targets created. The mount itself goes by path, in the child, after
+    /// the check: an fd opened here belongs to this namespace's mount and
+    /// cannot be bound in another. A test double, not a container runtime:
+    /// the window between the two is not closed.
     fn dependency_binds(&self, pkg: &PackageId) -> Result<Vec<(CString, CString)>, Error> {
         let deps = lock(&self.dependencies)
             .get(pkg)
             .cloned()
             .unwrap_or_default();
+        let root = volume::sys::open_dir_path(&self.volumes_root).with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                format!("opening {}", self.volumes_root.display()),
+            )
+        })?;
         let mut binds = Vec::with_capacity(deps.len());
         for dep in deps {
-            let source = self.data_dir(&dep).join(MAIN_VOLUME);
+            let rel = Path::new(dep.as_str()).join("data").join(MAIN_VOLUME);
+            volume::sys::open_beneath(root.as_fd(), &rel).with_ctx(|_| {
+                (
+                    ErrorKind::Filesystem,
+                    pkg.context(format!(
+                        "opening {dep}'s volume {} without a symlink",
+                        rel.display()
+                    )),
+                )
+            })?;
             let target = self.dependency_mount(pkg, &dep);
             std::fs::create_dir_all(&target).with_ctx(|_| {
                 (
@@ -354,7 +375,7 @@ impl ProcessServices {
                     )
                 })
             };
-            binds.push((c(&source)?, c(&target)?));
+            binds.push((c(&self.volumes_root.join(&rel))?, c(&target)?));
         }
         Ok(binds)
     }

@@ -482,3 +482,37 @@ async fn a_rollback_stops_and_restarts_a_service_holding_a_mount_of_the_volume()
     fin.services().stop(&user).await.unwrap();
     fin.services().stop(&dep).await.unwrap();
 }
+
+/// The same, but the restore itself is refused (a bind mount in this
+/// process's own namespace, which belongs to no service): the rollback
+/// fails, and the dependent it stopped is started again all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_rollback_still_restarts_the_services_it_stopped() {
+    let Some(env) = env() else { return };
+    let (fin, mut rx) = env.finalizer();
+    let (dep, user) = (pkg("dep"), pkg("user"));
+    install_running(&fin, "dep", "1.0", RUN).await;
+    rx.recv().await.unwrap();
+    fin.services().inner.mount_dependency(&user, &dep);
+    install_running(&fin, "user", "1.0", RUN).await;
+    rx.recv().await.unwrap();
+    let own = common::MountGuard::bind(
+        &env.root.join("dep/data/main"),
+        &env.fs.path("our-own-bind"),
+    );
+    fin.services().inner.fail_at(&dep, Phase::Init);
+    let e = fin
+        .install(&req("dep", "2.0"), &Cancel::new())
+        .await
+        .expect_err("the update must fail");
+    assert_eq!(e.kind, ErrorKind::Incoherent, "the rollback must fail: {e}");
+    assert!(e.to_string().contains("in use"), "{e}");
+    rx.recv().await.unwrap();
+    assert!(
+        fin.services().inner.is_running(&user),
+        "the dependent stopped for the restore must run again"
+    );
+    own.unmount();
+    fin.services().stop(&user).await.unwrap();
+    fin.services().stop(&dep).await.unwrap();
+}

@@ -422,6 +422,233 @@ fn a_snapshot_or_delete_failing_half_way_leaves_nothing_half_made() {
     assert!(package_subvolumes(&fs, "app").is_empty());
 }
 
+/// The undo of a failed restore, itself failing or killed half-way, never
+/// swaps a half-deleted copy in: the record goes before the copy, so the
+/// next command finds garbage and the backup (with its read-only nested
+/// subvolume) as it was.
+#[test]
+fn the_undo_of_a_failed_restore_killed_or_failing_half_way_keeps_the_backup() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    app_with_backup(&root);
+    let frozen = root.join("app/data/main/nested/frozen");
+    subvolume_create(&frozen);
+    fs::write(frozen.join("f"), b"frozen").unwrap();
+    set_read_only(&frozen);
+    let store = VolumeStore::open(&root).unwrap();
+    store.drop_backup(&pkg("app")).unwrap();
+    assert_eq!(
+        store.snapshot(&pkg("app")).unwrap(),
+        SnapshotOutcome::Snapshot
+    );
+    fs::write(root.join("app/data/main/after-the-backup"), b"changed").unwrap();
+    let before = Expect::of(&root, "app");
+    for (spec, killed) in [
+        ("restore.recorded=enospc,delete-entry.writable", true),
+        (
+            "restore.recorded=enospc,delete-entry.writable=enospc",
+            false,
+        ),
+    ] {
+        let out = volume_cli(&root, &["restore", "app"], &[(volume::FAILPOINT_ENV, spec)]);
+        if killed {
+            use std::os::unix::process::ExitStatusExt;
+            assert_eq!(out.status.signal(), Some(libc::SIGKILL), "{spec}: {out:?}");
+        } else {
+            must_fail(&out, spec, "failed too");
+        }
+        must_succeed(&volume_cli(&root, &["list"], &[]), "list after the undo");
+        before.check(&root, "app", spec);
+        assert!(
+            is_read_only(&root.join("app.install-backup/data/main/nested/frozen")),
+            "{spec}: the backup's nested subvolume must stay read-only"
+        );
+    }
+    // And the backup still restores, flags and all.
+    must_succeed(&volume_cli(&root, &["restore", "app"], &[]), "restore");
+    assert_same(
+        before.backup.as_ref().unwrap(),
+        &digest(&root.join("app")),
+        "restored",
+    );
+    assert!(is_read_only(&root.join("app/data/main/nested/frozen")));
+}
+
+/// What an earlier version's reflink restore could leave, cut short: its
+/// backup moved to `<pkg>.rollback`, no backup, no record. That may be the
+/// only copy of the backup's data: never deleted, refused with one line.
+#[test]
+fn a_rollback_copy_with_no_record_and_no_backup_is_never_deleted() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    fs::create_dir_all(root.join("app/data/main")).unwrap();
+    fs::write(root.join("app/data/main/state"), b"current").unwrap();
+    fs::create_dir_all(root.join("app.rollback/data/main")).unwrap();
+    fs::write(root.join("app.rollback/data/main/state"), b"pre-update").unwrap();
+    let before = tree_below(&root);
+    for args in [
+        &["recover", "app"][..],
+        &["snapshot", "app"],
+        &["restore", "app"],
+    ] {
+        must_fail(&volume_cli(&root, args, &[]), &format!("{args:?}"), "only");
+        assert_same(&before, &tree_below(&root), &format!("{args:?}"));
+    }
+}
+
+/// Non-directories under the names of a package's trees (a file `app.delete`,
+/// a FIFO `app.replaced`, ...) are no state of ours: nothing acts on them,
+/// the package's commands refuse with one line naming them, and the rest of
+/// the root goes on.
+#[test]
+fn a_stray_file_under_a_transient_name_drives_nothing() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    app_with_backup(&root);
+    must_succeed(
+        &volume_cli(&root, &["create", "other", "main"], &[]),
+        "create",
+    );
+    for suffix in [
+        ".delete",
+        ".replaced",
+        ".rollback",
+        ".install-backup.tmp",
+        ".install-backup.drop",
+        ".install-backup.ro",
+        ".restore-old",
+        ".convert-old",
+    ] {
+        let stray = root.join(format!("app{suffix}"));
+        if suffix == ".replaced" {
+            rustix::fs::mknodat(
+                rustix::fs::CWD,
+                &stray,
+                rustix::fs::FileType::Fifo,
+                rustix::fs::Mode::from_raw_mode(0o644),
+                0,
+            )
+            .unwrap();
+        } else {
+            fs::write(&stray, b"not ours").unwrap();
+        }
+        let before = Expect::of(&root, "app");
+        let out = volume_cli(&root, &["--json", "list"], &[]);
+        let listed = must_succeed(&out, &format!("list beside {suffix}"));
+        assert!(listed.contains("\"other\""), "{listed}");
+        // A command that must look at the stray refuses, naming it (with a
+        // backup there, a snapshot is refused anyway: a drop reads the
+        // backup's read-only record).
+        let op = if suffix == ".install-backup.ro" {
+            "drop"
+        } else {
+            "snapshot"
+        };
+        must_fail(
+            &volume_cli(&root, &[op, "app"], &[]),
+            &format!("{op} beside {suffix}"),
+            &format!("app{suffix}"),
+        );
+        must_succeed(
+            &volume_cli(&root, &["snapshot", "other"], &[]),
+            "other's snapshot",
+        );
+        must_succeed(&volume_cli(&root, &["drop", "other"], &[]), "other's drop");
+        // Nothing of app's changed, the stray included.
+        assert_same(
+            before.live.as_ref().unwrap(),
+            &digest(&root.join("app")),
+            suffix,
+        );
+        assert_same(
+            before.backup.as_ref().unwrap(),
+            &digest(&root.join("app.install-backup")),
+            suffix,
+        );
+        assert!(
+            fs::symlink_metadata(&stray).is_ok(),
+            "{suffix}: the stray is gone"
+        );
+        fs::remove_file(&stray).unwrap();
+    }
+}
+
+/// A reflink restore cut short after its exchange, then volume-migrate: the
+/// conversion finishes the restore first (converting the recorded volume
+/// would change the identity its recovery goes by and strand it).
+#[test]
+fn volume_migrate_finishes_an_interrupted_restore_before_converting() {
+    use std::os::unix::process::ExitStatusExt;
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    fs::create_dir_all(root.join("plain/data/main")).unwrap();
+    populate_volume(&root.join("plain"), false);
+    must_succeed(
+        &volume_cli(&root, &["snapshot", "plain"], &[]),
+        "reflink snapshot",
+    );
+    let backup = digest(&root.join("plain.install-backup"));
+    modify_volume(&root.join("plain"), false);
+    let out = volume_cli(
+        &root,
+        &["restore", "plain"],
+        &[(volume::FAILPOINT_ENV, "restore.exchanged")],
+    );
+    assert_eq!(out.status.signal(), Some(libc::SIGKILL), "{out:?}");
+    must_succeed(&migrate_cli(&root, &[]), "volume-migrate");
+    for args in [
+        &["recover", "plain"][..],
+        &["snapshot", "plain"],
+        &["drop", "plain"],
+    ] {
+        must_succeed(
+            &volume_cli(&root, args, &[]),
+            &format!("{args:?} after the conversion"),
+        );
+    }
+    assert_same(
+        &common::rich::expected_after(&backup),
+        &digest(&root.join("plain")),
+        "the restored volume, converted",
+    );
+    assert_eq!(root_names(&root), ["plain"]);
+}
+
+/// More read-only nested subvolumes than a symlink's target could list: the
+/// backup still records every one, and the restore gives each back
+/// read-only.
+#[test]
+fn hundreds_of_read_only_nested_subvolumes_are_backed_up_and_restored() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let store = VolumeStore::open(&root).unwrap();
+    store.create(&pkg("app"), &[vol("main")]).unwrap();
+    let snaps = root.join("app/data/main/snapshots");
+    fs::create_dir_all(&snaps).unwrap();
+    let dir = volume::sys::open_dir_path(&snaps).unwrap();
+    const N: usize = 600;
+    for i in 0..N {
+        let name = std::ffi::OsString::from(format!("s{i:04}"));
+        volume::sys::create_subvolume(std::os::fd::AsFd::as_fd(&dir), &name).unwrap();
+        let sub = volume::sys::open_dir_at(std::os::fd::AsFd::as_fd(&dir), &name).unwrap();
+        volume::sys::set_read_only(std::os::fd::AsFd::as_fd(&sub), true).unwrap();
+    }
+    let before = digest(&root.join("app"));
+    assert_eq!(
+        store.snapshot(&pkg("app")).unwrap(),
+        SnapshotOutcome::Snapshot
+    );
+    fs::write(root.join("app/data/main/after"), b"x").unwrap();
+    assert!(store.restore(&pkg("app")).unwrap());
+    assert_same(&before, &digest(&root.join("app")), "restored");
+    for i in [0, N / 2, N - 1] {
+        assert!(
+            is_read_only(&snaps.join(format!("s{i:04}"))),
+            "s{i:04} must come back read-only"
+        );
+    }
+}
+
 // ---------------------------------------------------------------- full filesystems
 
 /// How to fill a filesystem.
@@ -972,6 +1199,17 @@ fn a_bind_mount_held_in_another_mount_namespace_blocks_restore_and_delete() {
             .any(|u| !u.own_namespace && u.pids.contains(&holder.pid()) && u.mount_point == target),
         "{uses:?}"
     );
+    // A mount point with a newline in its name (a package can mount
+    // inside its own namespace) still makes one line.
+    let odd = fs.path("odd\nname");
+    let second = Holder::bind(&root.join("app/data/main"), &odd);
+    let err = must_fail(
+        &volume_cli(&root, &["restore", "app"], &[]),
+        "restore",
+        "in use",
+    );
+    assert!(err.contains("odd\\nname"), "{err}");
+    drop(second);
     drop(holder);
     must_succeed(
         &volume_cli(&root, &["restore", "app"], &[]),

@@ -424,7 +424,7 @@ fn restore_survives_a_crash_at_every_step() {
             Case {
                 failpoint: "restore.backup-dropped",
                 expect: Expect::After,
-                why: "only the marker was left to remove",
+                why: "only the rollback record was left to remove",
             },
         ],
     );
@@ -652,7 +652,7 @@ fn restore_from_a_reflink_copy_survives_a_crash_at_every_step() {
             Case {
                 failpoint: "restore.backup-dropped",
                 expect: Expect::After,
-                why: "only the marker was left to remove",
+                why: "only the rollback record was left to remove",
             },
         ],
     );

@@ -895,9 +895,12 @@ fn recovery_finishes_what_names_on_disk_say() {
     store.create(&app, &[vol("main")]).expect("create");
     populate_volume(&store.volume_path(&app), true);
     let live = digest(&store.volume_path(&app));
+    store.snapshot(&app).expect("snapshot");
+    let backup = digest(&store.backup_path(&app));
     subvolume_create(&root.join("app.install-backup.tmp"));
     subvolume_create(&root.join("app.install-backup.drop"));
-    fs::create_dir(root.join("app.rollback")).unwrap(); // no marker: incomplete
+    // No record, beside the backup it would be a copy of: incomplete.
+    fs::create_dir(root.join("app.rollback")).unwrap();
     subvolume_create(&root.join("gone.delete"));
     subvolume_create(&root.join("gone.delete/nested"));
 
@@ -909,6 +912,7 @@ fn recovery_finishes_what_names_on_disk_say() {
     assert_eq!(actions, [("app".to_owned(), 3), ("gone".to_owned(), 1)]);
     assert_no_transient_names(&root, "after recovery");
     assert_same(&live, &digest(&store.volume_path(&app)), "live volume");
+    assert_same(&backup, &digest(&store.backup_path(&app)), "backup");
     assert!(package_subvolumes(&fs, "gone").is_empty());
     assert!(store.recover_all().expect("second recover_all").is_empty());
 }

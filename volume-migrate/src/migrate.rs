@@ -603,7 +603,13 @@ impl Migrator {
             return Ok(report);
         }
         let names = Names::new(pkg);
-        let _lock = self.lock(pkg)?;
+        let lock = self.lock(pkg)?;
+        if !opts.dry_run {
+            // A restore, snapshot or delete of the volume store cut short is
+            // finished first: converting a volume a restore has recorded
+            // would change the identity its recovery goes by.
+            volume::VolumeStore::open_without_recovery(&self.root)?.recover_held(pkg, &lock)?;
+        }
         let io = |what: &'static str| {
             move |_: &io::Error| (ErrorKind::MigrationFailed, pkg.context(what))
         };

@@ -7,7 +7,9 @@
 //! should fail rather than die:
 //! - `name@N` fires on the N-th hit of `name` in this process (1 if absent);
 //! - a trailing `=enospc` or `=eio` makes the site return that error
-//!   instead, so a test can check what a failed step leaves on disk.
+//!   instead, so a test can check what a failed step leaves on disk;
+//! - several sites, separated by commas, each act as above (make one step
+//!   fail, then kill the process in what undoes it).
 //!
 //! Without the `failpoints` feature nothing fires and every site is free.
 
@@ -30,18 +32,22 @@ pub fn failpoint(name: &str) -> io::Result<()> {
             return Ok(());
         };
         let spec = spec.to_string_lossy().into_owned();
-        let (site, errno) = match spec.rsplit_once('=') {
-            Some((s, "enospc")) => (s, Some(libc::ENOSPC)),
-            Some((s, "eio")) => (s, Some(libc::EIO)),
-            _ => (spec.as_str(), None),
-        };
-        let (site, nth) = match site.split_once('@') {
-            Some((s, n)) => (s, n.parse::<u64>().unwrap_or(1)),
-            None => (site, 1),
-        };
-        if site != name {
+        // Several sites, comma-separated: the first that names this one.
+        let Some((site, errno)) = spec.split(',').find_map(|one| {
+            let (site, errno) = match one.rsplit_once('=') {
+                Some((s, "enospc")) => (s, Some(libc::ENOSPC)),
+                Some((s, "eio")) => (s, Some(libc::EIO)),
+                _ => (one, None),
+            };
+            let bare = site.split_once('@').map_or(site, |(s, _)| s);
+            (bare == name).then_some((site, errno))
+        }) else {
             return Ok(());
-        }
+        };
+        let nth = match site.split_once('@') {
+            Some((_, n)) => n.parse::<u64>().unwrap_or(1),
+            None => 1,
+        };
         let hit = {
             let mut guard = HITS.lock().unwrap_or_else(|p| p.into_inner());
             let hits = guard.get_or_insert_with(HashMap::new);

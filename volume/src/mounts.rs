@@ -111,9 +111,24 @@ pub struct MountUse {
     pub command: String,
 }
 
+/// `bytes` as text for a one-line message: control characters (a newline
+/// in a mount point a package made, say) escaped.
+fn printable(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes)
+        .chars()
+        .flat_map(|c| {
+            if c.is_control() {
+                c.escape_default().collect::<Vec<_>>()
+            } else {
+                vec![c]
+            }
+        })
+        .collect()
+}
+
 impl fmt::Display for MountUse {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let at = String::from_utf8_lossy(self.mount_point.as_os_str().as_bytes());
+        let at = printable(self.mount_point.as_os_str().as_bytes());
         if self.own_namespace {
             write!(f, "{at}")
         } else {
@@ -121,10 +136,23 @@ impl fmt::Display for MountUse {
             write!(
                 f,
                 "{at} in the mount namespace of pid {pid} ({})",
-                self.command
+                printable(self.command.as_bytes())
             )
         }
     }
+}
+
+/// Whether `e` says the process can be passed over: it went away while
+/// being read (a process that has just exited, a zombie, answers EINVAL
+/// for its mountinfo), or even root may not inspect it (a process of a
+/// user namespace above ours, such as a sandbox's own init; on a StartOS
+/// box root may inspect every process).
+fn passed_over(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::NotFound
+        || matches!(
+            e.raw_os_error(),
+            Some(libc::ESRCH | libc::EINVAL | libc::EACCES | libc::EPERM)
+        )
 }
 
 /// One mount namespace: the processes in it and its mount table.
@@ -133,9 +161,13 @@ struct Namespace {
     entries: Vec<MountEntry>,
 }
 
-/// Every mount namespace on the machine, by inode, each with its processes
-/// and its mount table (read through its lowest pid's mountinfo). A process
-/// that exits while being read is skipped.
+/// Every mount namespace on the machine that has a process in it, by
+/// inode, each with its processes and its mount table (read through its
+/// lowest pid's mountinfo). A process that exits while being read, or that
+/// root may not inspect, is passed over ([`passed_over`]); anything else
+/// that cannot be read is an error, never a namespace quietly left out. A namespace kept alive with no process in it
+/// (by a bind-mounted or open `nsfs` file) is not seen: nothing in it can
+/// write either.
 fn namespaces() -> io::Result<BTreeMap<u64, Namespace>> {
     let mut pids_by_ns: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
     for entry in std::fs::read_dir("/proc")? {
@@ -148,16 +180,26 @@ fn namespaces() -> io::Result<BTreeMap<u64, Namespace>> {
             continue;
         };
         // stat follows the ns link to the namespace's own inode.
-        if let Ok(m) = std::fs::metadata(entry.path().join("ns/mnt")) {
-            pids_by_ns.entry(m.ino()).or_default().push(pid);
+        match std::fs::metadata(entry.path().join("ns/mnt")) {
+            Ok(m) => pids_by_ns.entry(m.ino()).or_default().push(pid),
+            Err(e) if passed_over(&e) => {}
+            Err(e) => return Err(e),
         }
     }
     let mut out = BTreeMap::new();
     for (ns, mut pids) in pids_by_ns {
         pids.sort_unstable();
-        let table = pids
-            .iter()
-            .find_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).ok());
+        let mut table = None;
+        for pid in &pids {
+            match std::fs::read_to_string(format!("/proc/{pid}/mountinfo")) {
+                Ok(text) => {
+                    table = Some(text);
+                    break;
+                }
+                Err(e) if passed_over(&e) => {}
+                Err(e) => return Err(e),
+            }
+        }
         if let Some(text) = table {
             out.insert(
                 ns,

@@ -11,9 +11,11 @@
 //! - it sits in the volumes root, which no package can write to, so nothing
 //!   a package puts in its volume can forge one.
 //!
-//! Two kinds are written: the identity of a complete rollback copy
-//! ([`Identity`], under `<pkg>.rollback.id`) and the read-only nested
-//! subvolumes of a backup ([`read_only_ids`], under `<pkg>.install-backup.ro`).
+//! The identity of a complete rollback copy ([`Identity`], under
+//! `<pkg>.rollback.id`) is such a record. The read-only nested subvolumes
+//! of a backup, a set of any size, are a *set record* ([`write_set`], under
+//! `<pkg>.install-backup.ro`): a directory of empty files named by the
+//! ids, equally metadata-only and equally out of a package's reach.
 
 use std::collections::BTreeSet;
 use std::ffi::OsStr;
@@ -155,20 +157,46 @@ impl Identity {
     }
 }
 
-/// The read-only record's text: `read-only` and the subvolume ids.
-pub(crate) fn encode_read_only_ids(ids: &BTreeSet<u64>) -> String {
-    let mut s = String::from("read-only");
+/// Writes the set record `name` in `root`: a new directory holding one
+/// empty file per id, named by it. Unbounded, and needing metadata space
+/// only; not atomic, so it is only ever written where it counts once
+/// something else is published after it (a backup's read-only record is
+/// complete before the backup gets its name, and garbage without one).
+pub(crate) fn write_set(root: BorrowedFd<'_>, name: &OsStr, ids: &BTreeSet<u64>) -> io::Result<()> {
+    rustix::fs::mkdirat(root, name, rustix::fs::Mode::from_raw_mode(0o700))?;
+    let dir = sys::open_dir_at(root, name)?;
     for id in ids {
-        let _ = write!(s, " {id}");
+        sys::touch_at(
+            std::os::fd::AsFd::as_fd(&dir),
+            OsStr::new(&id.to_string()),
+            0o600,
+        )?;
     }
-    s
+    sys::fsync(std::os::fd::AsFd::as_fd(&dir))
 }
 
-/// Parses [`encode_read_only_ids`]'s text; `None` for anything else.
-pub(crate) fn read_only_ids(text: &str) -> Option<BTreeSet<u64>> {
-    let mut words = text.split(' ');
-    (words.next()? == "read-only").then_some(())?;
-    words.map(|w| w.parse().ok()).collect()
+/// The set record `name` in `root`: `None` if absent; `InvalidData` for an
+/// entry in it that is no id.
+pub(crate) fn read_set(root: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<BTreeSet<u64>>> {
+    let dir = match sys::stat_at(root, name)? {
+        None => return Ok(None),
+        Some(_) => sys::open_dir_at(root, name)?,
+    };
+    let mut ids = BTreeSet::new();
+    for (entry, _, _) in sys::read_dir_names(std::os::fd::AsFd::as_fd(&dir))? {
+        let id = entry.to_str().and_then(|e| e.parse().ok()).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "{:?} in {} is no subvolume id",
+                    entry,
+                    name.to_string_lossy()
+                ),
+            )
+        })?;
+        ids.insert(id);
+    }
+    Ok(Some(ids))
 }
 
 #[cfg(test)]
@@ -202,14 +230,5 @@ mod tests {
         ] {
             assert_eq!(Identity::decode(junk), None, "{junk:?}");
         }
-    }
-
-    #[test]
-    fn read_only_ids_round_trip() {
-        let ids: BTreeSet<u64> = [257, 300, 1 << 50].into();
-        assert_eq!(read_only_ids(&encode_read_only_ids(&ids)), Some(ids));
-        assert_eq!(read_only_ids("read-only"), Some(BTreeSet::new()));
-        assert_eq!(read_only_ids("read-only x"), None);
-        assert_eq!(read_only_ids("257"), None);
     }
 }

@@ -472,26 +472,31 @@ impl VolumeStore {
     /// and what to do (snapshots, renames and records need metadata space
     /// only, so a full data space never stops them).
     fn failed(&self, pkg: &PackageId, what: impl std::fmt::Display, e: io::Error) -> Error {
-        let what = if is_enospc(&e) {
-            let free = match self.btrfs {
-                true => sys::metadata_space(self.root_fd())
-                    .map(|s| {
-                        format!(
-                            "{} KiB of metadata space left, less than btrfs reserves for it",
-                            s.free() >> 10
-                        )
-                    })
-                    .unwrap_or_else(|_| "no figure for the free metadata space".to_owned()),
-                false => "not btrfs".to_owned(),
-            };
-            format!(
-                "{what}: the filesystem holding {} is out of space ({free}); this step needs \
-                 metadata space only: free some (delete files, or drop another package's \
-                 backup) and retry",
-                self.root.display()
-            )
-        } else {
-            what.to_string()
+        let root = self.root.display();
+        let what = match e.raw_os_error() {
+            Some(libc::ENOSPC) => {
+                // The allocator's figure, for the operator: btrfs refuses a
+                // step when what it reserves for it exceeds what is free,
+                // which can be more than the step uses.
+                let free = match self.btrfs {
+                    true => sys::metadata_space(self.root_fd())
+                        .map(|s| {
+                            format!("btrfs counts {} KiB of metadata space free", s.free() >> 10)
+                        })
+                        .unwrap_or_else(|_| "no figure for the free metadata space".to_owned()),
+                    false => "not btrfs".to_owned(),
+                };
+                format!(
+                    "{what}: the filesystem holding {root} is out of space ({free}); this step \
+                     needs metadata space only: free some (delete files, or drop another \
+                     package's backup) and retry"
+                )
+            }
+            Some(libc::EDQUOT) => format!(
+                "{what}: a quota (qgroup limit) on the filesystem holding {root} is reached; \
+                 raise or remove it, or free space under it, and retry"
+            ),
+            _ => what.to_string(),
         };
         Error::new(
             eyre!(e).wrap_err(pkg.context(what)),
@@ -647,7 +652,7 @@ impl VolumeStore {
             let cleanup = (|| {
                 self.delete_entry(&names.backup_tmp)?;
                 if !self.exists_at(&names.backup)? {
-                    record::remove(self.root_fd(), &names.backup_ro)?;
+                    self.delete_entry(&names.backup_ro)?;
                 }
                 self.fsync_root()
             })();
@@ -684,11 +689,12 @@ impl VolumeStore {
                 );
             }
         };
-        if !ro.is_empty() {
-            let value = record::encode_read_only_ids(&ro);
-            if let Err(e) = record::write(self.root_fd(), &names.backup_ro, &value) {
-                return ("recording the read-only subvolumes nested in", Err(e));
-            }
+        let recorded = match ro.is_empty() {
+            true => Ok(()),
+            false => record::write_set(self.root_fd(), &names.backup_ro, &ro),
+        };
+        if let Err(e) = recorded {
+            return ("recording the read-only subvolumes nested in", Err(e));
         }
         if let Err(e) = sys::make_tree_read_only(tmp.as_fd()) {
             return ("making read-only the snapshot of", Err(e));
@@ -836,7 +842,7 @@ impl VolumeStore {
                 pkg.context("deleting the volume a restore replaced"),
             )
         };
-        if !self.exists_at(&names.replaced).with_ctx(io_ctx)? {
+        if self.tree(pkg, &names.replaced)?.is_none() {
             return Ok(false);
         }
         self.delete_entry(&names.replaced).with_ctx(io_ctx)?;
@@ -942,15 +948,9 @@ impl VolumeStore {
         backup: BorrowedFd<'_>,
         copy: BorrowedFd<'_>,
     ) -> io::Result<()> {
-        let Some(text) = record::read(self.root_fd(), &names.backup_ro)? else {
+        let Some(ids) = record::read_set(self.root_fd(), &names.backup_ro)? else {
             return Ok(());
         };
-        let ids = record::read_only_ids(&text).ok_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("unreadable record {:?}", names.backup_ro),
-            )
-        })?;
         for rel in sys::nested_subvolumes(backup)? {
             let id = sys::subvolume_info(sys::open_beneath(backup, &rel)?.as_fd())?.id;
             if ids.contains(&id) {
@@ -962,16 +962,27 @@ impl VolumeStore {
 
     /// Puts back what a failed restore made before its exchange: the record
     /// goes, a snapshot copy is deleted, a reflink backup gets its name back.
+    ///
+    /// The order keeps every instant recoverable: a snapshot copy loses its
+    /// record first (without one it is garbage to recovery; with one, half
+    /// deleted, it would be swapped in), a reflink backup gets its name back
+    /// first (without a record, a plain `.rollback` beside no backup is
+    /// refused, never deleted).
     fn undo_rollback(&self, names: &Names, backup_kind: VolumeKind) -> io::Result<()> {
         match backup_kind {
-            VolumeKind::Subvolume => self.delete_entry(&names.rollback)?,
+            VolumeKind::Subvolume => {
+                record::remove(self.root_fd(), &names.rollback_id)?;
+                self.fsync_root()?;
+                self.delete_entry(&names.rollback)?;
+            }
             VolumeKind::Directory => {
                 if self.exists_at(&names.rollback)? && !self.exists_at(&names.backup)? {
                     sys::rename_noreplace(self.root_fd(), &names.rollback, &names.backup)?;
+                    self.fsync_root()?;
                 }
+                record::remove(self.root_fd(), &names.rollback_id)?;
             }
         }
-        record::remove(self.root_fd(), &names.rollback_id)?;
         self.fsync_root()
     }
 
@@ -1049,6 +1060,9 @@ impl VolumeStore {
             move |_: &io::Error| (ErrorKind::DiskManagement, pkg.context(what))
         };
         let existed = self.tree(pkg, &names.backup)?.is_some();
+        // Looked at first: a stray under the record's name stops the drop
+        // before anything changed.
+        let record = self.tree(pkg, &names.backup_ro)?.is_some();
         if existed {
             match sys::rename_noreplace(self.root_fd(), &names.backup, &names.backup_drop) {
                 Ok(()) => {
@@ -1071,9 +1085,11 @@ impl VolumeStore {
             }
             tracing::info!(package = %pkg, "install backup dropped");
         }
-        record::remove(self.root_fd(), &names.backup_ro)
-            .and_then(|()| self.fsync_root())
-            .with_ctx(io_ctx("removing the backup's read-only record"))?;
+        if record {
+            self.delete_entry(&names.backup_ro)
+                .and_then(|()| self.fsync_root())
+                .with_ctx(io_ctx("removing the backup's read-only record"))?;
+        }
         Ok(existed)
     }
 
@@ -1117,8 +1133,12 @@ impl VolumeStore {
                         return Err(self.failed(pkg, "deleting the volume", e));
                     }
                     self.drop_locked(pkg, &names)?;
-                    self.one_step_delete(&names.live)
-                        .with_ctx(io_ctx("deleting the volume"))?;
+                    if !self
+                        .one_step_delete(&names.live)
+                        .with_ctx(io_ctx("deleting the volume"))?
+                    {
+                        return Err(self.failed(pkg, "deleting the volume", e));
+                    }
                     tracing::info!(package = %pkg, "volume deleted");
                     return Ok(true);
                 }
@@ -1146,10 +1166,12 @@ impl VolumeStore {
         failpoint("delete.backup-dropped").with_ctx(io_ctx)?;
         // What an interrupted restore of upstream's kept for the operator,
         // and upstream's marker of a fresh install, go with the package.
-        for name in [&names.restore_conflict, &names.fresh] {
-            self.delete_entry(name).with_ctx(io_ctx)?;
+        if self.tree(pkg, &names.restore_conflict)?.is_some() {
+            self.delete_entry(&names.restore_conflict)
+                .with_ctx(io_ctx)?;
         }
-        let pending = self.exists_at(&names.delete).with_ctx(io_ctx)?;
+        self.mark_fresh_locked(pkg, &names.fresh, false)?;
+        let pending = self.tree(pkg, &names.delete)?.is_some();
         if pending {
             self.delete_entry(&names.delete)
                 .and_then(|()| self.fsync_root())
@@ -1171,6 +1193,15 @@ impl VolumeStore {
             });
         }
         let _lock = self.lock(pkg)?;
+        self.recover_locked(pkg, &names)
+    }
+
+    /// [`VolumeStore::recover`] for a caller that already holds the
+    /// package's lock (taking it again here would wait on itself):
+    /// volume-migrate, which must not convert a volume a restore is still
+    /// exchanging.
+    pub fn recover_held(&self, pkg: &PackageId, _lock: &PackageLock) -> Result<Recovery, Error> {
+        let names = Names::new(pkg)?;
         self.recover_locked(pkg, &names)
     }
 
@@ -1207,10 +1238,7 @@ impl VolumeStore {
         // anything of ours.
         self.recover_upstream(pkg, names, &mut actions)?;
         // A backup that never got its real name is incomplete: discard it.
-        if self
-            .exists_at(&names.backup_tmp)
-            .with_ctx(io_ctx("looking for a partial backup"))?
-        {
+        if self.tree(pkg, &names.backup_tmp)?.is_some() {
             self.delete_entry(&names.backup_tmp)
                 .and_then(|()| self.fsync_root())
                 .with_ctx(io_ctx("deleting a partial backup"))?;
@@ -1219,23 +1247,14 @@ impl VolumeStore {
         if let Some(action) = self.recover_restore(pkg, names)? {
             actions.push(action.to_owned());
         }
-        if self
-            .exists_at(&names.backup_drop)
-            .with_ctx(io_ctx("looking for a dropped backup"))?
-        {
+        if self.tree(pkg, &names.backup_drop)?.is_some() {
             self.delete_entry(&names.backup_drop)
                 .and_then(|()| self.fsync_root())
                 .with_ctx(io_ctx("deleting a dropped backup"))?;
             actions.push("finished dropping the install backup".to_owned());
         }
-        if !self
-            .exists_at(&names.backup)
-            .with_ctx(io_ctx("looking for the backup"))?
-            && self
-                .exists_at(&names.backup_ro)
-                .with_ctx(io_ctx("looking for the backup's read-only record"))?
-        {
-            record::remove(self.root_fd(), &names.backup_ro)
+        if self.tree(pkg, &names.backup)?.is_none() && self.tree(pkg, &names.backup_ro)?.is_some() {
+            self.delete_entry(&names.backup_ro)
                 .and_then(|()| self.fsync_root())
                 .with_ctx(io_ctx("removing the read-only record of a dropped backup"))?;
             actions.push("removed the read-only record of a dropped backup".to_owned());
@@ -1243,10 +1262,7 @@ impl VolumeStore {
         if self.purge_locked(pkg, names)? {
             actions.push("deleted the volume a restore replaced".to_owned());
         }
-        if self
-            .exists_at(&names.delete)
-            .with_ctx(io_ctx("looking for a deleted volume"))?
-        {
+        if self.tree(pkg, &names.delete)?.is_some() {
             self.finish_delete(pkg, names)?;
             actions.push("finished deleting the volume and its backup".to_owned());
         }
@@ -1275,11 +1291,26 @@ impl VolumeStore {
         let Some(text) = text else {
             // No record: the copy was never complete, so the exchange never
             // happened. The backup stays.
-            if !self
-                .exists_at(&names.rollback)
-                .with_ctx(io_ctx("looking for a rollback copy"))?
-            {
+            if self.tree(pkg, &names.rollback)?.is_none() {
                 return Ok(None);
+            }
+            if self.tree(pkg, &names.backup)?.is_none() {
+                // Never this crate's own state (a copy is made from a
+                // backup that stays until the record is gone); an earlier
+                // version's reflink restore moved its backup here, and this
+                // may be the only copy of it. Never deleted.
+                return Err(Error::for_package(
+                    pkg,
+                    ErrorKind::Incoherent,
+                    format!(
+                        "{} has no rollback record and there is no backup: it may be the only \
+                         copy of the data an interrupted restore was putting back; keep whichever \
+                         of it and {} holds the data to keep as {}, move the other away",
+                        self.root.join(&names.rollback).display(),
+                        self.volume_path(pkg).display(),
+                        self.volume_path(pkg).display()
+                    ),
+                ));
             }
             self.delete_entry(&names.rollback)
                 .and_then(|()| self.fsync_root())
@@ -1320,10 +1351,7 @@ impl VolumeStore {
             self.finish_restore(pkg, names)?;
             return Ok(Some("finished an interrupted restore (exchanged)"));
         }
-        if identity(&names.backup)? == Some(recorded)
-            && !self
-                .exists_at(&names.rollback)
-                .with_ctx(io_ctx("looking for a rollback copy"))?
+        if identity(&names.backup)? == Some(recorded) && self.tree(pkg, &names.rollback)?.is_none()
         {
             // A reflink backup recorded but not yet moved: nothing changed.
             record::remove(self.root_fd(), &names.rollback_id)
@@ -1335,8 +1363,9 @@ impl VolumeStore {
             pkg,
             ErrorKind::Incoherent,
             format!(
-                "the rollback record {} names a tree that is none of {}, {} and {}; check \
-                 which is the right volume, then remove the record",
+                "the rollback record {} names a tree that is none of {}, {} and {}, so which \
+                 holds the data to keep cannot be told: keep that one as the volume, move the \
+                 others away, then remove the record",
                 self.root.join(&names.rollback_id).display(),
                 self.volume_path(pkg).display(),
                 self.root.join(&names.rollback).display(),
@@ -1351,12 +1380,11 @@ impl VolumeStore {
     pub fn mark_fresh(&self, pkg: &PackageId, fresh: bool) -> Result<(), Error> {
         let names = Names::new(pkg)?;
         let _lock = self.lock(pkg)?;
-        let marked = if fresh {
-            sys::touch_at(self.root_fd(), &names.fresh, 0o600)
-        } else {
-            sys::unlink_if_exists(self.root_fd(), &names.fresh)
-        };
-        marked.and_then(|()| self.fsync_root()).with_ctx(|_| {
+        self.mark_fresh_locked(pkg, &names.fresh, fresh)
+    }
+
+    fn mark_fresh_locked(&self, pkg: &PackageId, name: &OsStr, fresh: bool) -> Result<(), Error> {
+        let ctx = |_: &io::Error| {
             (
                 ErrorKind::Filesystem,
                 pkg.context(format!(
@@ -1364,7 +1392,25 @@ impl VolumeStore {
                     if fresh { "writing" } else { "removing" }
                 )),
             )
-        })
+        };
+        match self.entry(name).with_ctx(ctx)? {
+            Entry::Other(FileType::RegularFile) if !fresh => {
+                sys::unlink_if_exists(self.root_fd(), name).with_ctx(ctx)?
+            }
+            Entry::Absent if fresh => sys::touch_at(self.root_fd(), name, 0o600).with_ctx(ctx)?,
+            Entry::Absent | Entry::Other(FileType::RegularFile) => return Ok(()),
+            Entry::Tree(_) | Entry::Other(_) => {
+                return Err(Error::for_package(
+                    pkg,
+                    ErrorKind::InvalidRequest,
+                    format!(
+                        "{} is not a regular file, so no fresh-install marker; move it away",
+                        self.root.join(name).display()
+                    ),
+                ));
+            }
+        }
+        self.fsync_root().with_ctx(ctx)
     }
 
     /// Whether upstream's `<pkg>.install-fresh` marker is there.

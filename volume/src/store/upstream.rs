@@ -75,29 +75,20 @@ impl VolumeStore {
                 "an interrupted conversion copy of upstream's",
             ),
         ] {
-            if self
-                .exists_at(name)
-                .with_ctx(io_ctx("looking for upstream's names"))?
-            {
+            if self.tree(pkg, name)?.is_some() {
                 self.delete_entry(name)
                     .and_then(|()| self.fsync_root())
                     .with_ctx(io_ctx("deleting an interrupted step of upstream's"))?;
                 actions.push(format!("deleted {what}"));
             }
         }
-        if self
-            .exists_at(&names.convert_old)
-            .with_ctx(io_ctx("looking for upstream's names"))?
-        {
+        if self.tree(pkg, &names.convert_old)?.is_some() {
             let action = self
                 .settle_convert_old(names)
                 .with_ctx(io_ctx("settling upstream's interrupted conversion"))?;
             actions.push(action.to_owned());
         }
-        if self
-            .exists_at(&names.restore_old)
-            .with_ctx(io_ctx("looking for upstream's names"))?
-        {
+        if self.tree(pkg, &names.restore_old)?.is_some() {
             actions.extend(self.settle_restore_old(pkg, names)?);
         }
         if self
@@ -201,10 +192,7 @@ impl VolumeStore {
             return Ok(actions);
         }
         // The restore landed: what it moved aside is garbage.
-        if self
-            .exists_at(&names.restore_old)
-            .with_ctx(io_ctx("looking for upstream's names"))?
-        {
+        if self.tree(pkg, &names.restore_old)?.is_some() {
             self.delete_entry(&names.replaced)
                 .and_then(|()| {
                     sys::rename_noreplace(self.root_fd(), &names.restore_old, &names.replaced)
