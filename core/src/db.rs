@@ -1,44 +1,22 @@
-//! Package state, shaped like upstream's patch-db document, behind the narrow
-//! [`Db`] trait finalization and reconcile need, with a durable embedded
-//! implementation ([`FileDb`]).
+//! Package state for this workspace's own finalizer ([`crate::Finalizer`])
+//! and boot reconcile ([`crate::reconcile`]), shaped like upstream's
+//! patch-db document, behind the narrow [`Db`] trait they need, with a
+//! durable embedded implementation ([`FileDb`]: `imbl` maps, atomic replace
+//! and fsync).
 //!
-//! # The adapter upstream would write
+//! # Not a patch-db adapter
 //!
-//! Upstream keeps the same document at `public.packageData` in patch-db. The
-//! trait maps onto it one to one; a sketch of the adapter (patch-db's
-//! `TypedPatchDb` is not a dependency here, so this is not compiled):
-//!
-//! ```ignore
-//! struct PatchDbState(TypedPatchDb<Database>);
-//!
-//! impl startos_core::Db for PatchDbState {
-//!     fn peek(&self) -> impl Future<Output = PackageDataMap> + Send {
-//!         async move {
-//!             // peek() returns the whole model; take packageData out of it.
-//!             let db = self.0.peek().await;
-//!             db.as_public().as_package_data().de().unwrap_or_default().into()
-//!         }
-//!     }
-//!     fn mutate<T: Send, F>(&self, f: F) -> impl Future<Output = Result<Mutated<T>, Error>> + Send
-//!     where F: FnOnce(&mut PackageDataMap) -> Result<T, Error> + Send {
-//!         async move {
-//!             let MutateResult { result, revision } = self.0.mutate(|db| {
-//!                 let pd = db.as_public_mut().as_package_data_mut();
-//!                 let mut map: PackageDataMap = pd.de()?.into();
-//!                 let out = f(&mut map)?;
-//!                 pd.ser(&map.into())?;
-//!                 Ok(out)
-//!             }).await;
-//!             Ok(Mutated { result: result?, revision: revision.map(|r| r.id).unwrap_or_default() })
-//!         }
-//!     }
-//! }
-//! ```
-//!
-//! Upstream's `updating {manifest, s9pk, installingInfo}` carries more than
-//! this crate needs; the fields recovery needs here ([`InstallingInfo`]) would
-//! go into upstream's `installingInfo`, which is where upstream already keeps
-//! what a boot needs to finish an install.
+//! Upstream keeps its own state code: its service map and service load
+//! read and write patch-db themselves, and what they take from this
+//! workspace is the `volume` module ([`crate::volume`]; see
+//! `docs/upstream.md`). No adapter from this trait to patch-db is offered
+//! or claimed: patch-db's `mutate` takes a closure that must be
+//! `UnwindSafe` and works on the whole model, and writing this crate's
+//! entry back would have to keep every field of upstream's own (manifest,
+//! status, hosts, tasks), which this type does not carry. The finalizer
+//! here is the reference for the order upstream's flow should follow
+//! (`docs/upstream.md` lists the changes), tested end to end on its own
+//! state store.
 
 use std::future::Future;
 use std::io::Write;
