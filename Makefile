@@ -60,9 +60,9 @@ test: deps fmt-check clippy
 	$(CARGO) test --workspace --no-fail-fast --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS) -- --test-threads=4
 
 bench: deps
-	$(CARGO) build --release -p volume --bin startos-volume -p volume-migrate --bin volume-migrate -p startos-core --bin startos-core-service && $(CARGO) run --release -p integration --bin bench -- $(BENCH_ARGS)
+	$(CARGO) build --release -p volume --bin startos-volume -p volume-migrate --bin volume-migrate -p integration --bin startos-core-service && $(CARGO) run --release -p integration --bin bench -- $(BENCH_ARGS)
 
 # The demo's update flow runs services as `startos-core-service` processes,
 # found beside the demo binary.
 demo: deps
-	$(CARGO) build --release -p startos-core --bin startos-core-service && $(CARGO) run --release -p integration --bin demo
+	$(CARGO) build --release -p integration --bin startos-core-service && $(CARGO) run --release -p integration --bin demo

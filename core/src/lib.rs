@@ -40,6 +40,4 @@ pub use notify::{Cancel, Event, Notification, Notifier};
 #[cfg(target_os = "linux")]
 pub use reconcile::{ReconcileReport, reconcile};
 #[cfg(target_os = "linux")]
-pub use service::{
-    DB_FILE, MAIN_VOLUME, ProcessServices, SEQ_FILE, Services, last_sequence, service_main,
-};
+pub use service::Services;

@@ -18,6 +18,7 @@
 mod cmd;
 mod fixture;
 mod frag;
+pub mod services;
 mod tree;
 
 pub use cmd::{run, sh};

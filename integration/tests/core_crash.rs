@@ -21,7 +21,8 @@ use std::time::Duration;
 use common::{assert_no_transient_names, assert_same, digest, package_subvolumes, pkg};
 use core_common::*;
 use integration::TreeDigest;
-use startos_core::{Cancel, FileDb, Finalizer, Phase, ProcessServices};
+use integration::services::ProcessServices;
+use startos_core::{Cancel, FileDb, Finalizer, Phase};
 
 const OP_ENV: &str = "CORE_CRASH_OP";
 const FS_ENV: &str = "CORE_CRASH_FS";

@@ -470,7 +470,7 @@ async fn a_rollback_stops_and_restarts_a_service_holding_a_mount_of_the_volume()
     let seen = std::path::PathBuf::from(format!("/proc/{again}/root"))
         .join(target.strip_prefix("/").unwrap());
     assert!(
-        seen.join(startos_core::DB_FILE).exists(),
+        seen.join(integration::services::DB_FILE).exists(),
         "{}",
         seen.display()
     );

@@ -29,10 +29,10 @@ use std::process::{Command, ExitCode};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use integration::services::ProcessServices;
 use integration::{make_fragmented_file, sha256_file, tree_digest};
 use startos_core::{
-    Cancel, Db, Event, FileDb, Finalizer, InstallRequest, Notification, Phase, ProcessServices,
-    Services, StateInfo,
+    Cancel, Db, Event, FileDb, Finalizer, InstallRequest, Notification, Phase, Services, StateInfo,
 };
 use volume::PackageId;
 

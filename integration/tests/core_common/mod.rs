@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use integration::services::ProcessServices;
 use integration::{LoopFs, TreeDigest, fs_or_skip};
 use startos_core::{
-    Cancel, FileDb, Finalizer, Notification, PackageDataEntry, Phase, ProcessServices, Services,
-    StateInfo,
+    Cancel, FileDb, Finalizer, Notification, PackageDataEntry, Phase, Services, StateInfo,
 };
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 use volume::{Error, PackageId};
@@ -215,8 +215,9 @@ impl Services for Probe {
             .root
             .join(format!("{p}.install-backup"))
             .join("data/main")
-            .join(startos_core::SEQ_FILE);
-        let seq = startos_core::last_sequence(&seq_log).expect("reading the backup's seq.log");
+            .join(integration::services::SEQ_FILE);
+        let seq =
+            integration::services::last_sequence(&seq_log).expect("reading the backup's seq.log");
         self.backup_seq_at_uninit
             .lock()
             .unwrap()

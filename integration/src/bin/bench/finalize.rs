@@ -34,10 +34,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use integration::services::ProcessServices;
 use serde::Serialize;
 use startos_core::{
     Db, Event, FileDb, Finalizer, InstallRequest, InstallingInfo, Notification, Notifier,
-    PackageDataEntry, Phase, ProcessServices, Services, StateInfo, Timings, finalize_update,
+    PackageDataEntry, Phase, Services, StateInfo, Timings, finalize_update,
 };
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
