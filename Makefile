@@ -17,7 +17,9 @@ CARGO_TEST_FLAGS ?=
 
 # Failpoints (named SIGKILL sites for the crash tests) for every crate that has
 # them; a production build has none.
-TEST_FEATURES := volume/failpoints,volume-migrate/failpoints,startos-core/failpoints
+TEST_FEATURES := volume/failpoints,volume-migrate/failpoints,startos-core/failpoints,$(CLI_FEATURES)
+# The command-line tools, which a library user (start-core) builds without.
+CLI_FEATURES := volume/cli,volume-migrate/cli
 
 .PHONY: all deps build fmt-check clippy test bench demo
 
@@ -40,7 +42,7 @@ deps:
 	fi
 
 build: deps
-	$(CARGO) build --workspace --all-targets
+	$(CARGO) build --workspace --all-targets --features $(CLI_FEATURES)
 
 fmt-check:
 	$(CARGO) fmt --all -- --check
@@ -60,7 +62,7 @@ test: deps fmt-check clippy
 	$(CARGO) test --workspace --no-fail-fast --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS) -- --test-threads=4
 
 bench: deps
-	$(CARGO) build --release -p volume --bin startos-volume -p volume-migrate --bin volume-migrate -p integration --bin startos-core-service && $(CARGO) run --release -p integration --bin bench -- $(BENCH_ARGS)
+	$(CARGO) build --release --features $(CLI_FEATURES) -p volume --bin startos-volume -p volume-migrate --bin volume-migrate -p integration --bin startos-core-service && $(CARGO) run --release -p integration --bin bench -- $(BENCH_ARGS)
 
 # The demo's update flow runs services as `startos-core-service` processes,
 # found beside the demo binary.

@@ -736,11 +736,17 @@ fn concurrent_operations_on_one_package_stay_coherent() {
     const NOTHING: usize = 4;
     let errors = std::sync::Mutex::new(Vec::<String>::new());
     let counts = std::sync::Mutex::new([0usize; 5]);
+    // The dropper and the restorer go on until both snapshotters are done,
+    // so that they meet backups whatever the scheduling.
+    let snapshotters_left = std::sync::atomic::AtomicUsize::new(2);
     thread::scope(|s| {
         for t in 0..4 {
             let (store, app, errors, counts) = (&store, &app, &errors, &counts);
+            let left = &snapshotters_left;
             s.spawn(move || {
-                for i in 0..ROUNDS {
+                let mut i = 0;
+                while i < ROUNDS || (t >= 2 && left.load(std::sync::atomic::Ordering::SeqCst) > 0) {
+                    i += 1;
                     // Two snapshotters, one dropper, one restorer.
                     let r = match t {
                         0 | 1 => match store.snapshot(app) {
@@ -765,6 +771,9 @@ fn concurrent_operations_on_one_package_stay_coherent() {
                             .unwrap()
                             .push(format!("thread {t} round {i}: {e}")),
                     }
+                }
+                if t < 2 {
+                    left.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
                 }
             });
         }

@@ -157,8 +157,8 @@ fn every_subcommand_in_text_and_json() {
         lines,
         [
             vec!["PACKAGE", "VOLUME", "BACKUP", "USAGE", "BACKUP-ONLY"],
-            vec!["app", "subvolume", "subvolume", "2B", "0B"],
-            vec!["db", "subvolume", "subvolume", "2B", "0B"],
+            vec!["app", "subvolume", "subvolume", "2", "B", "0", "B"],
+            vec!["db", "subvolume", "subvolume", "2", "B", "0", "B"],
         ],
         "{out}"
     );

@@ -66,19 +66,9 @@ fn main() -> ExitCode {
     }
 }
 
+/// Binary units, one decimal: the one way the workspace prints sizes.
 fn human_bytes(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i + 1 < UNITS.len() {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", UNITS[i])
-    }
+    bytesize::ByteSize::b(b).display().iec().to_string()
 }
 
 fn json_line(value: serde_json::Value) {

@@ -93,20 +93,9 @@ mod run {
         }
     }
 
-    /// Binary units with one decimal and no space, so a table column stays one word.
+    /// Binary units, one decimal: the one way the workspace prints sizes.
     fn human(bytes: u64) -> String {
-        const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
-        let mut value = bytes as f64;
-        let mut unit = 0;
-        while value >= 1024.0 && unit + 1 < UNITS.len() {
-            value /= 1024.0;
-            unit += 1;
-        }
-        if unit == 0 {
-            format!("{bytes}B")
-        } else {
-            format!("{value:.1}{}", UNITS[unit])
-        }
+        bytesize::ByteSize::b(bytes).display().iec().to_string()
     }
 
     fn print_table(title: &str, u: &Usage) {

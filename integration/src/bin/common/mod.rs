@@ -311,14 +311,8 @@ pub fn fmt_count(n: u64) -> String {
     out
 }
 
-/// `3.0 GiB`, `640 MiB`.
+/// Binary units, one decimal (`3.0 GiB`): the one way the workspace
+/// prints sizes.
 pub fn fmt_bytes(n: u64) -> String {
-    const MIB: f64 = (1u64 << 20) as f64;
-    const GIB: f64 = (1u64 << 30) as f64;
-    let n = n as f64;
-    if n >= GIB {
-        format!("{:.1} GiB", n / GIB)
-    } else {
-        format!("{:.0} MiB", n / MIB)
-    }
+    bytesize::ByteSize::b(n).display().iec().to_string()
 }
