@@ -21,7 +21,7 @@ TEST_FEATURES := volume/failpoints,volume-migrate/failpoints,startos-core/failpo
 # The command-line tools, which a library user (start-core) builds without.
 CLI_FEATURES := volume/cli,volume-migrate/cli
 
-.PHONY: all deps build fmt-check clippy test bench demo
+.PHONY: all deps build fmt-check clippy test bench demo targets
 
 all: build
 
@@ -68,3 +68,13 @@ bench: deps
 # found beside the demo binary.
 demo: deps
 	$(CARGO) build --release -p integration --bin startos-core-service && $(CARGO) run --release -p integration --bin demo
+
+# What upstream's pipeline builds: start-core for macOS (start-cli), the
+# crates for the musl targets of its static binaries. Needs the targets'
+# standard libraries (rustup), so it is not part of `make test`.
+TARGETS := x86_64-apple-darwin x86_64-unknown-linux-musl aarch64-unknown-linux-musl
+targets:
+	rustup target add $(TARGETS)
+	for t in $(TARGETS); do \
+		$(CARGO) check --target $$t -p startos-core -p upstream-call-sites -p volume -p volume-migrate || exit 1; \
+	done

@@ -17,7 +17,6 @@
 
 #![warn(missing_docs)]
 
-#[cfg(target_os = "linux")]
 mod blocking;
 mod db;
 #[cfg(target_os = "linux")]
@@ -27,7 +26,6 @@ mod notify;
 mod reconcile;
 #[cfg(target_os = "linux")]
 mod service;
-#[cfg(target_os = "linux")]
 pub mod volume;
 
 pub use ::volume::failpoint::FAILPOINT_ENV;

@@ -149,22 +149,21 @@ impl InstallBackup {
         }
     }
 
-    /// Runs `f` on the store and the package, off the async runtime.
+    /// Runs `f` (one of the backend's operations) on the volumes root and
+    /// the package, off the async runtime.
     async fn run<T: Send + 'static>(
         &self,
-        f: impl FnOnce(volume::VolumeStore, PackageId) -> Result<T, Error> + Send + 'static,
+        f: fn(&Path, &PackageId) -> Result<T, Error>,
     ) -> Result<T, Error> {
         let pkg = self.package()?;
         let root = self.root.clone();
-        blocking(move || f(volume::VolumeStore::open_without_recovery(root)?, pkg)).await
+        blocking(move || f(&root, &pkg)).await
     }
 
     /// Whether the backup `<pkg>.install-backup` exists. `false` for an
     /// invalid id or when it cannot be told.
     pub async fn exists(&self) -> bool {
-        self.run(|store, pkg| Ok(store.info(&pkg)?.backup.is_some()))
-            .await
-            .unwrap_or(false)
+        self.run(backend::exists).await.unwrap_or(false)
     }
 
     /// Before an install: resolves a pending restore, discards the previous
@@ -173,23 +172,12 @@ impl InstallBackup {
     /// only copy of the data, so it is put back as the volume rather than
     /// deleted.
     pub async fn begin(&self) -> Result<(), Error> {
-        self.run(|store, pkg| {
-            store.recover(&pkg)?;
-            if store.info(&pkg)?.volume.is_some() {
-                store.drop_backup(&pkg)?;
-            } else if store.restore(&pkg)? {
-                tracing::warn!(package = %pkg, "begin: the install backup was the only copy of the volume; put it back");
-            }
-            store.mark_fresh(&pkg, store.info(&pkg)?.volume.is_none())
-        })
-        .await
+        self.run(backend::begin).await
     }
 
     /// Whether [`InstallBackup::begin`] found no volume.
     pub async fn is_fresh(&self) -> bool {
-        self.run(|store, pkg| store.is_fresh(&pkg))
-            .await
-            .unwrap_or(false)
+        self.run(backend::is_fresh).await.unwrap_or(false)
     }
 
     /// Takes the backup: a read-only snapshot, nested subvolumes included,
@@ -215,15 +203,7 @@ impl InstallBackup {
 
     /// [`InstallBackup::snapshot`], with what it did.
     pub async fn snapshot_outcome(&self) -> Result<volume::SnapshotOutcome, Error> {
-        self.run(|store, pkg| {
-            let info = store.info(&pkg)?;
-            if info.backup.is_some() && info.volume.is_some() {
-                tracing::warn!(package = %pkg, "an install backup was left without `begin`; replacing it");
-                store.drop_backup(&pkg)?;
-            }
-            store.snapshot(&pkg)
-        })
-        .await
+        self.run(backend::snapshot).await
     }
 
     /// Rolls the volume back to the backup and consumes it; a no-op
@@ -233,23 +213,19 @@ impl InstallBackup {
     /// included. Refuses while anything, in any mount namespace, is
     /// mounted from inside the volume.
     pub async fn restore(&self) -> Result<(), Error> {
-        self.run(|store, pkg| store.restore(&pkg).map(drop)).await
+        self.run(backend::restore).await
     }
 
     /// Finishes or undoes whatever a crash interrupted for the package,
     /// this crate's operations and upstream's own alike (see
     /// [`volume::VolumeStore::recover`]). Idempotent.
     pub async fn resolve_pending(&self) -> Result<(), Error> {
-        self.run(|store, pkg| store.recover(&pkg).map(drop)).await
+        self.run(backend::resolve_pending).await
     }
 
     /// Once the install is over: drops the fresh marker and the backup.
     pub async fn remove(&self) -> Result<(), Error> {
-        self.run(|store, pkg| {
-            store.mark_fresh(&pkg, false)?;
-            store.drop_backup(&pkg).map(drop)
-        })
-        .await
+        self.run(backend::remove).await
     }
 }
 
@@ -267,13 +243,7 @@ pub async fn ensure_volume_root_at(
 ) -> Result<(), Error> {
     let root = volumes_root.into();
     let pkg = parse_package(&pkg_id.to_string())?;
-    blocking(move || {
-        volume::create_root(&root)?;
-        volume::VolumeStore::open_without_recovery(&root)?
-            .ensure(&pkg)
-            .map(drop)
-    })
-    .await
+    blocking(move || backend::ensure(&root, &pkg)).await
 }
 
 /// Deletes whatever is at `path` (upstream's `util::btrfs::delete_tree`,
@@ -282,7 +252,7 @@ pub async fn ensure_volume_root_at(
 /// its backup kept; see [`volume::delete_tree`].
 pub async fn delete_tree(path: impl AsRef<Path>) -> Result<(), Error> {
     let path = path.as_ref().to_owned();
-    blocking(move || volume::delete_tree(&path)).await
+    blocking(move || backend::delete_tree(&path)).await
 }
 
 /// Where boot maintenance reports to: upstream's
@@ -319,7 +289,7 @@ pub struct BootMaintenance {
 }
 
 /// An event from the blocking boot work to the caller's progress handle.
-enum BootEvent {
+pub(crate) enum BootEvent {
     Total(u64),
     Done(u64),
     Ready(PackageId),
@@ -365,7 +335,7 @@ pub async fn boot_volume_maintenance_at<'a, P: Display + 'a>(
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let work = {
         let root = root.clone();
-        tokio::task::spawn_blocking(move || boot_blocking(&root, &installed, &all, &tx))
+        tokio::task::spawn_blocking(move || backend::boot(&root, &installed, &all, &tx))
     };
     let mut ready = Vec::new();
     while let Some(event) = rx.recv().await {
@@ -381,119 +351,13 @@ pub async fn boot_volume_maintenance_at<'a, P: Display + 'a>(
     let (recovered, failed, converted) = work
         .await
         .map_err(|e| Error::new(eyre!("boot maintenance task: {e}"), ErrorKind::Unknown))??;
-    let cleanup = converted.then(|| {
-        tokio::task::spawn_blocking(move || {
-            let migrator = volume_migrate::Migrator::open(&root)?;
-            migrator.remove_all_old(&mut |_: &volume_migrate::Progress| {})
-        })
-    });
+    let cleanup = converted.then(|| tokio::task::spawn_blocking(move || backend::cleanup(&root)));
     Ok(BootMaintenance {
         recovered,
         ready,
         failed,
         cleanup,
     })
-}
-
-/// The blocking part of boot maintenance; sends progress on `tx`. Returns
-/// the recoveries, the failures, and whether anything was converted.
-#[allow(clippy::type_complexity)]
-fn boot_blocking(
-    root: &Path,
-    installed: &BTreeSet<String>,
-    all: &BTreeSet<String>,
-    tx: &tokio::sync::mpsc::UnboundedSender<BootEvent>,
-) -> Result<(Vec<volume::Recovery>, Vec<(PackageId, Error)>, bool), Error> {
-    let store = volume::VolumeStore::open_without_recovery(root)?;
-    let mut failed = Vec::new();
-    let mut recovered = Vec::new();
-    for r in store.recover_all()? {
-        match &r.error {
-            Some(e) => failed.push((
-                r.package.clone(),
-                Error::new(eyre!("{e}"), ErrorKind::Incoherent),
-            )),
-            None => recovered.push(r),
-        }
-    }
-    sweep(&store, installed, all, &mut failed)?;
-    let migrator = volume_migrate::Migrator::open(root)?;
-    let plan = migrator.plan()?;
-    let to_convert: BTreeSet<PackageId> = plan
-        .iter()
-        .filter(|e| e.estimate.is_some() && installed.contains(e.package.as_str()))
-        .map(|e| e.package.clone())
-        .collect();
-    let total: u64 = plan
-        .iter()
-        .filter(|e| to_convert.contains(&e.package))
-        .filter_map(|e| e.estimate.map(|est| est.bytes))
-        .sum();
-    let _ = tx.send(BootEvent::Total(total));
-    // Everything installed that needs no conversion is ready now.
-    for id in installed {
-        let Ok(pkg) = id.parse::<PackageId>() else {
-            continue;
-        };
-        if !to_convert.contains(&pkg) && !failed.iter().any(|(p, _)| *p == pkg) {
-            let _ = tx.send(BootEvent::Ready(pkg));
-        }
-    }
-    let opts = volume_migrate::MigrateOptions {
-        remove_old: false,
-        ..Default::default()
-    };
-    let mut base = 0u64;
-    for pkg in &to_convert {
-        let mut sink = |p: &volume_migrate::Progress| {
-            let _ = tx.send(BootEvent::Done(base + p.bytes_done));
-        };
-        match migrator.convert(pkg, &opts, &mut sink) {
-            Ok(report) => {
-                base += report.estimate.map_or(0, |e| e.bytes);
-                let _ = tx.send(BootEvent::Done(base));
-                let _ = tx.send(BootEvent::Ready(pkg.clone()));
-            }
-            Err(e) => {
-                tracing::error!(package = %pkg, "converting the volume failed: {e}");
-                failed.push((pkg.clone(), e));
-            }
-        }
-    }
-    Ok((recovered, failed, !to_convert.is_empty()))
-}
-
-/// Upstream's sweep, made safe: a backup of a package no longer in the
-/// database is dropped when its live volume is there, and put back as the
-/// volume when it is not (the only copy); a fresh marker of a package that
-/// is installed, or no longer known, is removed.
-fn sweep(
-    store: &volume::VolumeStore,
-    installed: &BTreeSet<String>,
-    all: &BTreeSet<String>,
-    failed: &mut Vec<(PackageId, Error)>,
-) -> Result<(), Error> {
-    let stale = |p: &PackageId| installed.contains(p.as_str()) || !all.contains(p.as_str());
-    for pkg in store.fresh_packages()?.into_iter().filter(stale) {
-        if let Err(e) = store.mark_fresh(&pkg, false) {
-            failed.push((pkg, e));
-        }
-    }
-    for info in store.list()? {
-        let pkg = &info.package;
-        if all.contains(pkg.as_str()) || info.backup.is_none() {
-            continue;
-        }
-        let r = if info.volume.is_some() {
-            store.drop_backup(pkg).map(drop)
-        } else {
-            store.restore(pkg).map(drop)
-        };
-        if let Err(e) = r {
-            failed.push((pkg.clone(), e));
-        }
-    }
-    Ok(())
 }
 
 /// Converts one package's plain-directory volume into a subvolume
@@ -511,16 +375,273 @@ pub async fn convert_package_to_subvolume_at(
 ) -> Result<(), Error> {
     let root = volumes_root.into();
     let pkg = parse_package(&pkg_id.to_string())?;
-    blocking(move || {
-        let migrator = volume_migrate::Migrator::open(&root)?;
+    blocking(move || backend::convert(&root, &pkg)).await
+}
+
+/// The volume store and volume-migrate, on Linux.
+#[cfg(target_os = "linux")]
+mod backend {
+    use std::collections::BTreeSet;
+    use std::path::Path;
+
+    use color_eyre::eyre::eyre;
+    use models::{Error, ErrorKind, PackageId};
+    use volume::VolumeStore;
+
+    fn store(root: &Path) -> Result<VolumeStore, Error> {
+        VolumeStore::open_without_recovery(root)
+    }
+
+    pub(super) fn exists(root: &Path, pkg: &PackageId) -> Result<bool, Error> {
+        Ok(store(root)?.info(pkg)?.backup.is_some())
+    }
+
+    pub(super) fn begin(root: &Path, pkg: &PackageId) -> Result<(), Error> {
+        let store = store(root)?;
+        store.recover(pkg)?;
+        if store.info(pkg)?.volume.is_some() {
+            store.drop_backup(pkg)?;
+        } else if store.restore(pkg)? {
+            tracing::warn!(package = %pkg, "begin: the install backup was the only copy of the volume; put it back");
+        }
+        store.mark_fresh(pkg, store.info(pkg)?.volume.is_none())
+    }
+
+    pub(super) fn is_fresh(root: &Path, pkg: &PackageId) -> Result<bool, Error> {
+        store(root)?.is_fresh(pkg)
+    }
+
+    pub(super) fn snapshot(root: &Path, pkg: &PackageId) -> Result<volume::SnapshotOutcome, Error> {
+        let store = store(root)?;
+        let info = store.info(pkg)?;
+        if info.backup.is_some() && info.volume.is_some() {
+            tracing::warn!(package = %pkg, "an install backup was left without `begin`; replacing it");
+            store.drop_backup(pkg)?;
+        }
+        store.snapshot(pkg)
+    }
+
+    pub(super) fn restore(root: &Path, pkg: &PackageId) -> Result<(), Error> {
+        store(root)?.restore(pkg).map(drop)
+    }
+
+    pub(super) fn resolve_pending(root: &Path, pkg: &PackageId) -> Result<(), Error> {
+        store(root)?.recover(pkg).map(drop)
+    }
+
+    pub(super) fn remove(root: &Path, pkg: &PackageId) -> Result<(), Error> {
+        let store = store(root)?;
+        store.mark_fresh(pkg, false)?;
+        store.drop_backup(pkg).map(drop)
+    }
+
+    pub(super) fn ensure(root: &Path, pkg: &PackageId) -> Result<(), Error> {
+        volume::create_root(root)?;
+        store(root)?.ensure(pkg).map(drop)
+    }
+
+    pub(super) fn delete_tree(path: &Path) -> Result<(), Error> {
+        volume::delete_tree(path)
+    }
+
+    pub(super) fn convert(root: &Path, pkg: &PackageId) -> Result<(), Error> {
+        let migrator = volume_migrate::Migrator::open(root)?;
         let opts = volume_migrate::MigrateOptions {
             remove_old: false,
             ..Default::default()
         };
-        migrator.convert(&pkg, &opts, &mut |_: &volume_migrate::Progress| {})?;
+        migrator.convert(pkg, &opts, &mut |_: &volume_migrate::Progress| {})?;
         migrator
-            .remove_old(&pkg, &mut |_: &volume_migrate::Progress| {})
+            .remove_old(pkg, &mut |_: &volume_migrate::Progress| {})
             .map(drop)
-    })
-    .await
+    }
+
+    pub(super) fn cleanup(root: &Path) -> Result<Vec<PackageId>, Error> {
+        volume_migrate::Migrator::open(root)?.remove_all_old(&mut |_: &volume_migrate::Progress| {})
+    }
+
+    /// The blocking part of boot maintenance; sends progress on `tx`. Returns
+    /// the recoveries, the failures, and whether anything was converted.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn boot(
+        root: &Path,
+        installed: &BTreeSet<String>,
+        all: &BTreeSet<String>,
+        tx: &tokio::sync::mpsc::UnboundedSender<super::BootEvent>,
+    ) -> Result<(Vec<volume::Recovery>, Vec<(PackageId, Error)>, bool), Error> {
+        let store = volume::VolumeStore::open_without_recovery(root)?;
+        let mut failed = Vec::new();
+        let mut recovered = Vec::new();
+        for r in store.recover_all()? {
+            match &r.error {
+                Some(e) => failed.push((
+                    r.package.clone(),
+                    Error::new(eyre!("{e}"), ErrorKind::Incoherent),
+                )),
+                None => recovered.push(r),
+            }
+        }
+        sweep(&store, installed, all, &mut failed)?;
+        let migrator = volume_migrate::Migrator::open(root)?;
+        let plan = migrator.plan()?;
+        let to_convert: BTreeSet<PackageId> = plan
+            .iter()
+            .filter(|e| e.estimate.is_some() && installed.contains(e.package.as_str()))
+            .map(|e| e.package.clone())
+            .collect();
+        let total: u64 = plan
+            .iter()
+            .filter(|e| to_convert.contains(&e.package))
+            .filter_map(|e| e.estimate.map(|est| est.bytes))
+            .sum();
+        let _ = tx.send(super::BootEvent::Total(total));
+        // Everything installed that needs no conversion is ready now.
+        for id in installed {
+            let Ok(pkg) = id.parse::<PackageId>() else {
+                continue;
+            };
+            if !to_convert.contains(&pkg) && !failed.iter().any(|(p, _)| *p == pkg) {
+                let _ = tx.send(super::BootEvent::Ready(pkg));
+            }
+        }
+        let opts = volume_migrate::MigrateOptions {
+            remove_old: false,
+            ..Default::default()
+        };
+        let mut base = 0u64;
+        for pkg in &to_convert {
+            let mut sink = |p: &volume_migrate::Progress| {
+                let _ = tx.send(super::BootEvent::Done(base + p.bytes_done));
+            };
+            match migrator.convert(pkg, &opts, &mut sink) {
+                Ok(report) => {
+                    base += report.estimate.map_or(0, |e| e.bytes);
+                    let _ = tx.send(super::BootEvent::Done(base));
+                    let _ = tx.send(super::BootEvent::Ready(pkg.clone()));
+                }
+                Err(e) => {
+                    tracing::error!(package = %pkg, "converting the volume failed: {e}");
+                    failed.push((pkg.clone(), e));
+                }
+            }
+        }
+        Ok((recovered, failed, !to_convert.is_empty()))
+    }
+
+    /// Upstream's sweep, made safe: a backup of a package no longer in the
+    /// database is dropped when its live volume is there, and put back as the
+    /// volume when it is not (the only copy); a fresh marker of a package that
+    /// is installed, or no longer known, is removed.
+    fn sweep(
+        store: &volume::VolumeStore,
+        installed: &BTreeSet<String>,
+        all: &BTreeSet<String>,
+        failed: &mut Vec<(PackageId, Error)>,
+    ) -> Result<(), Error> {
+        let stale = |p: &PackageId| installed.contains(p.as_str()) || !all.contains(p.as_str());
+        for pkg in store.fresh_packages()?.into_iter().filter(stale) {
+            if let Err(e) = store.mark_fresh(&pkg, false) {
+                failed.push((pkg, e));
+            }
+        }
+        for info in store.list()? {
+            let pkg = &info.package;
+            if all.contains(pkg.as_str()) || info.backup.is_none() {
+                continue;
+            }
+            let r = if info.volume.is_some() {
+                store.drop_backup(pkg).map(drop)
+            } else {
+                store.restore(pkg).map(drop)
+            };
+            if let Err(e) = r {
+                failed.push((pkg.clone(), e));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Where there is no btrfs (start-cli builds start-core for macOS): plain
+/// directories, no backups, nothing to convert, as upstream's own code
+/// there.
+#[cfg(not(target_os = "linux"))]
+mod backend {
+    use std::collections::BTreeSet;
+    use std::path::Path;
+
+    use color_eyre::eyre::eyre;
+    use models::{Error, ErrorKind, PackageId};
+
+    fn io(what: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
+        move |e| Error::new(eyre!("{}: {e}", what.display()), ErrorKind::Filesystem)
+    }
+
+    pub(super) fn exists(_: &Path, _: &PackageId) -> Result<bool, Error> {
+        Ok(false)
+    }
+
+    pub(super) fn begin(_: &Path, _: &PackageId) -> Result<(), Error> {
+        Ok(())
+    }
+
+    pub(super) fn is_fresh(_: &Path, _: &PackageId) -> Result<bool, Error> {
+        Ok(false)
+    }
+
+    pub(super) fn snapshot(_: &Path, _: &PackageId) -> Result<volume::SnapshotOutcome, Error> {
+        Ok(volume::SnapshotOutcome::Skipped {
+            reason: "btrfs subvolumes need Linux".to_owned(),
+        })
+    }
+
+    pub(super) fn restore(_: &Path, _: &PackageId) -> Result<(), Error> {
+        Ok(())
+    }
+
+    pub(super) fn resolve_pending(_: &Path, _: &PackageId) -> Result<(), Error> {
+        Ok(())
+    }
+
+    pub(super) fn remove(_: &Path, _: &PackageId) -> Result<(), Error> {
+        Ok(())
+    }
+
+    pub(super) fn ensure(root: &Path, pkg: &PackageId) -> Result<(), Error> {
+        let path = root.join(pkg.as_str());
+        std::fs::create_dir_all(&path).map_err(io(&path))
+    }
+
+    pub(super) fn delete_tree(path: &Path) -> Result<(), Error> {
+        match std::fs::remove_dir_all(path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(path)(e)),
+            _ => Ok(()),
+        }
+    }
+
+    pub(super) fn convert(_: &Path, _: &PackageId) -> Result<(), Error> {
+        Ok(())
+    }
+
+    pub(super) fn cleanup(_: &Path) -> Result<Vec<PackageId>, Error> {
+        Ok(Vec::new())
+    }
+
+    #[allow(clippy::type_complexity)]
+    pub(super) fn boot(
+        _: &Path,
+        installed: &BTreeSet<String>,
+        _: &BTreeSet<String>,
+        tx: &tokio::sync::mpsc::UnboundedSender<super::BootEvent>,
+    ) -> Result<(Vec<volume::Recovery>, Vec<(PackageId, Error)>, bool), Error> {
+        let _ = tx.send(super::BootEvent::Total(0));
+        let _ = tx.send(super::BootEvent::Done(0));
+        for pkg in installed
+            .iter()
+            .filter_map(|id| id.parse::<PackageId>().ok())
+        {
+            let _ = tx.send(super::BootEvent::Ready(pkg));
+        }
+        Ok((Vec::new(), Vec::new(), false))
+    }
 }

@@ -143,6 +143,7 @@ pub fn check_id_len(pkg: &PackageId) -> Result<(), Error> {
 /// Every name under the volumes root that the volume store uses for one
 /// package.
 #[derive(Debug, Clone)]
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 pub(crate) struct Names {
     pub live: OsString,
     pub backup: OsString,
@@ -164,6 +165,7 @@ pub(crate) struct Names {
     pub migrate_old: OsString,
 }
 
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 impl Names {
     /// The names of `pkg`; `InvalidId` if they would not fit [`NAME_MAX`].
     pub fn new(pkg: &PackageId) -> Result<Self, Error> {

@@ -21,12 +21,12 @@ pub mod copy;
 #[cfg(target_os = "linux")]
 pub mod extents;
 pub mod failpoint;
-#[cfg(target_os = "linux")]
 pub mod layout;
 #[cfg(target_os = "linux")]
 pub mod lock;
 #[cfg(target_os = "linux")]
 pub mod mounts;
+mod outcome;
 #[cfg(target_os = "linux")]
 mod record;
 #[cfg(target_os = "linux")]
@@ -41,14 +41,14 @@ pub mod usage;
 pub mod walk;
 
 pub use failpoint::FAILPOINT_ENV;
-#[cfg(target_os = "linux")]
 pub use layout::INSTALL_BACKUP_SUFFIX;
 #[cfg(target_os = "linux")]
 pub use mounts::MountUse;
+pub use outcome::{Recovery, SnapshotOutcome, VolumeInfo, VolumeKind};
 #[cfg(target_os = "linux")]
 pub use store::{
-    DEFAULT_REFLINK_EXTENT_LIMIT, Recovery, SnapshotOutcome, VolumeInfo, VolumeKind, VolumeStore,
-    VolumeUsage, create_root, delete_tree, delete_tree_at, open_locks, open_root,
+    DEFAULT_REFLINK_EXTENT_LIMIT, VolumeStore, VolumeUsage, create_root, delete_tree,
+    delete_tree_at, open_locks, open_root,
 };
 
 /// Upstream's data directory.

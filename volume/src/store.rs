@@ -58,6 +58,7 @@ use crate::failpoint::failpoint;
 use crate::layout::{self, Names};
 use crate::lock::{LockDir, PackageLock};
 use crate::mounts::{self, MountUse};
+use crate::outcome::{Recovery, SnapshotOutcome, VolumeInfo, VolumeKind};
 use crate::record::{self, Identity};
 use crate::sys;
 use crate::usage::{self, Split, Usage};
@@ -68,57 +69,6 @@ mod upstream;
 /// directory for which a reflink backup is still taken. At the ~6.7 us per
 /// extent measured for `cp --reflink`, 100k extents is well under a second.
 pub const DEFAULT_REFLINK_EXTENT_LIMIT: u64 = 100_000;
-
-/// How a package volume is stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum VolumeKind {
-    /// A btrfs subvolume: snapshots and deletes are O(1).
-    Subvolume,
-    /// A plain directory (not btrfs, or not yet converted by volume-migrate).
-    Directory,
-}
-
-/// What [`VolumeStore::snapshot`] did.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case", tag = "outcome")]
-pub enum SnapshotOutcome {
-    /// A read-only subvolume snapshot, nested subvolumes included.
-    Snapshot,
-    /// A reflink copy of a plain directory on btrfs.
-    ReflinkCopy {
-        /// File extent items the copy had to clone.
-        extents: u64,
-    },
-    /// No backup was taken; the install goes on without a rollback point.
-    Skipped {
-        /// Why, for the log and the user.
-        reason: String,
-    },
-    /// The package has no volume yet (a fresh install): nothing to back up.
-    NoVolume,
-}
-
-impl SnapshotOutcome {
-    /// Whether a backup now exists, upstream's `bool`.
-    pub fn created(&self) -> bool {
-        matches!(
-            self,
-            SnapshotOutcome::Snapshot | SnapshotOutcome::ReflinkCopy { .. }
-        )
-    }
-}
-
-/// One package's entry in [`VolumeStore::list`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct VolumeInfo {
-    /// The package.
-    pub package: PackageId,
-    /// How its live volume is stored; `None` if it has none.
-    pub volume: Option<VolumeKind>,
-    /// How its install backup is stored; `None` if it has none.
-    pub backup: Option<VolumeKind>,
-}
 
 /// Real space use of a package's volume and backup ([`VolumeStore::usage`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -132,19 +82,6 @@ pub struct VolumeUsage {
     /// With a backup: disk bytes held only by it (what dropping it frees),
     /// only by the live volume, and by both.
     pub split: Option<Split>,
-}
-
-/// What [`VolumeStore::recover`] found and did for one package.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Recovery {
-    /// The package.
-    pub package: PackageId,
-    /// One line per action, in order.
-    pub actions: Vec<String>,
-    /// Why recovery failed, if it did ([`VolumeStore::recover_all`] only;
-    /// [`VolumeStore::recover`] returns the error).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
 }
 
 /// What an entry of the volumes root is.
