@@ -1,0 +1,167 @@
+//! The libbtrfsutil backend of [`super::subvolume`], behind the `btrfsutil`
+//! feature: the same primitives through libbtrfsutil's fd-based entry
+//! points (`*_fd`, `*_fd2`), which resolve every name relative to a
+//! directory already open. Needs libclang to build and libbtrfsutil to run;
+//! kept to cross-check the `native` ioctl backend against a reference
+//! implementation (the primitives tests run against both).
+
+use std::ffi::{CStr, CString, OsStr, OsString};
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::PathBuf;
+
+use btrfsutil_sys as bu;
+
+fn c_name(name: &OsStr) -> io::Result<CString> {
+    CString::new(name.as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
+/// Turns a libbtrfsutil status into an `io::Error` with the errno it left.
+fn check(code: bu::btrfs_util_error) -> io::Result<()> {
+    if code == bu::btrfs_util_error_BTRFS_UTIL_OK {
+        return Ok(());
+    }
+    let os = io::Error::last_os_error();
+    if os.raw_os_error().is_some_and(|e| e != 0) {
+        return Err(os);
+    }
+    // SAFETY: btrfs_util_strerror returns a static string for any code.
+    let msg = unsafe { CStr::from_ptr(bu::btrfs_util_strerror(code)) };
+    Err(io::Error::other(msg.to_string_lossy().into_owned()))
+}
+
+pub(super) fn create_subvolume(parent: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+    let c = c_name(name)?;
+    // SAFETY: valid fd and NUL-terminated name; null async/qgroup pointers are allowed.
+    check(unsafe {
+        bu::btrfs_util_create_subvolume_fd(
+            parent.as_raw_fd(),
+            c.as_ptr(),
+            0,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        )
+    })
+}
+
+/// libbtrfsutil's snapshot of `source` as `name` in `parent`, with its
+/// `BTRFS_UTIL_CREATE_SNAPSHOT_*` flags.
+fn snapshot_with_flags(
+    source: BorrowedFd<'_>,
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    flags: i32,
+) -> io::Result<()> {
+    let c = c_name(name)?;
+    // SAFETY: valid fds and NUL-terminated name; null async/qgroup pointers are allowed.
+    check(unsafe {
+        bu::btrfs_util_create_snapshot_fd2(
+            source.as_raw_fd(),
+            parent.as_raw_fd(),
+            c.as_ptr(),
+            flags,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        )
+    })
+}
+
+pub(super) fn create_snapshot(
+    source: BorrowedFd<'_>,
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    read_only: bool,
+) -> io::Result<()> {
+    let flags = if read_only {
+        bu::BTRFS_UTIL_CREATE_SNAPSHOT_READ_ONLY as i32
+    } else {
+        0
+    };
+    snapshot_with_flags(source, parent, name, flags)
+}
+
+pub(super) fn snapshot_recursive(
+    source: BorrowedFd<'_>,
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+) -> io::Result<()> {
+    snapshot_with_flags(
+        source,
+        parent,
+        name,
+        bu::BTRFS_UTIL_CREATE_SNAPSHOT_RECURSIVE as i32,
+    )
+}
+
+pub(super) fn set_read_only(fd: BorrowedFd<'_>, read_only: bool) -> io::Result<()> {
+    // SAFETY: valid fd.
+    check(unsafe { bu::btrfs_util_set_subvolume_read_only_fd(fd.as_raw_fd(), read_only) })
+}
+
+pub(super) fn is_read_only(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    let mut ro = false;
+    // SAFETY: valid fd and out-pointer.
+    check(unsafe { bu::btrfs_util_get_subvolume_read_only_fd(fd.as_raw_fd(), &mut ro) })?;
+    Ok(ro)
+}
+
+pub(super) fn nested_subvolumes(fd: BorrowedFd<'_>) -> io::Result<Vec<PathBuf>> {
+    let mut iter: *mut bu::btrfs_util_subvolume_iterator = std::ptr::null_mut();
+    // SAFETY: valid fd and out-pointer; top 0 means "the subvolume of fd".
+    check(unsafe {
+        bu::btrfs_util_create_subvolume_iterator_fd(
+            fd.as_raw_fd(),
+            0,
+            bu::BTRFS_UTIL_SUBVOLUME_ITERATOR_POST_ORDER as i32,
+            &mut iter,
+        )
+    })?;
+    let mut out = Vec::new();
+    let result = loop {
+        let mut path: *mut libc::c_char = std::ptr::null_mut();
+        let mut id = 0u64;
+        // SAFETY: iter is live until destroyed below; path is malloc'd by the library.
+        let code = unsafe { bu::btrfs_util_subvolume_iterator_next(iter, &mut path, &mut id) };
+        if code == bu::btrfs_util_error_BTRFS_UTIL_ERROR_STOP_ITERATION {
+            break Ok(());
+        }
+        if let Err(e) = check(code) {
+            break Err(e);
+        }
+        // SAFETY: on success path is a NUL-terminated malloc'd string we now own.
+        let bytes = unsafe { CStr::from_ptr(path) }.to_bytes().to_vec();
+        // SAFETY: allocated by libbtrfsutil with malloc.
+        unsafe { libc::free(path.cast()) };
+        out.push(PathBuf::from(OsString::from_vec(bytes)));
+    };
+    // SAFETY: created above, destroyed once.
+    unsafe { bu::btrfs_util_destroy_subvolume_iterator(iter) };
+    result.map(|()| out)
+}
+
+pub(super) fn delete_subvolume(
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    recursive: bool,
+) -> io::Result<()> {
+    let c = c_name(name)?;
+    let flags = if recursive {
+        bu::BTRFS_UTIL_DELETE_SUBVOLUME_RECURSIVE as i32
+    } else {
+        0
+    };
+    // SAFETY: valid fd and NUL-terminated name.
+    check(unsafe { bu::btrfs_util_delete_subvolume_fd(parent.as_raw_fd(), c.as_ptr(), flags) })
+}
+
+pub(super) fn commit(fd: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: valid fd.
+    check(unsafe { bu::btrfs_util_sync_fd(fd.as_raw_fd()) })
+}
+
+pub(super) fn start_commit(fd: BorrowedFd<'_>) -> io::Result<()> {
+    let mut transid = 0u64;
+    // SAFETY: valid fd and out-pointer.
+    check(unsafe { bu::btrfs_util_start_sync_fd(fd.as_raw_fd(), &mut transid) })
+}

@@ -1,0 +1,551 @@
+//! The default backend of [`super::subvolume`]: btrfs's own ioctls,
+//! through rustix, with argument structs laid out here after
+//! `linux/btrfs.h` (each checked by size at compile time). Needs no C
+//! toolchain to build and no C library to run.
+//!
+//! Every function first checks that its fd lives on btrfs
+//! ([`ensure_btrfs`]), so a request laid out for btrfs never reaches a
+//! filesystem that may read the same ioctl number differently.
+//!
+//! Nested subvolumes are found in the root tree (tree 1) with
+//! TREE_SEARCH_V2 (its ROOT_REF items: child id, directory, name) and
+//! INO_LOOKUP (that directory's path), rather than with the unprivileged
+//! GET_SUBVOL_ROOTREF and INO_LOOKUP_USER: the crate already needs
+//! CAP_SYS_ADMIN for its own tree searches (usage, extents), one search
+//! returns every reference of a subvolume where GET_SUBVOL_ROOTREF pages by
+//! 255, and INO_LOOKUP resolves a directory without the per-directory
+//! permission checks and the reachable-from-this-mount condition of
+//! INO_LOOKUP_USER, which a package's own directory modes or a bind mount
+//! could otherwise make fail.
+
+use std::collections::HashSet;
+use std::ffi::{OsStr, OsString};
+use std::io;
+use std::ops::ControlFlow;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::{Path, PathBuf};
+
+use rustix::fs::AtFlags;
+use rustix::io::Errno;
+use rustix::ioctl::{Getter, NoArg, Opcode, Setter, Updater, opcode};
+
+use super::fs::{open_beneath, open_dir_at, stat};
+use super::ioctl::{BTRFS_IOCTL_MAGIC, ensure_btrfs, malformed};
+use super::search::{ItemKey, KeyRange, Searcher};
+use super::subvolume::SUBVOLUME_ROOT_INO;
+
+/// `BTRFS_SUBVOL_NAME_MAX`: the name field of the v2 volume args holds this
+/// many bytes and a NUL.
+const SUBVOL_NAME_MAX: usize = 4039;
+/// `BTRFS_NAME_LEN`: the longest name a btrfs directory entry can have.
+const NAME_LEN: usize = 255;
+/// `BTRFS_SUBVOL_RDONLY`, in the v2 args' flags and in SUBVOL_GETFLAGS.
+const SUBVOL_RDONLY: u64 = 1 << 1;
+/// `BTRFS_SUBVOL_SPEC_BY_ID`: SNAP_DESTROY_V2 takes `subvolid`, not `name`.
+const SUBVOL_SPEC_BY_ID: u64 = 1 << 4;
+/// `BTRFS_ROOT_TREE_OBJECTID`: the tree of trees.
+const ROOT_TREE: u64 = 1;
+/// `BTRFS_ROOT_REF_KEY`: (parent id, ROOT_REF, child id) in the root tree,
+/// one per subvolume linked into a directory of the parent.
+const ROOT_REF_KEY: u8 = 156;
+/// `BTRFS_INO_LOOKUP_PATH_MAX`.
+const INO_LOOKUP_PATH_MAX: usize = 4080;
+
+/// `struct btrfs_ioctl_vol_args_v2`: `fd`, `transid`, `flags`, the
+/// qgroup-inherit union (unused here, left zero), then the union of `name`
+/// (NUL-terminated) and `subvolid` (its first 8 bytes).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct VolArgsV2 {
+    fd: i64,
+    transid: u64,
+    flags: u64,
+    unused: [u64; 4],
+    name: [u8; SUBVOL_NAME_MAX + 1],
+}
+const _: () = assert!(std::mem::size_of::<VolArgsV2>() == 4096);
+const _: () = assert!(std::mem::align_of::<VolArgsV2>() == 8);
+
+/// `struct btrfs_ioctl_ino_lookup_args`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct InoLookupArgs {
+    treeid: u64,
+    objectid: u64,
+    name: [u8; INO_LOOKUP_PATH_MAX],
+}
+const _: () = assert!(std::mem::size_of::<InoLookupArgs>() == 4096);
+
+const SYNC: Opcode = opcode::none(BTRFS_IOCTL_MAGIC, 8);
+const INO_LOOKUP: Opcode = opcode::read_write::<InoLookupArgs>(BTRFS_IOCTL_MAGIC, 18);
+const SNAP_CREATE_V2: Opcode = opcode::write::<VolArgsV2>(BTRFS_IOCTL_MAGIC, 23);
+const START_SYNC: Opcode = opcode::read::<u64>(BTRFS_IOCTL_MAGIC, 24);
+const SUBVOL_CREATE_V2: Opcode = opcode::write::<VolArgsV2>(BTRFS_IOCTL_MAGIC, 24);
+const SUBVOL_GETFLAGS: Opcode = opcode::read::<u64>(BTRFS_IOCTL_MAGIC, 25);
+const SUBVOL_SETFLAGS: Opcode = opcode::write::<u64>(BTRFS_IOCTL_MAGIC, 26);
+const SNAP_DESTROY_V2: Opcode = opcode::write::<VolArgsV2>(BTRFS_IOCTL_MAGIC, 63);
+
+impl VolArgsV2 {
+    fn zeroed() -> Self {
+        VolArgsV2 {
+            fd: 0,
+            transid: 0,
+            flags: 0,
+            unused: [0; 4],
+            name: [0; SUBVOL_NAME_MAX + 1],
+        }
+    }
+
+    /// Args naming the new or doomed entry `name`: one path component.
+    /// The kernel checks names too, but only a NUL-terminated copy can be
+    /// handed over, so a NUL (which would cut the name short) or a `/`
+    /// (which the kernel refuses with EINVAL anyway) is refused here.
+    fn named(name: &OsStr) -> io::Result<Self> {
+        let bytes = name.as_bytes();
+        if bytes.is_empty()
+            || bytes == b"."
+            || bytes == b".."
+            || bytes.iter().any(|b| *b == 0 || *b == b'/')
+        {
+            return Err(Errno::INVAL.into());
+        }
+        if bytes.len() > NAME_LEN {
+            return Err(Errno::NAMETOOLONG.into());
+        }
+        let mut args = VolArgsV2::zeroed();
+        args.name[..bytes.len()].copy_from_slice(bytes);
+        Ok(args)
+    }
+}
+
+/// Issues one of the `_IOW` volume-args ioctls on `fd`.
+fn vol_ioctl<const OPCODE: Opcode>(fd: BorrowedFd<'_>, args: VolArgsV2) -> io::Result<()> {
+    // SAFETY: every OPCODE passed is an _IOW btrfs ioctl taking a `struct
+    // btrfs_ioctl_vol_args_v2`, which VolArgsV2 matches in size and layout
+    // (checked above); the kernel only reads it.
+    unsafe { rustix::ioctl::ioctl(fd, Setter::<OPCODE, VolArgsV2>::new(args)) }?;
+    Ok(())
+}
+
+pub(super) fn create_subvolume(parent: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+    ensure_btrfs(parent)?;
+    vol_ioctl::<SUBVOL_CREATE_V2>(parent, VolArgsV2::named(name)?)
+}
+
+pub(super) fn create_snapshot(
+    source: BorrowedFd<'_>,
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    read_only: bool,
+) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    ensure_btrfs(parent)?;
+    ensure_btrfs(source)?;
+    let mut args = VolArgsV2::named(name)?;
+    args.fd = i64::from(source.as_raw_fd());
+    if read_only {
+        args.flags = SUBVOL_RDONLY;
+    }
+    vol_ioctl::<SNAP_CREATE_V2>(parent, args)
+}
+
+/// Snapshots `source` as `name` in `parent`, then each subvolume nested in
+/// `source`, parents before children, into the empty placeholder directory
+/// the snapshot above it holds for it (removed first). Every snapshot is
+/// writable, so that those nested below it can be placed.
+pub(super) fn snapshot_recursive(
+    source: BorrowedFd<'_>,
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+) -> io::Result<()> {
+    // The snapshot ioctl takes whatever subvolume holds its fd: refuse a
+    // source that is not a subvolume root before anything is created.
+    let st = stat(source)?;
+    if st.ino != SUBVOLUME_ROOT_INO || !st.is_dir() {
+        return Err(Errno::INVAL.into());
+    }
+    create_snapshot(source, parent, name, false)?;
+    // Listed once the top is taken, as libbtrfsutil does: a subvolume
+    // nested since then has no placeholder in the copy, and its rmdir
+    // below fails rather than the copy silently lacking it.
+    let nested = nested_pre_order(source)?;
+    let copy = open_dir_at(parent, name)?;
+    for Nested { id, path: rel, .. } in &nested {
+        let (dir, leaf) = split_last(rel)?;
+        let src = open_beneath(source, rel)?;
+        // A path is no handle: had a package swapped the nested subvolume
+        // for a plain directory since the listing, the snapshot ioctl
+        // would take the subvolume holding that directory instead.
+        if stat(src.as_fd())?.ino != SUBVOLUME_ROOT_INO || subvolume_id(src.as_fd())? != *id {
+            return Err(Errno::AGAIN.into());
+        }
+        let holder = if dir.as_os_str().is_empty() {
+            None
+        } else {
+            Some(open_beneath(copy.as_fd(), dir)?)
+        };
+        let holder = holder.as_ref().map_or(copy.as_fd(), |fd| fd.as_fd());
+        rustix::fs::unlinkat(holder, leaf, AtFlags::REMOVEDIR)?;
+        create_snapshot(src.as_fd(), holder, leaf, false)?;
+    }
+    Ok(())
+}
+
+/// The directory part and last component of a nested subvolume's path.
+fn split_last(rel: &Path) -> io::Result<(&Path, &OsStr)> {
+    match (rel.parent(), rel.file_name()) {
+        (Some(dir), Some(leaf)) => Ok((dir, leaf)),
+        _ => Err(malformed("an empty nested subvolume path")),
+    }
+}
+
+pub(super) fn is_read_only(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    Ok(subvol_flags(fd)? & SUBVOL_RDONLY != 0)
+}
+
+fn subvol_flags(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    ensure_btrfs(fd)?;
+    // SAFETY: SUBVOL_GETFLAGS is _IOR(0x94, 25, __u64) and writes one u64.
+    Ok(unsafe { rustix::ioctl::ioctl(fd, Getter::<SUBVOL_GETFLAGS, u64>::new()) }?)
+}
+
+pub(super) fn set_read_only(fd: BorrowedFd<'_>, read_only: bool) -> io::Result<()> {
+    let flags = subvol_flags(fd)?;
+    let flags = if read_only {
+        flags | SUBVOL_RDONLY
+    } else {
+        flags & !SUBVOL_RDONLY
+    };
+    // SAFETY: SUBVOL_SETFLAGS is _IOW(0x94, 26, __u64) and reads one u64.
+    unsafe { rustix::ioctl::ioctl(fd, Setter::<SUBVOL_SETFLAGS, u64>::new(flags)) }?;
+    Ok(())
+}
+
+pub(super) fn nested_subvolumes(fd: BorrowedFd<'_>) -> io::Result<Vec<PathBuf>> {
+    Ok(nested_with_ids(fd)?.into_iter().map(|(_, p)| p).collect())
+}
+
+/// Deletes `name` in `parent` and, with `recursive`, the subvolumes nested
+/// in it first, children before parents. The nested ones go by id
+/// (BTRFS_SUBVOL_SPEC_BY_ID): the kernel then removes exactly the
+/// subvolume the listing found, wherever in the tree it now is, with no
+/// path to walk through directories a package controls; the top goes by
+/// the name the caller holds.
+pub(super) fn delete_subvolume(
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    recursive: bool,
+) -> io::Result<()> {
+    ensure_btrfs(parent)?;
+    let args = VolArgsV2::named(name)?;
+    if recursive {
+        let top = open_dir_at(parent, name)?;
+        // A plain directory has nothing nested; the kernel refuses to
+        // delete it below, with its own error.
+        if stat(top.as_fd())?.ino == SUBVOLUME_ROOT_INO {
+            for (id, _) in nested_with_ids(top.as_fd())? {
+                let mut by_id = VolArgsV2::zeroed();
+                by_id.flags = SUBVOL_SPEC_BY_ID;
+                by_id.name[..8].copy_from_slice(&id.to_ne_bytes());
+                vol_ioctl::<SNAP_DESTROY_V2>(top.as_fd(), by_id)?;
+            }
+        }
+    }
+    vol_ioctl::<SNAP_DESTROY_V2>(parent, args)
+}
+
+pub(super) fn commit(fd: BorrowedFd<'_>) -> io::Result<()> {
+    ensure_btrfs(fd)?;
+    // SAFETY: SYNC is _IO(0x94, 8) and takes no argument.
+    unsafe { rustix::ioctl::ioctl(fd, NoArg::<SYNC>::new()) }?;
+    Ok(())
+}
+
+pub(super) fn start_commit(fd: BorrowedFd<'_>) -> io::Result<()> {
+    ensure_btrfs(fd)?;
+    // SAFETY: START_SYNC is _IOR(0x94, 24, __u64) and writes the transid.
+    unsafe { rustix::ioctl::ioctl(fd, Getter::<START_SYNC, u64>::new()) }?;
+    Ok(())
+}
+
+/// INO_LOOKUP of inode `objectid` in tree `treeid` (0: `fd`'s own), as the
+/// kernel fills it.
+fn ino_lookup(fd: BorrowedFd<'_>, treeid: u64, objectid: u64) -> io::Result<InoLookupArgs> {
+    let mut args = InoLookupArgs {
+        treeid,
+        objectid,
+        name: [0; INO_LOOKUP_PATH_MAX],
+    };
+    // SAFETY: INO_LOOKUP is _IOWR(0x94, 18, struct
+    // btrfs_ioctl_ino_lookup_args), which InoLookupArgs matches in size and
+    // layout; the kernel reads the two ids and writes the ids and the path.
+    unsafe { rustix::ioctl::ioctl(fd, Updater::<INO_LOOKUP, InoLookupArgs>::new(&mut args)) }?;
+    Ok(args)
+}
+
+/// The id of the subvolume holding `fd`. Unprivileged: INO_LOOKUP of the
+/// subvolume's root inode only reports the tree id.
+fn subvolume_id(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    Ok(ino_lookup(fd, 0, SUBVOLUME_ROOT_INO)?.treeid)
+}
+
+/// The path, relative to the root of tree `treeid`, of its directory
+/// `dirid`: empty for the root itself, else ending in `/` (as the kernel
+/// writes it). Privileged: the lookup reads another tree.
+fn dir_path(fd: BorrowedFd<'_>, treeid: u64, dirid: u64) -> io::Result<Vec<u8>> {
+    let args = ino_lookup(fd, treeid, dirid)?;
+    parse_lookup_path(&args.name).map(<[u8]>::to_vec)
+}
+
+/// The NUL-terminated path INO_LOOKUP wrote, checked to be terminated and
+/// relative.
+fn parse_lookup_path(name: &[u8]) -> io::Result<&[u8]> {
+    let len = name
+        .iter()
+        .position(|b| *b == 0)
+        .ok_or_else(|| malformed("INO_LOOKUP path without its NUL"))?;
+    let path = &name[..len];
+    if path.first() == Some(&b'/') {
+        return Err(malformed("INO_LOOKUP path is absolute"));
+    }
+    Ok(path)
+}
+
+/// One ROOT_REF item of the root tree: child subvolume `child` sits in
+/// directory `dirid` of its parent under `name`.
+#[derive(Debug, PartialEq, Eq)]
+struct RootRef {
+    child: u64,
+    dirid: u64,
+    name: Vec<u8>,
+}
+
+/// Parses the body of the ROOT_REF item keyed (parent, ROOT_REF, `child`):
+/// `struct btrfs_root_ref` (dirid, sequence, name_len: packed, little
+/// endian) followed by the name, which must be one non-empty component.
+fn parse_root_ref(child: u64, body: &[u8]) -> io::Result<RootRef> {
+    const NAME_AT: usize = 18;
+    let dirid = super::item::le64(body, 0).ok_or_else(|| malformed("short ROOT_REF item"))?;
+    let name_len = body
+        .get(16..NAME_AT)
+        .map(|b| usize::from(u16::from_le_bytes([b[0], b[1]])))
+        .ok_or_else(|| malformed("short ROOT_REF item"))?;
+    let name = body
+        .get(NAME_AT..NAME_AT + name_len)
+        .ok_or_else(|| malformed("ROOT_REF name runs past its item"))?;
+    if name.is_empty()
+        || name == b"."
+        || name == b".."
+        || name.iter().any(|b| *b == 0 || *b == b'/')
+    {
+        return Err(malformed("ROOT_REF name is not one path component"));
+    }
+    Ok(RootRef {
+        child,
+        dirid,
+        name: name.to_vec(),
+    })
+}
+
+/// The ROOT_REF items of subvolume `parent`: the subvolumes linked into its
+/// directories, in id order.
+fn root_refs(searcher: &mut Searcher, fd: BorrowedFd<'_>, parent: u64) -> io::Result<Vec<RootRef>> {
+    let mut refs = Vec::new();
+    let mut bad = None;
+    searcher.search_tree(
+        fd,
+        ROOT_TREE,
+        KeyRange {
+            min: ItemKey {
+                objectid: parent,
+                item_type: ROOT_REF_KEY,
+                offset: 0,
+            },
+            max: ItemKey {
+                objectid: parent,
+                item_type: ROOT_REF_KEY,
+                offset: u64::MAX,
+            },
+        },
+        |key, body| {
+            // The range bounds all three fields, so nothing else comes
+            // back; checked all the same, as everything the kernel returns.
+            if key.objectid != parent || key.item_type != ROOT_REF_KEY {
+                return ControlFlow::Continue(());
+            }
+            match parse_root_ref(key.offset, body) {
+                Ok(r) => {
+                    refs.push(r);
+                    ControlFlow::Continue(())
+                }
+                Err(e) => {
+                    bad = Some(e);
+                    ControlFlow::Break(())
+                }
+            }
+        },
+    )?;
+    match bad {
+        Some(e) => Err(e),
+        None => Ok(refs),
+    }
+}
+
+/// Every subvolume nested below the subvolume whose root directory is open
+/// as `fd`, with its id and its path relative to `fd`, children before
+/// parents and siblings in id order (libbtrfsutil's post-order).
+fn nested_with_ids(fd: BorrowedFd<'_>) -> io::Result<Vec<(u64, PathBuf)>> {
+    Ok(post_order(nested_pre_order(fd)?))
+}
+
+/// A nested subvolume found by [`nested_pre_order`].
+struct Nested {
+    id: u64,
+    path: PathBuf,
+    /// Levels below the listed subvolume: 1 for its direct children.
+    depth: usize,
+}
+
+/// [`nested_with_ids`] parents first, siblings in id order: the order in
+/// which a recursive snapshot recreates them, so the copies' ids keep
+/// their sources' order (and their listing, the sources').
+fn nested_pre_order(fd: BorrowedFd<'_>) -> io::Result<Vec<Nested>> {
+    ensure_btrfs(fd)?;
+    let st = stat(fd)?;
+    if st.ino != SUBVOLUME_ROOT_INO || !st.is_dir() {
+        return Err(Errno::INVAL.into());
+    }
+    let top = subvolume_id(fd)?;
+    let mut searcher = Searcher::default();
+    // Depth first with an explicit stack, as a package can nest
+    // subvolumes as deep as it likes; children pushed last first pop in
+    // id order.
+    let mut stack = vec![(top, Vec::<u8>::new(), 0usize)];
+    let mut seen = HashSet::from([top]);
+    let mut out = Vec::new();
+    while let Some((id, path, depth)) = stack.pop() {
+        let mut children = Vec::new();
+        for r in root_refs(&mut searcher, fd, id)? {
+            // The subvolumes form a tree; a repeat would loop forever.
+            if !seen.insert(r.child) {
+                return Err(malformed("a subvolume referenced twice"));
+            }
+            let mut child = path.clone();
+            if !child.is_empty() {
+                child.push(b'/');
+            }
+            child.extend_from_slice(&dir_path(fd, id, r.dirid)?);
+            child.extend_from_slice(&r.name);
+            children.push((r.child, child, depth + 1));
+        }
+        stack.extend(children.into_iter().rev());
+        if id != top {
+            out.push(Nested {
+                id,
+                path: PathBuf::from(OsString::from_vec(path)),
+                depth,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Reorders a pre-order listing children first: a subvolume is emitted
+/// once the listing has left its subtree (reached one no deeper).
+fn post_order(pre: Vec<Nested>) -> Vec<(u64, PathBuf)> {
+    let mut out = Vec::with_capacity(pre.len());
+    let mut open: Vec<Nested> = Vec::new();
+    for n in pre {
+        while open.last().is_some_and(|o| o.depth >= n.depth) {
+            out.extend(open.pop().map(|o| (o.id, o.path)));
+        }
+        open.push(n);
+    }
+    out.extend(open.into_iter().rev().map(|o| (o.id, o.path)));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn post_order_puts_children_first() {
+        let pre = [
+            (1, "a", 1),
+            (2, "a/b", 2),
+            (3, "a/b/c", 3),
+            (4, "a/d", 2),
+            (5, "e", 1),
+        ];
+        let pre = pre
+            .iter()
+            .map(|&(id, p, depth)| Nested {
+                id,
+                path: PathBuf::from(p),
+                depth,
+            })
+            .collect();
+        let ids: Vec<u64> = post_order(pre).into_iter().map(|(id, _)| id).collect();
+        assert_eq!(ids, [3, 2, 4, 1, 5]);
+    }
+
+    fn root_ref_body(dirid: u64, name: &[u8], claimed_len: u16) -> Vec<u8> {
+        let mut v = dirid.to_le_bytes().to_vec();
+        v.extend_from_slice(&3u64.to_le_bytes());
+        v.extend_from_slice(&claimed_len.to_le_bytes());
+        v.extend_from_slice(name);
+        v
+    }
+
+    #[test]
+    fn a_root_ref_parses() {
+        let r = parse_root_ref(300, &root_ref_body(257, b"data", 4)).expect("parses");
+        assert_eq!(
+            r,
+            RootRef {
+                child: 300,
+                dirid: 257,
+                name: b"data".to_vec()
+            }
+        );
+    }
+
+    #[test]
+    fn a_root_ref_name_past_its_item_is_an_error() {
+        assert!(parse_root_ref(300, &root_ref_body(257, b"data", 40)).is_err());
+        assert!(parse_root_ref(300, &root_ref_body(257, b"", 0)[..10]).is_err());
+    }
+
+    #[test]
+    fn a_root_ref_name_must_be_one_component() {
+        for bad in [&b""[..], b".", b"..", b"a/b", b"a\0b"] {
+            let len = bad.len() as u16;
+            assert!(parse_root_ref(300, &root_ref_body(257, bad, len)).is_err());
+        }
+    }
+
+    #[test]
+    fn a_lookup_path_needs_its_nul() {
+        let mut name = [b'a'; INO_LOOKUP_PATH_MAX];
+        assert!(parse_lookup_path(&name).is_err());
+        name[3] = 0;
+        assert_eq!(parse_lookup_path(&name).expect("parses"), b"aaa");
+        name[0] = b'/';
+        assert!(parse_lookup_path(&name).is_err());
+    }
+
+    #[test]
+    fn names_are_checked_before_the_ioctl() {
+        for bad in ["", ".", "..", "a/b", "a\0b"] {
+            let err = VolArgsV2::named(OsStr::new(bad)).err().expect("refused");
+            assert_eq!(err.raw_os_error(), Some(libc::EINVAL));
+        }
+        let long = "x".repeat(256);
+        let err = VolArgsV2::named(OsStr::new(&long)).err().expect("refused");
+        assert_eq!(err.raw_os_error(), Some(libc::ENAMETOOLONG));
+        let ok = VolArgsV2::named(OsStr::new("vol")).expect("fits");
+        assert_eq!(&ok.name[..4], b"vol\0");
+    }
+}

@@ -1,0 +1,287 @@
+//! The subvolume API: what the rest of the crate calls, over the backend
+//! chosen at compile time (`native` ioctls by default, libbtrfsutil with
+//! the `btrfsutil` feature). What both backends share (read-only trees,
+//! the timestamps of a recursive snapshot, GET_SUBVOL_INFO, the metadata
+//! commit) is written once, here.
+
+use std::ffi::{OsStr, OsString};
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{AtFlags, FileType};
+
+#[cfg(feature = "btrfsutil")]
+use super::btrfsutil as backend;
+use super::fs::{is_btrfs, open_beneath, open_dir_at, read_dir_names, set_times, stat, times};
+use super::ioctl::{BTRFS_IOCTL_MAGIC, ensure_btrfs};
+#[cfg(not(feature = "btrfsutil"))]
+use super::native as backend;
+
+/// Inode number of every subvolume root (`BTRFS_FIRST_FREE_OBJECTID`).
+pub const SUBVOLUME_ROOT_INO: u64 = 256;
+
+/// Whether `fd` is the root directory of a btrfs subvolume.
+///
+/// A subvolume root is always inode 256 on btrfs; checking the filesystem
+/// first keeps an ext4 directory that happens to be inode 256 from passing.
+pub fn is_subvolume(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    if !is_btrfs(fd)? {
+        return Ok(false);
+    }
+    let st = stat(fd)?;
+    Ok(st.ino == SUBVOLUME_ROOT_INO && st.is_dir())
+}
+
+/// Creates an empty subvolume `name` inside `parent`. Atomic: after a crash
+/// either nothing or an empty subvolume exists under `name`. `name` is one
+/// path component (no `/`, no NUL, at most 255 bytes); ENOTTY off btrfs.
+pub fn create_subvolume(parent: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+    backend::create_subvolume(parent, name)
+}
+
+/// Snapshots the subvolume open as `source` (its root directory) to a new
+/// subvolume `name` inside `parent`, read-only if `read_only`, without the
+/// subvolumes nested in it: each shows in the snapshot as an empty
+/// placeholder directory, which `rmdir` removes. O(1) whatever the source
+/// holds; atomic (after a crash the snapshot is either all there or
+/// absent), read-only flag included. The kernel flushes the source's dirty
+/// data first. ENOTTY off btrfs.
+pub fn create_snapshot(
+    source: BorrowedFd<'_>,
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    read_only: bool,
+) -> io::Result<()> {
+    backend::create_snapshot(source, parent, name, read_only)
+}
+
+/// [`create_snapshot`], writable.
+pub fn snapshot(source: BorrowedFd<'_>, parent: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+    create_snapshot(source, parent, name, false)
+}
+
+/// Snapshots the subvolume open as `source`, and every subvolume nested in
+/// it, to a new writable subvolume `name` inside `parent`, and returns it
+/// open. The copy matches the source to the nanosecond: each nested
+/// subvolume's snapshot replaces an empty placeholder (an rmdir, then a
+/// snapshot under the same name), which changes its parent directory's
+/// times, so those are set back to the source's. Every nested snapshot is
+/// writable too, whatever its source's flag.
+///
+/// One ioctl per subvolume, so a crash can leave a partial tree: callers
+/// snapshot under a temporary name. Writable because nested snapshots are
+/// placed inside the new one; callers freeze it afterwards if they must
+/// ([`make_tree_read_only`]).
+pub fn snapshot_tree(
+    source: BorrowedFd<'_>,
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+) -> io::Result<OwnedFd> {
+    backend::snapshot_recursive(source, parent, name)?;
+    let copy = open_dir_at(parent, name)?;
+    for rel in nested_subvolumes(copy.as_fd())? {
+        let dir = rel.parent().unwrap_or(Path::new(""));
+        let (t, target) = if dir.as_os_str().is_empty() {
+            (times(source)?, None)
+        } else {
+            (
+                times(open_beneath(source, dir)?.as_fd())?,
+                Some(open_beneath(copy.as_fd(), dir)?),
+            )
+        };
+        set_times(target.as_ref().map_or(copy.as_fd(), |fd| fd.as_fd()), &t)?;
+    }
+    Ok(copy)
+}
+
+/// The root directory of the subvolume holding the directory open as
+/// `dir`, found by walking `..` without leaving `dir`'s mount, with the
+/// names that lead from it down to `dir` (empty when `dir` is that root).
+/// `None` when the mount's root lies below the subvolume's root (a
+/// subdirectory or bind mount): the subvolume root is then out of reach.
+pub fn subvolume_root_of(dir: BorrowedFd<'_>) -> io::Result<Option<(OwnedFd, Vec<OsString>)>> {
+    use rustix::fs::{StatxFlags, statx};
+    // Before Linux 5.8 statx has no mount id: then nothing is known.
+    let mount_of = |fd: BorrowedFd<'_>| -> io::Result<Option<u64>> {
+        let st = statx(fd, "", AtFlags::EMPTY_PATH, StatxFlags::MNT_ID)?;
+        Ok(StatxFlags::from_bits_retain(st.stx_mask)
+            .contains(StatxFlags::MNT_ID)
+            .then_some(st.stx_mnt_id))
+    };
+    let Some(mount) = mount_of(dir)? else {
+        return Ok(None);
+    };
+    let mut cur = open_dir_at(dir, OsStr::new("."))?;
+    let mut names = Vec::new();
+    loop {
+        let st = stat(cur.as_fd())?;
+        if st.ino == SUBVOLUME_ROOT_INO {
+            names.reverse();
+            return Ok(Some((cur, names)));
+        }
+        let up = open_dir_at(cur.as_fd(), OsStr::new(".."))?;
+        let up_st = stat(up.as_fd())?;
+        if up_st.dev != st.dev || up_st.ino == st.ino || mount_of(up.as_fd())? != Some(mount) {
+            return Ok(None);
+        }
+        // A directory has one name: the entry of `up` with its inode number.
+        let Some((name, _, _)) = read_dir_names(up.as_fd())?
+            .into_iter()
+            .find(|(_, ty, ino)| *ino == st.ino && *ty == FileType::Directory)
+        else {
+            return Ok(None);
+        };
+        names.push(name);
+        cur = up;
+    }
+}
+
+/// Sets or clears the read-only flag of the subvolume open as `fd` (its
+/// root directory), leaving its other flags alone. ENOTTY off btrfs.
+pub fn set_read_only(fd: BorrowedFd<'_>, read_only: bool) -> io::Result<()> {
+    backend::set_read_only(fd, read_only)
+}
+
+/// Whether the subvolume open as `fd` is read-only. ENOTTY off btrfs.
+pub fn is_read_only(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    backend::is_read_only(fd)
+}
+
+/// What the kernel records of one subvolume (BTRFS_IOC_GET_SUBVOL_INFO).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SubvolumeInfo {
+    /// The subvolume's tree id (5 for the top level).
+    pub id: u64,
+    /// Its own UUID, drawn at creation: unique among every subvolume the
+    /// filesystem ever held, so it names this one subvolume for good.
+    pub uuid: [u8; 16],
+    /// The UUID of the subvolume it is a snapshot of; zero if none.
+    pub parent_uuid: [u8; 16],
+    /// Whether it is read-only.
+    pub read_only: bool,
+}
+
+/// [`SubvolumeInfo`] of the subvolume holding the directory open as `fd`
+/// (Linux 4.18+, no privilege needed). ENOTTY off btrfs.
+pub fn subvolume_info(fd: BorrowedFd<'_>) -> io::Result<SubvolumeInfo> {
+    use rustix::ioctl::{Getter, opcode};
+    /// `struct btrfs_ioctl_timespec`, padded as the C compiler pads it.
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct Timespec {
+        sec: u64,
+        nsec: u32,
+    }
+    /// `struct btrfs_ioctl_get_subvol_info_args` from `linux/btrfs.h`.
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct Args {
+        treeid: u64,
+        name: [u8; 256],
+        parent_id: u64,
+        dirid: u64,
+        generation: u64,
+        flags: u64,
+        uuid: [u8; 16],
+        parent_uuid: [u8; 16],
+        received_uuid: [u8; 16],
+        ctransid: u64,
+        otransid: u64,
+        stransid: u64,
+        rtransid: u64,
+        times: [Timespec; 4],
+        reserved: [u64; 8],
+    }
+    const _: () = assert!(std::mem::size_of::<Args>() == 504);
+    const GET_SUBVOL_INFO: rustix::ioctl::Opcode = opcode::read::<Args>(BTRFS_IOCTL_MAGIC, 60);
+    /// `BTRFS_ROOT_SUBVOL_RDONLY` in the root item's flags.
+    const ROOT_SUBVOL_RDONLY: u64 = 1;
+    ensure_btrfs(fd)?;
+    // SAFETY: GET_SUBVOL_INFO is _IOR(0x94, 60, struct
+    // btrfs_ioctl_get_subvol_info_args) and fills that struct, which Args
+    // matches in size and layout.
+    let args = unsafe { rustix::ioctl::ioctl(fd, Getter::<GET_SUBVOL_INFO, Args>::new()) }?;
+    Ok(SubvolumeInfo {
+        id: args.treeid,
+        uuid: args.uuid,
+        parent_uuid: args.parent_uuid,
+        read_only: args.flags & ROOT_SUBVOL_RDONLY != 0,
+    })
+}
+
+/// Paths (relative to `fd`) of every subvolume nested below the subvolume
+/// open as `fd` (its root directory: EINVAL otherwise), children before
+/// their parents; siblings in the order of their ids. Needs CAP_SYS_ADMIN
+/// (the root tree is searched). ENOTTY off btrfs.
+pub fn nested_subvolumes(fd: BorrowedFd<'_>) -> io::Result<Vec<PathBuf>> {
+    backend::nested_subvolumes(fd)
+}
+
+/// Deletes the subvolume `name` inside `parent`, and with `recursive` every
+/// subvolume nested in it, children first. O(1) per subvolume: the kernel's
+/// cleaner frees the extents later, in the background. ENOTTY off btrfs.
+///
+/// A nested subvolume inside a read-only one cannot be unlinked, so callers
+/// clear read-only flags first (see [`make_tree_writable`]).
+pub fn delete_subvolume(parent: BorrowedFd<'_>, name: &OsStr, recursive: bool) -> io::Result<()> {
+    backend::delete_subvolume(parent, name, recursive)
+}
+
+/// Clears the read-only flag on the subvolume open as `fd` and on every
+/// subvolume nested in it, so the tree can be deleted.
+pub fn make_tree_writable(fd: BorrowedFd<'_>) -> io::Result<()> {
+    if is_read_only(fd)? {
+        set_read_only(fd, false)?;
+    }
+    for rel in nested_subvolumes(fd)? {
+        let sub = open_beneath(fd, &rel)?;
+        if is_read_only(sub.as_fd())? {
+            set_read_only(sub.as_fd(), false)?;
+        }
+    }
+    Ok(())
+}
+
+/// Sets the read-only flag on every subvolume nested in `fd`, children
+/// first, then on `fd` itself: once the top is read-only, the tree is frozen.
+pub fn make_tree_read_only(fd: BorrowedFd<'_>) -> io::Result<()> {
+    for rel in nested_subvolumes(fd)? {
+        let sub = open_beneath(fd, &rel)?;
+        set_read_only(sub.as_fd(), true)?;
+    }
+    set_read_only(fd, true)
+}
+
+/// Commits the current btrfs transaction (BTRFS_IOC_SYNC) of the filesystem
+/// holding `fd`, after writing out every file's dirty data. ENOTTY off
+/// btrfs.
+pub fn commit(fd: BorrowedFd<'_>) -> io::Result<()> {
+    backend::commit(fd)
+}
+
+/// Starts committing the current btrfs transaction of the filesystem
+/// holding `fd` (BTRFS_IOC_START_SYNC) without waiting for it: long copies
+/// call it now and then so that the commit they must wait for at the end
+/// has little left to write. ENOTTY off btrfs.
+pub fn start_commit(fd: BorrowedFd<'_>) -> io::Result<()> {
+    backend::start_commit(fd)
+}
+
+/// Commits the running btrfs transaction of the filesystem holding `fd`
+/// and waits until it is on disk (BTRFS_IOC_START_SYNC, then
+/// BTRFS_IOC_WAIT_SYNC), without first writing out every file's dirty
+/// data as [`commit`] does: every metadata change made so far (renames,
+/// times, flags, records) is then durable, at the cost of one commit,
+/// however much data other writers have in the page cache.
+pub fn commit_metadata(fd: BorrowedFd<'_>) -> io::Result<()> {
+    use rustix::ioctl::{Getter, Setter, opcode};
+    const START_SYNC: rustix::ioctl::Opcode = opcode::read::<u64>(BTRFS_IOCTL_MAGIC, 24);
+    const WAIT_SYNC: rustix::ioctl::Opcode = opcode::write::<u64>(BTRFS_IOCTL_MAGIC, 22);
+    ensure_btrfs(fd)?;
+    // SAFETY: START_SYNC is _IOR(0x94, 24, __u64) and writes the transid.
+    let transid = unsafe { rustix::ioctl::ioctl(fd, Getter::<START_SYNC, u64>::new()) }?;
+    // SAFETY: WAIT_SYNC is _IOW(0x94, 22, __u64) and reads the transid.
+    unsafe { rustix::ioctl::ioctl(fd, Setter::<WAIT_SYNC, u64>::new(transid)) }?;
+    Ok(())
+}
