@@ -3,8 +3,9 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-# Debian packages the workspace needs beyond the machine image: btrfs tools and
-# libbtrfsutil for the volume crate (libclang for its bindgen build step), compsize
+# Debian packages the workspace needs beyond the machine image: btrfs tools;
+# libbtrfsutil and libclang (its bindgen build step) for the volume crate's
+# optional `btrfsutil` backend, which `make test` cross-checks; compsize
 # to cross-check usage figures, e2fsprogs for the ext4 fallback tests, attr and acl
 # for the tests that set xattrs and ACLs.
 APT_PACKAGES := btrfs-progs libbtrfsutil-dev libclang-dev btrfs-compsize e2fsprogs attr acl
@@ -57,9 +58,12 @@ clippy: deps
 # The tests also run binaries of other packages (startos-core-service, the CLIs),
 # which `cargo test` only builds for a package that has integration tests of its
 # own: build every binary first, with the same features so nothing is rebuilt.
+# The subvolume primitives run once more on the libbtrfsutil backend: the
+# default build issues btrfs's ioctls itself, and both must agree.
 test: deps fmt-check clippy
 	$(CARGO) build --workspace --bins --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS)
 	$(CARGO) test --workspace --no-fail-fast --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS) -- --test-threads=4
+	$(CARGO) test -p volume --features volume/btrfsutil --test sys_primitives $(CARGO_TEST_FLAGS)
 
 bench: deps
 	$(CARGO) build --release --features $(CLI_FEATURES) -p volume --bin startos-volume -p volume-migrate --bin volume-migrate -p integration --bin startos-core-service && $(CARGO) run --release -p integration --bin bench -- $(BENCH_ARGS)

@@ -1,0 +1,298 @@
+//! Every subvolume primitive of `volume::sys` on a loop-mounted btrfs.
+//!
+//! `make test` runs this file twice: with the default backend (btrfs's
+//! ioctls through rustix) and with `--features volume/btrfsutil`
+//! (libbtrfsutil), so both must give the same answers.
+
+use std::ffi::OsStr;
+use std::fs;
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use integration::{LoopFs, fs_or_skip};
+use volume::sys;
+
+const SIZE: u64 = 256 << 20;
+
+fn open(path: &Path) -> OwnedFd {
+    sys::open_dir_path(path).unwrap_or_else(|e| panic!("opening {}: {e}", path.display()))
+}
+
+fn name(s: &str) -> &OsStr {
+    OsStr::new(s)
+}
+
+fn write(path: &Path, data: &str) {
+    fs::write(path, data).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+}
+
+fn read(path: &Path) -> String {
+    fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
+}
+
+fn is_subvolume(path: &Path) -> bool {
+    sys::is_subvolume(open(path).as_fd()).expect("is_subvolume")
+}
+
+fn read_only(path: &Path) -> bool {
+    sys::is_read_only(open(path).as_fd()).expect("is_read_only")
+}
+
+fn mtime(path: &Path) -> (i64, i64) {
+    let m = fs::symlink_metadata(path).expect("stat");
+    (m.mtime(), m.mtime_nsec())
+}
+
+/// Sets a directory's times to a fixed instant in the past, unlike any a
+/// test could produce by changing it now.
+fn age(path: &Path, secs: i64) {
+    let fd = open(path);
+    let t = rustix::fs::Timespec {
+        tv_sec: secs,
+        tv_nsec: 123_456_789,
+    };
+    sys::set_times(
+        fd.as_fd(),
+        &rustix::fs::Timestamps {
+            last_access: t,
+            last_modification: t,
+        },
+    )
+    .expect("set times");
+}
+
+fn paths(v: &[&str]) -> Vec<PathBuf> {
+    v.iter().map(PathBuf::from).collect()
+}
+
+/// `<mnt>/a`, a subvolume holding a file, `n1` (a subvolume holding `n3`,
+/// read-only, two levels down) and `dir/n2` (a subvolume in a plain
+/// directory), each with a file; the directories holding placeholders aged.
+fn build_tree(fs: &LoopFs) -> PathBuf {
+    let root = open(fs.mount_point());
+    sys::create_subvolume(root.as_fd(), name("a")).expect("create a");
+    let a = fs.path("a");
+    write(&a.join("top.txt"), "top");
+    let a_fd = open(&a);
+    sys::create_subvolume(a_fd.as_fd(), name("n1")).expect("create n1");
+    fs::create_dir(a.join("dir")).expect("mkdir dir");
+    sys::create_subvolume(open(&a.join("dir")).as_fd(), name("n2")).expect("create n2");
+    sys::create_subvolume(open(&a.join("n1")).as_fd(), name("n3")).expect("create n3");
+    write(&a.join("n1/one.txt"), "one");
+    write(&a.join("dir/n2/two.txt"), "two");
+    write(&a.join("n1/n3/three.txt"), "three");
+    sys::set_read_only(open(&a.join("n1/n3")).as_fd(), true).expect("n3 read-only");
+    age(&a.join("n1"), 1_000_000_000);
+    age(&a.join("dir"), 1_100_000_000);
+    age(&a, 1_200_000_000);
+    a
+}
+
+#[test]
+fn create_info_and_read_only_flags() {
+    let fs = fs_or_skip!(LoopFs::btrfs(SIZE));
+    let root = open(fs.mount_point());
+    sys::create_subvolume(root.as_fd(), name("vol")).expect("create");
+    let vol = fs.path("vol");
+    assert!(is_subvolume(&vol));
+    assert!(fs.path("vol").read_dir().expect("read").next().is_none());
+    let again = sys::create_subvolume(root.as_fd(), name("vol")).expect_err("exists");
+    assert_eq!(again.raw_os_error(), Some(libc::EEXIST), "{again}");
+    assert!(sys::create_subvolume(root.as_fd(), name("x/y")).is_err());
+
+    let info = sys::subvolume_info(open(&vol).as_fd()).expect("info");
+    assert!(info.id >= 256, "{info:?}");
+    assert_ne!(info.uuid, [0; 16]);
+    assert_eq!(info.parent_uuid, [0; 16]);
+    assert!(!info.read_only);
+    let top = sys::subvolume_info(root.as_fd()).expect("top-level info");
+    assert_eq!(top.id, 5);
+
+    assert!(!read_only(&vol));
+    sys::set_read_only(open(&vol).as_fd(), true).expect("set read-only");
+    assert!(read_only(&vol));
+    assert!(
+        sys::subvolume_info(open(&vol).as_fd())
+            .expect("info")
+            .read_only
+    );
+    let denied = fs::write(vol.join("f"), "x").expect_err("read-only");
+    assert_eq!(denied.raw_os_error(), Some(libc::EROFS), "{denied}");
+    sys::set_read_only(open(&vol).as_fd(), false).expect("clear read-only");
+    assert!(!read_only(&vol));
+    write(&vol.join("f"), "x");
+    // Clearing it again is no error.
+    sys::set_read_only(open(&vol).as_fd(), false).expect("clear twice");
+}
+
+#[test]
+fn snapshots_writable_and_read_only() {
+    let fs = fs_or_skip!(LoopFs::btrfs(SIZE));
+    let root = open(fs.mount_point());
+    sys::create_subvolume(root.as_fd(), name("src")).expect("create");
+    let src = fs.path("src");
+    write(&src.join("f"), "before");
+    sys::create_subvolume(open(&src).as_fd(), name("inner")).expect("create inner");
+    write(&src.join("inner/g"), "inner");
+    let src_fd = open(&src);
+    let src_info = sys::subvolume_info(src_fd.as_fd()).expect("info");
+
+    sys::snapshot(src_fd.as_fd(), root.as_fd(), name("rw")).expect("snapshot");
+    let rw = fs.path("rw");
+    assert!(is_subvolume(&rw));
+    assert!(!read_only(&rw));
+    assert_eq!(read(&rw.join("f")), "before");
+    // Non-recursive: the nested subvolume is an empty placeholder.
+    assert!(!is_subvolume(&rw.join("inner")));
+    assert!(rw.join("inner").read_dir().expect("read").next().is_none());
+    assert!(
+        sys::nested_subvolumes(open(&rw).as_fd())
+            .expect("list")
+            .is_empty()
+    );
+    let rw_info = sys::subvolume_info(open(&rw).as_fd()).expect("info");
+    assert_eq!(rw_info.parent_uuid, src_info.uuid);
+    assert_ne!(rw_info.uuid, src_info.uuid);
+    assert_ne!(rw_info.id, src_info.id);
+    write(&rw.join("f"), "after");
+    assert_eq!(read(&src.join("f")), "before");
+
+    sys::create_snapshot(src_fd.as_fd(), root.as_fd(), name("ro"), true).expect("ro snapshot");
+    let ro = fs.path("ro");
+    assert!(is_subvolume(&ro));
+    assert!(read_only(&ro));
+    assert!(
+        sys::subvolume_info(open(&ro).as_fd())
+            .expect("info")
+            .read_only
+    );
+    assert_eq!(read(&ro.join("f")), "before");
+    assert!(fs::write(ro.join("new"), "x").is_err());
+
+    sys::create_snapshot(src_fd.as_fd(), root.as_fd(), name("rw2"), false).expect("rw snapshot");
+    assert!(!read_only(&fs.path("rw2")));
+    let taken = sys::snapshot(src_fd.as_fd(), root.as_fd(), name("rw")).expect_err("exists");
+    assert_eq!(taken.raw_os_error(), Some(libc::EEXIST), "{taken}");
+}
+
+#[test]
+fn nested_listing_is_children_first_relative_to_the_fd() {
+    let fs = fs_or_skip!(LoopFs::btrfs(SIZE));
+    let a = build_tree(&fs);
+    let listed = sys::nested_subvolumes(open(&a).as_fd()).expect("list");
+    assert_eq!(listed, paths(&["n1/n3", "n1", "dir/n2"]));
+    let n1 = sys::nested_subvolumes(open(&a.join("n1")).as_fd()).expect("list n1");
+    assert_eq!(n1, paths(&["n3"]));
+    let leaf = sys::nested_subvolumes(open(&a.join("n1/n3")).as_fd()).expect("list n3");
+    assert!(leaf.is_empty());
+    // The top level lists everything, with paths from the mount's root.
+    let all = sys::nested_subvolumes(open(fs.mount_point()).as_fd()).expect("list top");
+    assert_eq!(all, paths(&["a/n1/n3", "a/n1", "a/dir/n2", "a"]));
+    // Only a subvolume root has a listing.
+    assert!(sys::nested_subvolumes(open(&a.join("dir")).as_fd()).is_err());
+}
+
+#[test]
+fn snapshot_tree_copies_every_level_with_its_times() {
+    let fs = fs_or_skip!(LoopFs::btrfs(SIZE));
+    let a = build_tree(&fs);
+    let root = open(fs.mount_point());
+    let copy = sys::snapshot_tree(open(&a).as_fd(), root.as_fd(), name("t")).expect("snapshot");
+    let t = fs.path("t");
+    assert_eq!(
+        sys::nested_subvolumes(copy.as_fd()).expect("list"),
+        paths(&["n1/n3", "n1", "dir/n2"])
+    );
+    for (rel, file, data) in [
+        ("", "top.txt", "top"),
+        ("n1", "one.txt", "one"),
+        ("dir/n2", "two.txt", "two"),
+        ("n1/n3", "three.txt", "three"),
+    ] {
+        let dir = t.join(rel);
+        assert!(is_subvolume(&dir), "{rel} is a subvolume");
+        assert_eq!(read(&dir.join(file)), data);
+        // Every level is writable, the read-only n3's copy included.
+        assert!(!read_only(&dir), "{rel} writable");
+        let copied = sys::subvolume_info(open(&dir).as_fd()).expect("info");
+        let source = sys::subvolume_info(open(&a.join(rel)).as_fd()).expect("info");
+        assert_eq!(
+            copied.parent_uuid, source.uuid,
+            "{rel} is a snapshot of its source"
+        );
+    }
+    assert!(read_only(&a.join("n1/n3")), "the source is untouched");
+    // The directories whose placeholders were replaced keep their times.
+    for rel in ["", "n1", "dir"] {
+        assert_eq!(mtime(&t.join(rel)), mtime(&a.join(rel)), "mtime of {rel:?}");
+    }
+    // A plain directory is no source.
+    assert!(sys::snapshot_tree(open(&a.join("dir")).as_fd(), root.as_fd(), name("u")).is_err());
+}
+
+#[test]
+fn delete_recursive_after_make_tree_writable() {
+    let fs = fs_or_skip!(LoopFs::btrfs(SIZE));
+    let a = build_tree(&fs);
+    let root = open(fs.mount_point());
+    // Nested subvolumes stop a plain delete.
+    assert!(sys::delete_subvolume(root.as_fd(), name("a"), false).is_err());
+    assert!(a.join("n1/n3/three.txt").exists());
+
+    sys::make_tree_read_only(open(&a).as_fd()).expect("freeze");
+    for rel in ["", "n1", "n1/n3", "dir/n2"] {
+        assert!(read_only(&a.join(rel)), "{rel} read-only");
+    }
+    // Inside a read-only subvolume nothing can be unlinked.
+    assert!(sys::delete_subvolume(root.as_fd(), name("a"), true).is_err());
+    assert!(a.exists());
+
+    sys::make_tree_writable(open(&a).as_fd()).expect("thaw");
+    for rel in ["", "n1", "n1/n3", "dir/n2"] {
+        assert!(!read_only(&a.join(rel)), "{rel} writable");
+    }
+    sys::delete_subvolume(root.as_fd(), name("a"), true).expect("delete");
+    assert!(!a.exists());
+    assert!(
+        sys::nested_subvolumes(root.as_fd())
+            .expect("list")
+            .is_empty()
+    );
+
+    // A lone read-only subvolume can go as it is.
+    sys::create_subvolume(root.as_fd(), name("lone")).expect("create");
+    sys::set_read_only(open(&fs.path("lone")).as_fd(), true).expect("ro");
+    sys::delete_subvolume(root.as_fd(), name("lone"), false).expect("delete lone");
+    assert!(!fs.path("lone").exists());
+    let gone = sys::delete_subvolume(root.as_fd(), name("lone"), true).expect_err("absent");
+    assert_eq!(gone.raw_os_error(), Some(libc::ENOENT), "{gone}");
+}
+
+#[test]
+fn commits() {
+    let fs = fs_or_skip!(LoopFs::btrfs(SIZE));
+    let root = open(fs.mount_point());
+    write(&fs.path("f"), "data");
+    sys::start_commit(root.as_fd()).expect("start commit");
+    sys::commit(root.as_fd()).expect("commit");
+    sys::commit_metadata(root.as_fd()).expect("commit metadata");
+
+    // Off btrfs, the btrfs requests are refused, not reinterpreted.
+    let proc = open(Path::new("/proc"));
+    let errno = |r: io::Result<()>| r.expect_err("refused off btrfs").raw_os_error();
+    assert_eq!(errno(sys::commit(proc.as_fd())), Some(libc::ENOTTY));
+    assert_eq!(errno(sys::start_commit(proc.as_fd())), Some(libc::ENOTTY));
+    assert_eq!(
+        errno(sys::commit_metadata(proc.as_fd())),
+        Some(libc::ENOTTY)
+    );
+    assert_eq!(
+        sys::subvolume_info(proc.as_fd())
+            .expect_err("off btrfs")
+            .raw_os_error(),
+        Some(libc::ENOTTY)
+    );
+    assert!(!sys::is_subvolume(proc.as_fd()).expect("is_subvolume"));
+}
