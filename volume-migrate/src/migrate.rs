@@ -2,7 +2,7 @@
 
 use std::ffi::{OsStr, OsString};
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::ScopedJoinHandle;
@@ -855,9 +855,7 @@ impl Migrator {
                 .with_ctx(io("opening the partial copy"))?;
             let since = sys::birth_time(fd.as_fd())
                 .with_ctx(io("reading the partial copy's creation time"))?;
-            let src_full = rustix::fs::fstat(src)
-                .map_err(io::Error::from)
-                .with_ctx(io("stat of the volume"))?;
+            let src_full = sys::metadata(src.as_fd()).with_ctx(io("stat of the volume"))?;
             #[allow(clippy::unnecessary_cast)]
             let src_ctime = (src_full.st_ctime as i64, src_full.st_ctime_nsec as i64);
             match since {
@@ -1105,7 +1103,7 @@ impl Migrator {
             )));
         };
         // The snapshot holds what mounts hide, which nothing here can count.
-        let root_path = std::fs::read_link(format!("/proc/self/fd/{}", root.as_raw_fd()))
+        let root_path = sys::fd_path(root.as_fd())
             .with_ctx(io("naming the root of the volumes root's subvolume"))?;
         let hidden = volume::mounts::mount_points_below(&root_path)
             .with_ctx(io("reading /proc/self/mountinfo"))?;

@@ -6,7 +6,7 @@ use std::ops::ControlFlow;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use rustix::fs::{AtFlags, FileType};
+use rustix::fs::FileType;
 use volume::sys::{self, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, item};
 
 use crate::Estimate;
@@ -111,10 +111,8 @@ impl<'a> Scan<'a> {
             if self.limits.stop.load(Ordering::Relaxed) {
                 return Err(io::ErrorKind::Interrupted.into());
             }
-            let st = match rustix::fs::statat(dir, &name, AtFlags::SYMLINK_NOFOLLOW) {
-                Ok(st) => st,
-                Err(rustix::io::Errno::NOENT) => continue,
-                Err(e) => return Err(e.into()),
+            let Some(st) = sys::metadata_at_if_exists(dir, &name)? else {
+                continue;
             };
             if self.limits.skip == Some((st.st_dev, st.st_ino)) {
                 continue;

@@ -68,22 +68,22 @@ pub fn carve(
             "the directory to keep must be below the subvolume's root",
         ));
     };
-    copy::clear_stuck_flags(snapshot)?;
+    sys::clear_stuck_flags(snapshot)?;
     let parent = if parent_rel.as_os_str().is_empty() {
         None
     } else {
         Some(sys::open_beneath(snapshot, parent_rel)?)
     };
     let parent = parent.as_ref().map_or(snapshot, |fd| fd.as_fd());
-    copy::clear_stuck_flags(parent)?;
+    sys::clear_stuck_flags(parent)?;
     let kept = sys::open_dir_at(parent, name)?;
-    let kept_st = rustix::fs::fstat(&kept)?;
-    let kept_flags = copy::inode_flags(kept.as_fd())?;
+    let kept_st = sys::metadata(kept.as_fd())?;
+    let kept_flags = sys::inode_flags(kept.as_fd())?;
     let kept_names = sys::read_dir_names(kept.as_fd())?;
     let top_names = sys::read_dir_names(snapshot)?;
     let hold = hold_name(&top_names, &kept_names);
-    copy::clear_stuck_flags(kept.as_fd())?;
-    rustix::fs::renameat(parent, name, snapshot, &hold)?;
+    sys::clear_stuck_flags(kept.as_fd())?;
+    sys::rename_at(parent, name, snapshot, &hold)?;
     on_event(CarveEvent::Held)?;
 
     let mut removed = 0u64;
@@ -104,15 +104,15 @@ pub fn carve(
     // immutable and append-only ones first (NOCOW included), xattrs while
     // the directory can still be read, times after its rmdir (which changes
     // the root's), the immutable and append-only flags last.
-    copy::set_flags(
+    sys::set_inode_flags(
         snapshot,
         kept_flags.difference(IFlags::IMMUTABLE | IFlags::APPEND),
     )?;
     copy::remove_xattrs_missing_from(kept.as_fd(), snapshot)?;
     copy::finish_fd_metadata(&kept_st, snapshot, Some(kept.as_fd()), None, None)?;
     drop(kept);
-    rustix::fs::unlinkat(snapshot, &hold, rustix::fs::AtFlags::REMOVEDIR)?;
-    let now = rustix::fs::fstat(snapshot)?;
+    sys::rmdir_at(snapshot, &hold)?;
+    let now = sys::metadata(snapshot)?;
     copy::finish_fd_metadata(&kept_st, snapshot, None, Some(kept_flags), Some(&now))
 }
 
@@ -132,11 +132,11 @@ fn hold_name(top: &[(OsString, FileType, u64)], kept: &[(OsString, FileType, u64
 /// Moves `name` from `from` to `to`. An immutable or append-only entry
 /// cannot be renamed: its flags are lifted for the move.
 fn lift(from: BorrowedFd<'_>, to: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
-    let rename = || rustix::fs::renameat(from, name, to, name);
+    let rename = || sys::rename_at(from, name, to, name);
     match rename() {
-        Err(rustix::io::Errno::PERM) => {
-            copy::with_stuck_flags_lifted(from, Path::new(name), rename)
+        Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+            sys::with_stuck_flags_lifted(from, name, rename)
         }
-        r => Ok(r?),
+        r => r,
     }
 }

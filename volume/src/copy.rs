@@ -21,13 +21,11 @@ use std::collections::{HashMap, HashSet};
 use std::ffi::{OsStr, OsString};
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-use rustix::fs::{AtFlags, FileType, IFlags, Mode, OFlags, Stat, Timespec, Timestamps, XattrFlags};
-use rustix::io::Errno;
+use rustix::fs::{FileType, IFlags, Timespec, Timestamps};
 
-use crate::sys;
+use crate::sys::{self, Metadata as Stat, inode_flags, set_inode_flags as set_flags};
 
 /// What a copy did, for reports and progress.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -109,7 +107,7 @@ pub fn reflink_tree(
     dst_parent: BorrowedFd<'_>,
     dst_name: &OsStr,
 ) -> io::Result<CopyStats> {
-    rustix::fs::mkdirat(dst_parent, dst_name, Mode::from_raw_mode(0o700))?;
+    sys::mkdir_at(dst_parent, dst_name, 0o700)?;
     let dst = sys::open_dir_at(dst_parent, dst_name)?;
     reflink_into(src, dst.as_fd(), &CopyOptions::default(), &mut |_| Ok(()))
 }
@@ -127,8 +125,8 @@ pub fn reflink_into(
     opts: &CopyOptions,
     progress: &mut Progress<'_>,
 ) -> io::Result<CopyStats> {
-    let st = rustix::fs::fstat(src)?;
-    let block = rustix::fs::fstatvfs(dst)?.f_bsize.max(512);
+    let st = sys::metadata(src)?;
+    let block = sys::block_size(dst)?;
     let mut copier = Copier {
         root: dst,
         links: HashMap::new(),
@@ -194,7 +192,7 @@ impl Copier<'_, '_> {
         nested: bool,
     ) -> io::Result<()> {
         if existing {
-            clear_stuck_flags(dst)?;
+            sys::clear_stuck_flags(dst)?;
             if nested && sys::is_read_only(dst)? {
                 sys::set_read_only(dst, false)?;
             }
@@ -234,7 +232,7 @@ impl Copier<'_, '_> {
         name: &OsStr,
         rel: &Path,
     ) -> io::Result<()> {
-        let st = rustix::fs::statat(src_dir, name, AtFlags::SYMLINK_NOFOLLOW)?;
+        let st = sys::metadata_at(src_dir, name)?;
         let ty = FileType::from_raw_mode(st.st_mode);
         let nested = ty == FileType::Directory
             && self.opts.nested_subvolumes
@@ -244,7 +242,7 @@ impl Copier<'_, '_> {
         // be kept: the same type, and a source unchanged since.
         let mut existing = None;
         let found = if self.opts.resume {
-            stat_opt(dst_dir, name)?
+            sys::metadata_at_if_exists(dst_dir, name)?
         } else {
             None
         };
@@ -269,7 +267,7 @@ impl Copier<'_, '_> {
             let key = (st.st_dev, st.st_ino);
             if let Some(first) = self.links.get(&key) {
                 if let Some(dst_st) = &existing {
-                    let first_st = rustix::fs::statat(self.root, first, AtFlags::SYMLINK_NOFOLLOW)?;
+                    let first_st = sys::metadata_at(self.root, first.as_os_str())?;
                     if (first_st.st_dev, first_st.st_ino) == (dst_st.st_dev, dst_st.st_ino) {
                         self.stats.entries += 1;
                         self.stats.entries_reused += 1;
@@ -295,7 +293,7 @@ impl Copier<'_, '_> {
                     if nested {
                         sys::create_subvolume(dst_dir, name)?;
                     } else {
-                        rustix::fs::mkdirat(dst_dir, name, Mode::from_raw_mode(0o700))?;
+                        sys::mkdir_at(dst_dir, name, 0o700)?;
                     }
                 }
                 let dst = sys::open_dir_at(dst_dir, name)?;
@@ -311,13 +309,8 @@ impl Copier<'_, '_> {
             FileType::RegularFile => {
                 // O_NONBLOCK: if the entry was swapped for a FIFO since the
                 // stat, opening it must not hang; fstat below then refuses it.
-                let src = rustix::fs::openat(
-                    src_dir,
-                    name,
-                    OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
-                    Mode::empty(),
-                )?;
-                let st = rustix::fs::fstat(&src)?;
+                let src = sys::open_read_at(src_dir, name)?;
+                let st = sys::metadata(src.as_fd())?;
                 if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
                     return Err(io::Error::new(
                         io::ErrorKind::InvalidData,
@@ -325,39 +318,27 @@ impl Copier<'_, '_> {
                     ));
                 }
                 let fresh = existing.is_none();
-                let (create, create_mode) = if fresh {
+                let create_mode = if fresh {
                     // Like cp: when the owner will not change, create the
                     // file with its final permission bits (never the setuid,
                     // setgid or sticky bit, nor more than the source allows),
                     // so the chown and chmod below are usually no-ops and
                     // skipped; otherwise private until the chown.
-                    let same_owner = st.st_uid == rustix::process::geteuid().as_raw()
-                        && st.st_gid == rustix::process::getegid().as_raw();
-                    let mode = if same_owner {
+                    let same_owner = (st.st_uid, st.st_gid) == sys::effective_ids();
+                    if same_owner {
                         st.st_mode & 0o777
                     } else {
                         0o600
-                    };
-                    (OFlags::CREATE | OFlags::EXCL, mode)
+                    }
                 } else {
                     // An immutable or append-only file cannot be opened for
                     // writing: clear those flags (set again at the end) first.
-                    let ro = rustix::fs::openat(
-                        dst_dir,
-                        name,
-                        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
-                        Mode::empty(),
-                    )?;
-                    clear_stuck_flags(ro.as_fd())?;
-                    (OFlags::empty(), 0o600)
+                    let ro = sys::open_read_at(dst_dir, name)?;
+                    sys::clear_stuck_flags(ro.as_fd())?;
+                    0o600
                 };
-                let dst = rustix::fs::openat(
-                    dst_dir,
-                    name,
-                    OFlags::WRONLY | create | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
-                    Mode::from_raw_mode(create_mode),
-                )?;
-                let dst_st = rustix::fs::fstat(&dst)?;
+                let dst = sys::open_write_at(dst_dir, name, fresh, create_mode)?;
+                let dst_st = sys::metadata(dst.as_fd())?;
                 let src_flags = inode_flags(src.as_fd())?;
                 self.copy_data(src.as_fd(), dst.as_fd(), &st, &dst_st, src_flags, rel)?;
                 // A fresh file has no setuid or setgid bit nor capability for
@@ -368,8 +349,9 @@ impl Copier<'_, '_> {
                 (self.progress)(CopyEvent::Entry { rel })
             }
             FileType::Symlink => {
-                let target = rustix::fs::readlinkat(src_dir, name, Vec::new())?;
-                rustix::fs::symlinkat(target.as_c_str(), dst_dir, name)?;
+                let target = sys::read_link_at(src_dir, name)?
+                    .ok_or_else(|| io::Error::from_raw_os_error(libc::ENOENT))?;
+                sys::symlink_at(dst_dir, name, &target)?;
                 finish_metadata(&st, Target::At(dst_dir, name), None)?;
                 copy_xattrs_at(src_dir, name, dst_dir, name)?;
                 (self.progress)(CopyEvent::Entry { rel })
@@ -378,13 +360,7 @@ impl Copier<'_, '_> {
             | FileType::Socket
             | FileType::CharacterDevice
             | FileType::BlockDevice => {
-                rustix::fs::mknodat(
-                    dst_dir,
-                    name,
-                    ty,
-                    Mode::from_raw_mode(st.st_mode & 0o7777),
-                    st.st_rdev,
-                )?;
+                sys::mknod_at(dst_dir, name, ty, st.st_mode, st.st_rdev)?;
                 copy_xattrs_at(src_dir, name, dst_dir, name)?;
                 finish_metadata(&st, Target::At(dst_dir, name), None)?;
                 (self.progress)(CopyEvent::Entry { rel })
@@ -418,7 +394,7 @@ impl Copier<'_, '_> {
             // Only possible for a file with no data yet; be safe anyway.
             start = 0;
             if dst_st.st_size != 0 {
-                rustix::fs::ftruncate(dst, 0)?;
+                sys::truncate(dst, 0)?;
             }
             let flags = if want_nocow {
                 dst_flags | IFlags::NOCOW
@@ -432,7 +408,7 @@ impl Copier<'_, '_> {
             start -= start % self.block;
         }
         if dst_st.st_size as u64 != start {
-            rustix::fs::ftruncate(dst, start)?;
+            sys::truncate(dst, start)?;
         }
         self.stats.bytes += size;
         if start > 0 {
@@ -482,68 +458,11 @@ impl Copier<'_, '_> {
         }
         // A clone ending in a hole may leave the size short: holes are kept
         // as holes either way.
-        if rustix::fs::fstat(dst)?.st_size as u64 != size {
-            rustix::fs::ftruncate(dst, size)?;
+        if sys::metadata(dst)?.st_size as u64 != size {
+            sys::truncate(dst, size)?;
         }
         Ok(())
     }
-}
-
-fn stat_opt(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Stat>> {
-    match rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
-        Ok(st) => Ok(Some(st)),
-        Err(Errno::NOENT) => Ok(None),
-        Err(e) => Err(e.into()),
-    }
-}
-
-/// Clears the immutable and append-only flags of the file or directory open
-/// as `fd`, which forbid changing it (or, on a directory, its entries).
-pub(crate) fn clear_stuck_flags(fd: BorrowedFd<'_>) -> io::Result<()> {
-    if inode_flags(fd)?.intersects(IFlags::IMMUTABLE | IFlags::APPEND) {
-        sys::set_immutable_append(fd, false, false)?;
-    }
-    Ok(())
-}
-
-/// The xattr under which btrfs keeps a file's compression property.
-const COMPRESSION_XATTR: &str = "btrfs.compression";
-
-/// Sets the inode flags (chattr) of `fd` to exactly `flags`.
-/// FS_IOC_SETFLAGS on btrfs rewrites the compression property from the
-/// compression bits it is given (to the mount's default algorithm, or
-/// away), so the property is put back as it was; the immutable and
-/// append-only flags, which would forbid that, are set last and apart
-/// ([`sys::set_immutable_append`]).
-pub(crate) fn set_flags(fd: BorrowedFd<'_>, flags: IFlags) -> io::Result<()> {
-    let stuck = IFlags::IMMUTABLE | IFlags::APPEND;
-    let current = inode_flags(fd)?;
-    if current.difference(stuck) != flags.difference(stuck) {
-        if current.intersects(stuck) {
-            sys::set_immutable_append(fd, false, false)?;
-        }
-        let property = match read_list(|buf| rustix::fs::fgetxattr(fd, COMPRESSION_XATTR, buf)) {
-            Ok(v) => Some(v),
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ENODATA | libc::EOPNOTSUPP)) => None,
-            Err(e) => return Err(e),
-        };
-        rustix::fs::ioctl_setflags(fd, flags.difference(stuck))?;
-        match property {
-            Some(v) => rustix::fs::fsetxattr(fd, COMPRESSION_XATTR, &v, XattrFlags::empty())?,
-            None => match rustix::fs::fremovexattr(fd, COMPRESSION_XATTR) {
-                Ok(()) | Err(Errno::NODATA | Errno::OPNOTSUPP) => {}
-                Err(e) => return Err(e.into()),
-            },
-        }
-    }
-    if current.intersects(stuck) || flags.intersects(stuck) {
-        sys::set_immutable_append(
-            fd,
-            flags.contains(IFlags::IMMUTABLE),
-            flags.contains(IFlags::APPEND),
-        )?;
-    }
-    Ok(())
 }
 
 /// Removes the entry `name` of `parent` and everything below it, whatever
@@ -571,36 +490,37 @@ fn remove_inner(
     count: &mut u64,
     on_entry: &mut dyn FnMut(u64) -> io::Result<()>,
 ) -> io::Result<()> {
-    let Some(st) = stat_opt(parent, name)? else {
+    let Some(st) = sys::metadata_at_if_exists(parent, name)? else {
         return Ok(());
     };
     if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
         let dir = sys::open_dir_at(parent, name)?;
-        if is_subvolume_root(&st, parent)?
-            && rustix::fs::fstat(&dir)?.st_dev != rustix::fs::fstat(parent)?.st_dev
+        if is_subvolume_root(&st, parent)? && sys::stat(dir.as_fd())?.dev != sys::stat(parent)?.dev
         {
             sys::make_tree_writable(dir.as_fd())?;
             drop(dir);
             sys::delete_subvolume(parent, name, true)?;
         } else {
-            clear_stuck_flags(dir.as_fd())?;
+            sys::clear_stuck_flags(dir.as_fd())?;
             for (child, _, _) in sys::read_dir_names(dir.as_fd())? {
                 remove_inner(dir.as_fd(), &child, count, on_entry)?;
             }
             drop(dir);
-            rustix::fs::unlinkat(parent, name, AtFlags::REMOVEDIR)?;
+            sys::rmdir_at(parent, name)?;
         }
     } else {
-        match rustix::fs::unlinkat(parent, name, AtFlags::empty()) {
-            Ok(()) | Err(Errno::NOENT) => {}
+        match sys::unlink_at(parent, name) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
             // Names elsewhere (hardlinks outside the tree) keep the inode,
             // and so its flags.
-            Err(Errno::PERM) if FileType::from_raw_mode(st.st_mode) == FileType::RegularFile => {
-                with_stuck_flags_lifted(parent, Path::new(name), || {
-                    rustix::fs::unlinkat(parent, name, AtFlags::empty())
-                })?;
+            Err(e)
+                if e.raw_os_error() == Some(libc::EPERM)
+                    && FileType::from_raw_mode(st.st_mode) == FileType::RegularFile =>
+            {
+                sys::with_stuck_flags_lifted(parent, name, || sys::unlink_at(parent, name))?;
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(e),
         }
     }
     *count += 1;
@@ -610,7 +530,7 @@ fn remove_inner(
 /// Makes `name` in `dir` another link to `first` (relative to `root`, inside
 /// the copy). The kernel refuses to link an immutable or append-only inode,
 /// and the first copy already carries the source's flags, so they are lifted
-/// for the link ([`with_stuck_flags_lifted`]); a resumed copy applies every
+/// for the link ([`sys::with_stuck_flags_lifted`]); a resumed copy applies every
 /// file's metadata again.
 fn link_to(
     root: BorrowedFd<'_>,
@@ -618,55 +538,8 @@ fn link_to(
     dir: BorrowedFd<'_>,
     name: &OsStr,
 ) -> io::Result<()> {
-    with_stuck_flags_lifted(root, first, || {
-        rustix::fs::linkat(root, first, dir, name, AtFlags::empty())
-    })
-}
-
-/// Runs `op`, a rename, link or unlink of the entry `name` of `dir`, with
-/// the entry's immutable and append-only flags, which forbid all three,
-/// lifted; puts them back afterwards, whatever `op` returned, if the inode
-/// still has a name (an unlink may have removed its last). A crash in
-/// between leaves them off. Only a regular file or a directory is opened
-/// (O_NONBLOCK, in case it was swapped for a FIFO since the stat); any other
-/// entry, or one without those flags, just gets `op`.
-pub(crate) fn with_stuck_flags_lifted(
-    dir: BorrowedFd<'_>,
-    name: &Path,
-    op: impl FnOnce() -> rustix::io::Result<()>,
-) -> io::Result<()> {
-    let st = rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)?;
-    if !matches!(
-        FileType::from_raw_mode(st.st_mode),
-        FileType::RegularFile | FileType::Directory
-    ) {
-        return Ok(op()?);
-    }
-    let fd = rustix::fs::openat(
-        dir,
-        name,
-        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?;
-    let flags = inode_flags(fd.as_fd())?;
-    if !flags.intersects(IFlags::IMMUTABLE | IFlags::APPEND) {
-        return Ok(op()?);
-    }
-    clear_stuck_flags(fd.as_fd())?;
-    let done = op();
-    if rustix::fs::fstat(&fd)?.st_nlink > 0 {
-        set_flags(fd.as_fd(), flags)?;
-    }
-    Ok(done?)
-}
-
-/// Inode flags (chattr), or none where the filesystem has no such notion.
-pub(crate) fn inode_flags(fd: BorrowedFd<'_>) -> io::Result<IFlags> {
-    match rustix::fs::ioctl_getflags(fd) {
-        Ok(f) => Ok(f),
-        Err(Errno::NOTTY | Errno::OPNOTSUPP | Errno::INVAL) => Ok(IFlags::empty()),
-        Err(e) => Err(e.into()),
-    }
+    let first = first.as_os_str();
+    sys::with_stuck_flags_lifted(root, first, || sys::link_at(root, first, dir, name))
 }
 
 /// Owner, mode, xattrs (for fds), timestamps and the remaining inode flags,
@@ -681,20 +554,13 @@ fn finish_metadata(st: &Stat, target: Target<'_>, src: Option<BorrowedFd<'_>>) -
             finish_fd_metadata(st, fd, src, src_flags, None)
         }
         Target::At(dir, name) => {
-            let uid = Some(rustix::fs::Uid::from_raw(st.st_uid));
-            let gid = Some(rustix::fs::Gid::from_raw(st.st_gid));
-            rustix::fs::chownat(dir, name, uid, gid, AtFlags::SYMLINK_NOFOLLOW)?;
+            sys::chown_at(dir, name, st.st_uid, st.st_gid)?;
             let ty = FileType::from_raw_mode(st.st_mode);
             if ty != FileType::Symlink {
                 // mknod applied the umask; chmodat cannot follow a non-link.
-                rustix::fs::chmodat(
-                    dir,
-                    name,
-                    Mode::from_raw_mode(st.st_mode & 0o7777),
-                    AtFlags::empty(),
-                )?;
+                sys::chmod_at(dir, name, st.st_mode)?;
             }
-            rustix::fs::utimensat(dir, name, &times(st), AtFlags::SYMLINK_NOFOLLOW)?;
+            sys::set_times_at(dir, name, &times(st))?;
             Ok(())
         }
     }
@@ -734,19 +600,17 @@ pub(crate) fn finish_fd_metadata(
 ) -> io::Result<()> {
     let same_owner = now.is_some_and(|n| (n.st_uid, n.st_gid) == (st.st_uid, st.st_gid));
     if !same_owner {
-        let uid = Some(rustix::fs::Uid::from_raw(st.st_uid));
-        let gid = Some(rustix::fs::Gid::from_raw(st.st_gid));
-        rustix::fs::fchown(fd, uid, gid)?;
+        sys::chown(fd, st.st_uid, st.st_gid)?;
     }
     // A chown may clear the setuid and setgid bits: after one, always chmod.
     let same_mode = same_owner && now.is_some_and(|n| n.st_mode & 0o7777 == st.st_mode & 0o7777);
     if !same_mode {
-        rustix::fs::fchmod(fd, Mode::from_raw_mode(st.st_mode & 0o7777))?;
+        sys::chmod(fd, st.st_mode)?;
     }
     if let Some(src) = src {
         copy_xattrs_fd(src, fd)?;
     }
-    rustix::fs::futimens(fd, &times(st))?;
+    sys::set_times(fd, &times(st))?;
     if let Some(src_flags) = src_flags {
         let rest = src_flags.difference(IFlags::NOCOW);
         if !rest.is_empty() {
@@ -761,74 +625,40 @@ pub(crate) fn remove_xattrs_missing_from(
     src: BorrowedFd<'_>,
     dst: BorrowedFd<'_>,
 ) -> io::Result<()> {
-    let keep = read_list(|buf| rustix::fs::flistxattr(src, buf))?;
-    let keep: HashSet<&[u8]> = split_names(&keep).collect();
-    let have = read_list(|buf| rustix::fs::flistxattr(dst, buf))?;
-    for name in split_names(&have).filter(|n| !keep.contains(n)) {
-        match rustix::fs::fremovexattr(dst, OsStr::from_bytes(name)) {
-            Ok(()) | Err(Errno::NODATA) => {}
-            Err(e) => return Err(e.into()),
+    let keep: HashSet<OsString> = sys::list_xattrs(src)?.into_iter().collect();
+    for name in sys::list_xattrs(dst)?.iter().filter(|n| !keep.contains(*n)) {
+        match sys::remove_xattr(dst, name) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENODATA) => {}
+            Err(e) => return Err(e),
         }
     }
     Ok(())
 }
 
-fn split_names(list: &[u8]) -> impl Iterator<Item = &[u8]> {
-    list.split(|b| *b == 0).filter(|n| !n.is_empty())
-}
-
 fn copy_xattrs_fd(src: BorrowedFd<'_>, dst: BorrowedFd<'_>) -> io::Result<()> {
-    let list = read_list(|buf| rustix::fs::flistxattr(src, buf))?;
-    for name in split_names(&list) {
-        let name = OsStr::from_bytes(name);
-        let value = read_list(|buf| rustix::fs::fgetxattr(src, name, buf))?;
-        rustix::fs::fsetxattr(dst, name, &value, XattrFlags::empty())?;
+    for name in sys::list_xattrs(src)? {
+        let value = sys::get_xattr(src, &name)?;
+        sys::set_xattr(dst, &name, &value)?;
     }
     Ok(())
 }
 
-/// Xattrs of an entry that is never opened (symlink, FIFO, device), through
-/// `/proc/self/fd/<dir>/<name>` with the l* calls, which do not follow the
-/// final component.
+/// Xattrs of an entry that is never opened (symlink, FIFO, device).
 fn copy_xattrs_at(
     src_dir: BorrowedFd<'_>,
     src_name: &OsStr,
     dst_dir: BorrowedFd<'_>,
     dst_name: &OsStr,
 ) -> io::Result<()> {
-    let src = proc_path(src_dir, src_name);
-    let dst = proc_path(dst_dir, dst_name);
-    let list = match read_list(|buf| rustix::fs::llistxattr(&src, buf)) {
+    let list = match sys::list_xattrs_at(src_dir, src_name) {
         Ok(l) => l,
         Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => return Ok(()),
         Err(e) => return Err(e),
     };
-    for name in split_names(&list) {
-        let name = OsStr::from_bytes(name);
-        let value = read_list(|buf| rustix::fs::lgetxattr(&src, name, buf))?;
-        rustix::fs::lsetxattr(&dst, name, &value, XattrFlags::empty())?;
+    for name in list {
+        let value = sys::get_xattr_at(src_dir, src_name, &name)?;
+        sys::set_xattr_at(dst_dir, dst_name, &name, &value)?;
     }
     Ok(())
-}
-
-fn proc_path(dir: BorrowedFd<'_>, name: &OsStr) -> PathBuf {
-    use std::os::fd::AsRawFd;
-    let mut p = OsString::from(format!("/proc/self/fd/{}/", dir.as_raw_fd()));
-    p.push(name);
-    PathBuf::from(p)
-}
-
-/// Calls a size-returning xattr getter with a growing buffer until it fits.
-fn read_list(mut f: impl FnMut(&mut [u8]) -> rustix::io::Result<usize>) -> io::Result<Vec<u8>> {
-    let mut buf = vec![0u8; 1024];
-    loop {
-        match f(&mut buf) {
-            Ok(n) => {
-                buf.truncate(n);
-                return Ok(buf);
-            }
-            Err(Errno::RANGE) if buf.len() < (1 << 24) => buf.resize(buf.len() * 4, 0),
-            Err(e) => return Err(e.into()),
-        }
-    }
 }

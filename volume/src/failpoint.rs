@@ -61,8 +61,7 @@ pub fn failpoint(name: &str) -> io::Result<()> {
         if let Some(errno) = errno {
             return Err(io::Error::from_raw_os_error(errno));
         }
-        let _ =
-            rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
+        crate::sys::kill_self();
         std::process::abort();
     }
     #[cfg(not(all(feature = "failpoints", target_os = "linux")))]

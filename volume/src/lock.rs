@@ -35,12 +35,8 @@ impl LockDir {
     /// missing (with [`LOCK_DIR`]).
     pub fn for_root(root: BorrowedFd<'_>) -> io::Result<Self> {
         let st = sys::stat(root)?;
-        let path = Path::new(LOCK_DIR).join(format!(
-            "{}:{}-{}",
-            rustix::fs::major(st.dev),
-            rustix::fs::minor(st.dev),
-            st.ino
-        ));
+        let (major, minor) = sys::major_minor(st.dev);
+        let path = Path::new(LOCK_DIR).join(format!("{major}:{minor}-{}", st.ino));
         sys::mkdir_path_if_missing(Path::new(LOCK_DIR), 0o700)?;
         sys::mkdir_path_if_missing(&path, 0o700)?;
         let dir = sys::open_dir_path(&path)?;

@@ -163,7 +163,7 @@ impl Identity {
 /// something else is published after it (a backup's read-only record is
 /// complete before the backup gets its name, and garbage without one).
 pub(crate) fn write_set(root: BorrowedFd<'_>, name: &OsStr, ids: &BTreeSet<u64>) -> io::Result<()> {
-    rustix::fs::mkdirat(root, name, rustix::fs::Mode::from_raw_mode(0o700))?;
+    sys::mkdir_at(root, name, 0o700)?;
     let dir = sys::open_dir_at(root, name)?;
     for id in ids {
         sys::touch_at(

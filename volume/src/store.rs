@@ -126,7 +126,7 @@ pub struct VolumeStore {
 /// is not a directory (a symlink as the last component included).
 pub fn open_root(root: impl AsRef<Path>) -> Result<(PathBuf, OwnedFd), Error> {
     let root = root.as_ref();
-    let canonical = std::fs::canonicalize(root).with_ctx(|e| {
+    let canonical = sys::canonicalize(root).with_ctx(|e| {
         let kind = if e.kind() == io::ErrorKind::NotFound {
             ErrorKind::NotFound
         } else {
@@ -146,7 +146,7 @@ pub fn open_root(root: impl AsRef<Path>) -> Result<(PathBuf, OwnedFd), Error> {
 /// Creates the volumes root `root` and its parents if missing (upstream's
 /// `mkdir -p` before its first volume).
 pub fn create_root(root: &Path) -> Result<(), Error> {
-    std::fs::create_dir_all(root).with_ctx(|_| {
+    sys::create_dir_all(root).with_ctx(|_| {
         (
             ErrorKind::Filesystem,
             format!("creating {}", root.display()),
@@ -672,11 +672,7 @@ impl VolumeStore {
             return Ok(SnapshotOutcome::Skipped { reason });
         }
         let copy = || -> io::Result<()> {
-            rustix::fs::mkdirat(
-                self.root_fd(),
-                &names.backup_tmp,
-                rustix::fs::Mode::from_raw_mode(0o700),
-            )?;
+            sys::mkdir_at(self.root_fd(), &names.backup_tmp, 0o700)?;
             let dst = sys::open_dir_at(self.root_fd(), &names.backup_tmp)?;
             let opts = crate::copy::CopyOptions {
                 nested_subvolumes: true,

@@ -354,18 +354,10 @@ fn run(cli: Cli) -> ExitCode {
 
 #[cfg(target_os = "linux")]
 fn rlimit_nofile() -> std::io::Result<(u64, u64)> {
-    let l = rustix::process::getrlimit(rustix::process::Resource::Nofile);
-    Ok((l.current.unwrap_or(u64::MAX), l.maximum.unwrap_or(u64::MAX)))
+    Ok(volume::sys::nofile_limit())
 }
 
 #[cfg(target_os = "linux")]
 fn set_rlimit_nofile(n: u64) -> std::io::Result<()> {
-    let l = rustix::process::Rlimit {
-        current: Some(n),
-        maximum: Some(n),
-    };
-    Ok(rustix::process::setrlimit(
-        rustix::process::Resource::Nofile,
-        l,
-    )?)
+    volume::sys::set_nofile_limit(n)
 }

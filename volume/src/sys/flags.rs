@@ -1,8 +1,109 @@
 //! Inode flags (chattr): FS_IOC_GETFLAGS / FS_IOC_SETFLAGS and the
 //! FS_IOC_FSGETXATTR / FS_IOC_FSSETXATTR pair.
 
+use std::ffi::OsStr;
 use std::io;
-use std::os::fd::BorrowedFd;
+use std::os::fd::{AsFd, BorrowedFd};
+
+use rustix::fs::{FileType, IFlags};
+use rustix::io::Errno;
+
+use super::fs::{metadata, metadata_at, open_read_at};
+use super::xattr::{get_xattr, remove_xattr, set_xattr};
+
+/// The xattr under which btrfs keeps a file's compression property.
+const COMPRESSION_XATTR: &str = "btrfs.compression";
+
+/// The inode flags (chattr) of the file or directory open as `fd`
+/// (FS_IOC_GETFLAGS), or none where the filesystem has no such notion.
+pub fn inode_flags(fd: BorrowedFd<'_>) -> io::Result<IFlags> {
+    match rustix::fs::ioctl_getflags(fd) {
+        Ok(f) => Ok(f),
+        Err(Errno::NOTTY | Errno::OPNOTSUPP | Errno::INVAL) => Ok(IFlags::empty()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Sets the inode flags (chattr) of `fd` to exactly `flags`.
+///
+/// FS_IOC_SETFLAGS on btrfs rewrites the compression property from the
+/// compression bits it is given (to the mount's default algorithm, or
+/// away), so the property is put back as it was; the immutable and
+/// append-only flags, which would forbid that, are set last and apart
+/// ([`set_immutable_append`]).
+pub fn set_inode_flags(fd: BorrowedFd<'_>, flags: IFlags) -> io::Result<()> {
+    let stuck = IFlags::IMMUTABLE | IFlags::APPEND;
+    let current = inode_flags(fd)?;
+    if current.difference(stuck) != flags.difference(stuck) {
+        if current.intersects(stuck) {
+            set_immutable_append(fd, false, false)?;
+        }
+        let property = match get_xattr(fd, OsStr::new(COMPRESSION_XATTR)) {
+            Ok(v) => Some(v),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENODATA | libc::EOPNOTSUPP)) => None,
+            Err(e) => return Err(e),
+        };
+        rustix::fs::ioctl_setflags(fd, flags.difference(stuck))?;
+        match property {
+            Some(v) => set_xattr(fd, OsStr::new(COMPRESSION_XATTR), &v)?,
+            None => match remove_xattr(fd, OsStr::new(COMPRESSION_XATTR)) {
+                Ok(()) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENODATA | libc::EOPNOTSUPP)) => {}
+                Err(e) => return Err(e),
+            },
+        }
+    }
+    if current.intersects(stuck) || flags.intersects(stuck) {
+        set_immutable_append(
+            fd,
+            flags.contains(IFlags::IMMUTABLE),
+            flags.contains(IFlags::APPEND),
+        )?;
+    }
+    Ok(())
+}
+
+/// Clears the immutable and append-only flags of the file or directory open
+/// as `fd`, which forbid changing it (or, on a directory, its entries).
+pub fn clear_stuck_flags(fd: BorrowedFd<'_>) -> io::Result<()> {
+    if inode_flags(fd)?.intersects(IFlags::IMMUTABLE | IFlags::APPEND) {
+        set_immutable_append(fd, false, false)?;
+    }
+    Ok(())
+}
+
+/// Runs `op`, a rename, link or unlink of the entry `name` of `dir`, with
+/// the entry's immutable and append-only flags, which forbid all three,
+/// lifted; puts them back afterwards, whatever `op` returned, if the inode
+/// still has a name (an unlink may have removed its last). A crash in
+/// between leaves them off. Only a regular file or a directory is opened
+/// (O_NONBLOCK, in case it was swapped for a FIFO since the stat); any other
+/// entry, or one without those flags, just gets `op`. `name` may hold
+/// several components, resolved from `dir` (see [`metadata_at`]).
+pub fn with_stuck_flags_lifted(
+    dir: BorrowedFd<'_>,
+    name: &OsStr,
+    op: impl FnOnce() -> io::Result<()>,
+) -> io::Result<()> {
+    let st = metadata_at(dir, name)?;
+    if !matches!(
+        FileType::from_raw_mode(st.st_mode),
+        FileType::RegularFile | FileType::Directory
+    ) {
+        return op();
+    }
+    let fd = open_read_at(dir, name)?;
+    let flags = inode_flags(fd.as_fd())?;
+    if !flags.intersects(IFlags::IMMUTABLE | IFlags::APPEND) {
+        return op();
+    }
+    clear_stuck_flags(fd.as_fd())?;
+    let done = op();
+    if metadata(fd.as_fd())?.st_nlink > 0 {
+        set_inode_flags(fd.as_fd(), flags)?;
+    }
+    done
+}
 
 /// Sets or clears the immutable and append-only flags of the file or
 /// directory open as `fd`, leaving every other attribute alone, through

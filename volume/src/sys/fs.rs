@@ -302,3 +302,261 @@ pub fn read_dir_names(fd: BorrowedFd<'_>) -> io::Result<Vec<(OsString, FileType,
     }
     Ok(out)
 }
+
+/// Everything `fstat` and `lstat` report (owner, mode, size, link count,
+/// device number, times), for the copy and carve code that reproduces an
+/// inode's metadata; [`Stat`] is the subset the rest of the crate needs.
+pub type Metadata = rustix::fs::Stat;
+
+/// `fstat` of an open fd, in full.
+pub fn metadata(fd: BorrowedFd<'_>) -> io::Result<Metadata> {
+    Ok(rustix::fs::fstat(fd)?)
+}
+
+/// `lstat` of `name` in `dir`, in full, never following a final symlink.
+/// `name` may hold several components (resolved from `dir`, as `statat`
+/// does); the crate passes more than one only for paths inside a tree it
+/// built itself. ENOENT when absent.
+pub fn metadata_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Metadata> {
+    Ok(rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)?)
+}
+
+/// [`metadata_at`], `None` when `name` does not exist.
+pub fn metadata_at_if_exists(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Metadata>> {
+    match rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
+        Ok(st) => Ok(Some(st)),
+        Err(Errno::NOENT) => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The block size of the filesystem holding `fd` (statvfs `f_bsize`, at
+/// least 512): the unit FICLONERANGE offsets must be multiples of.
+pub fn block_size(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    Ok(rustix::fs::fstatvfs(fd)?.f_bsize.max(512))
+}
+
+/// Opens `name` in `dir` read-only, never following a final symlink and
+/// never blocking: O_NONBLOCK, so an entry swapped for a FIFO since the
+/// caller's stat cannot hang the open (the caller's fstat then tells).
+/// `name` may hold several components, as for [`metadata_at`].
+pub fn open_read_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<OwnedFd> {
+    Ok(rustix::fs::openat(
+        dir,
+        name,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?)
+}
+
+/// Opens the regular file `name` in `dir` for writing, never following a
+/// symlink nor blocking on a FIFO. With `create`, the file must be new
+/// (O_CREAT | O_EXCL: EEXIST otherwise) and gets `mode` (less the umask);
+/// without, it must exist.
+pub fn open_write_at(
+    dir: BorrowedFd<'_>,
+    name: &OsStr,
+    create: bool,
+    mode: u32,
+) -> io::Result<OwnedFd> {
+    let create = if create {
+        OFlags::CREATE | OFlags::EXCL
+    } else {
+        OFlags::empty()
+    };
+    Ok(rustix::fs::openat(
+        dir,
+        name,
+        OFlags::WRONLY | create | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::from_raw_mode(mode),
+    )?)
+}
+
+/// Creates the directory `name` in `dir` with `mode` (less the umask);
+/// EEXIST if anything is there already.
+pub fn mkdir_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Result<()> {
+    Ok(rustix::fs::mkdirat(dir, name, Mode::from_raw_mode(mode))?)
+}
+
+/// Creates the FIFO, socket or device node `name` in `dir` (mknodat),
+/// with permission bits `mode` (less the umask) and, for a device,
+/// device number `rdev`.
+pub fn mknod_at(
+    dir: BorrowedFd<'_>,
+    name: &OsStr,
+    file_type: FileType,
+    mode: u32,
+    rdev: u64,
+) -> io::Result<()> {
+    Ok(rustix::fs::mknodat(
+        dir,
+        name,
+        file_type,
+        Mode::from_raw_mode(mode & 0o7777),
+        rdev,
+    )?)
+}
+
+/// Removes the non-directory entry `name` of `dir` (unlinkat); ENOENT if
+/// absent, EPERM if an immutable or append-only flag forbids it.
+pub fn unlink_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+    Ok(rustix::fs::unlinkat(dir, name, AtFlags::empty())?)
+}
+
+/// Removes the empty directory `name` of `dir`; ENOTEMPTY otherwise.
+pub fn rmdir_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+    Ok(rustix::fs::unlinkat(dir, name, AtFlags::REMOVEDIR)?)
+}
+
+/// Renames `from` in `from_dir` to `to` in `to_dir` (renameat), replacing
+/// what `to` names as rename(2) does. Both in one filesystem; never
+/// follows a symlink (a symlink is renamed itself).
+pub fn rename_at(
+    from_dir: BorrowedFd<'_>,
+    from: &OsStr,
+    to_dir: BorrowedFd<'_>,
+    to: &OsStr,
+) -> io::Result<()> {
+    Ok(rustix::fs::renameat(from_dir, from, to_dir, to)?)
+}
+
+/// Makes `new` in `new_dir` another name of the inode `old` names in
+/// `old_dir` (linkat, never following a final symlink). `old` may hold
+/// several components, as for [`metadata_at`]; EEXIST if `new` exists.
+pub fn link_at(
+    old_dir: BorrowedFd<'_>,
+    old: &OsStr,
+    new_dir: BorrowedFd<'_>,
+    new: &OsStr,
+) -> io::Result<()> {
+    Ok(rustix::fs::linkat(
+        old_dir,
+        old,
+        new_dir,
+        new,
+        AtFlags::empty(),
+    )?)
+}
+
+/// Truncates (or extends with a hole) the file open as `fd` to `len`.
+pub fn truncate(fd: BorrowedFd<'_>, len: u64) -> io::Result<()> {
+    Ok(rustix::fs::ftruncate(fd, len)?)
+}
+
+/// Sets the owner of the inode open as `fd`. The kernel clears the setuid
+/// and setgid bits and file capabilities on a chown: callers set the mode
+/// and xattrs after it.
+pub fn chown(fd: BorrowedFd<'_>, uid: u32, gid: u32) -> io::Result<()> {
+    Ok(rustix::fs::fchown(
+        fd,
+        Some(rustix::fs::Uid::from_raw(uid)),
+        Some(rustix::fs::Gid::from_raw(gid)),
+    )?)
+}
+
+/// Sets the permission bits (`mode & 0o7777`) of the inode open as `fd`.
+pub fn chmod(fd: BorrowedFd<'_>, mode: u32) -> io::Result<()> {
+    Ok(rustix::fs::fchmod(fd, Mode::from_raw_mode(mode & 0o7777))?)
+}
+
+/// Sets the owner of `name` in `dir`, never following a symlink (a
+/// symlink's own owner is set), for entries that are never opened.
+pub fn chown_at(dir: BorrowedFd<'_>, name: &OsStr, uid: u32, gid: u32) -> io::Result<()> {
+    Ok(rustix::fs::chownat(
+        dir,
+        name,
+        Some(rustix::fs::Uid::from_raw(uid)),
+        Some(rustix::fs::Gid::from_raw(gid)),
+        AtFlags::SYMLINK_NOFOLLOW,
+    )?)
+}
+
+/// Sets the permission bits (`mode & 0o7777`) of `name` in `dir`, an entry
+/// that is never opened (FIFO, socket, device). fchmodat cannot refuse to
+/// follow a symlink (Linux has no AT_SYMLINK_NOFOLLOW for it), so callers
+/// pass only names they created as something else.
+pub fn chmod_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Result<()> {
+    Ok(rustix::fs::chmodat(
+        dir,
+        name,
+        Mode::from_raw_mode(mode & 0o7777),
+        AtFlags::empty(),
+    )?)
+}
+
+/// Sets the access and modification times of `name` in `dir`, never
+/// following a symlink (a symlink's own times are set).
+pub fn set_times_at(
+    dir: BorrowedFd<'_>,
+    name: &OsStr,
+    times: &rustix::fs::Timestamps,
+) -> io::Result<()> {
+    Ok(rustix::fs::utimensat(
+        dir,
+        name,
+        times,
+        AtFlags::SYMLINK_NOFOLLOW,
+    )?)
+}
+
+/// The process's effective user and group ids (never fail).
+pub fn effective_ids() -> (u32, u32) {
+    (
+        rustix::process::geteuid().as_raw(),
+        rustix::process::getegid().as_raw(),
+    )
+}
+
+/// Major and minor numbers of a device number (pure arithmetic, kept here
+/// with the calls that return device numbers).
+pub fn major_minor(dev: u64) -> (u32, u32) {
+    (rustix::fs::major(dev), rustix::fs::minor(dev))
+}
+
+/// The path the kernel gives the open file `fd` (`/proc/self/fd/N`), for
+/// messages and for looking the file up in the mount table. Not a handle:
+/// what the path names can change after the call.
+pub fn fd_path(fd: BorrowedFd<'_>) -> io::Result<std::path::PathBuf> {
+    use std::os::fd::AsRawFd;
+    std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+}
+
+/// Canonicalizes `path` (realpath), following every symlink: for the
+/// volumes root, a trusted path from the operator's configuration.
+pub fn canonicalize(path: &Path) -> io::Result<std::path::PathBuf> {
+    std::fs::canonicalize(path)
+}
+
+/// Creates the directory `path` and every missing parent (`mkdir -p`, mode
+/// 0777 less the umask), following symlinks: for the volumes root, a
+/// trusted path from the operator's configuration.
+pub fn create_dir_all(path: &Path) -> io::Result<()> {
+    std::fs::create_dir_all(path)
+}
+
+/// The process's limit on open files, as (soft, hard); unlimited is
+/// `u64::MAX`.
+pub fn nofile_limit() -> (u64, u64) {
+    let l = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    (l.current.unwrap_or(u64::MAX), l.maximum.unwrap_or(u64::MAX))
+}
+
+/// Sets both the soft and the hard limit on open files to `n` (raising the
+/// hard one needs CAP_SYS_RESOURCE).
+pub fn set_nofile_limit(n: u64) -> io::Result<()> {
+    let l = rustix::process::Rlimit {
+        current: Some(n),
+        maximum: Some(n),
+    };
+    Ok(rustix::process::setrlimit(
+        rustix::process::Resource::Nofile,
+        l,
+    )?)
+}
+
+/// Kills the calling process with SIGKILL: a failpoint's crash, which no
+/// handler, unwinding or buffered write can soften. Returns only if the
+/// signal could not be sent.
+pub fn kill_self() {
+    let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
+}

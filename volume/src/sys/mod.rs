@@ -18,7 +18,8 @@
 //! for a reply from the kernel that does not parse, `InvalidData`); callers
 //! add which package and path it was about.
 //!
-//! Files by concern: [`fs`](self) POSIX wrappers, `flags` inode flags,
+//! Files by concern: `fs` POSIX wrappers, `xattr` extended attributes,
+//! `flags` inode flags,
 //! `clone` reflinks, `ioctl` argument helpers, `subvolume` the subvolume
 //! API over its backend (`native` ioctls or `btrfsutil`), `search` the
 //! b-tree search engine, `item` on-disk item layouts, `space` metadata
@@ -32,6 +33,7 @@ pub mod item;
 mod search;
 mod space;
 mod subvolume;
+mod xattr;
 
 #[cfg(feature = "btrfsutil")]
 mod btrfsutil;
@@ -46,3 +48,4 @@ pub use search::{
 };
 pub use space::{MetadataSpace, metadata_space};
 pub use subvolume::*;
+pub use xattr::*;
