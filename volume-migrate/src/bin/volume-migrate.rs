@@ -7,9 +7,11 @@
 //! Progress goes to stderr as one updating line on a terminal; with `--json`
 //! every event is one JSON object per line on stdout.
 
+#[cfg(target_os = "linux")]
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
+#[cfg(target_os = "linux")]
 use std::time::{Duration, Instant};
 
 use clap::Parser;
@@ -67,10 +69,12 @@ fn main() -> ExitCode {
 }
 
 /// Binary units, one decimal: the one way the workspace prints sizes.
+#[cfg(target_os = "linux")]
 fn human_bytes(b: u64) -> String {
     bytesize::ByteSize::b(b).display().iec().to_string()
 }
 
+#[cfg(target_os = "linux")]
 fn json_line(value: serde_json::Value) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{value}");
