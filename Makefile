@@ -16,11 +16,13 @@ BENCH_ARGS ?=
 # Extra cargo arguments for `make test`, e.g. `CARGO_TEST_FLAGS=--release`.
 CARGO_TEST_FLAGS ?=
 
+# The command-line tools, which a library user (start-core) builds without.
+# Defined before TEST_FEATURES: `:=` expands on the spot, so a later
+# definition would leave the tests' builds without the CLIs.
+CLI_FEATURES := volume/cli,volume-migrate/cli
 # Failpoints (named SIGKILL sites for the crash tests) for every crate that has
 # them; a production build has none.
 TEST_FEATURES := volume/failpoints,volume-migrate/failpoints,startos-core/failpoints,$(CLI_FEATURES)
-# The command-line tools, which a library user (start-core) builds without.
-CLI_FEATURES := volume/cli,volume-migrate/cli
 
 .PHONY: all deps build fmt-check clippy test bench demo targets
 
