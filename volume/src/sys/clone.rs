@@ -29,6 +29,7 @@ pub fn ficlone_range(
         src_length: u64,
         dest_offset: u64,
     }
+    const _: () = assert!(std::mem::size_of::<FileCloneRange>() == 32);
     const FICLONERANGE: rustix::ioctl::Opcode = opcode::write::<FileCloneRange>(0x94, 13);
     let arg = FileCloneRange {
         src_fd: i64::from(src.as_raw_fd()),

@@ -30,6 +30,14 @@ pub const INODE_FLAGS: usize = 64;
 /// `BTRFS_INODE_NODATACOW` in those flags (`chattr +C`).
 pub const INODE_NODATACOW: u64 = 1;
 
+/// `dirid` in `struct btrfs_root_ref` (packed): the directory of the
+/// parent subvolume holding the child.
+pub const ROOT_REF_DIRID: usize = 0;
+/// `name_len` (little-endian u16).
+pub const ROOT_REF_NAME_LEN: usize = 16;
+/// Where the name follows the packed struct.
+pub const ROOT_REF_NAME: usize = 18;
+
 /// The little-endian u64 at `at`, or `None` past the body's end.
 pub fn le64(body: &[u8], at: usize) -> Option<u64> {
     Some(u64::from_le_bytes(body.get(at..at + 8)?.try_into().ok()?))

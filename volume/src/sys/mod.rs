@@ -19,11 +19,10 @@
 //! add which package and path it was about.
 //!
 //! Files by concern: `fs` POSIX wrappers, `xattr` extended attributes,
-//! `flags` inode flags,
-//! `clone` reflinks, `ioctl` argument helpers, `subvolume` the subvolume
-//! API over its backend (`native` ioctls or `btrfsutil`), `search` the
-//! b-tree search engine, `item` on-disk item layouts, `space` metadata
-//! space accounting.
+//! `flags` inode flags, `clone` reflinks, `ioctl` argument helpers,
+//! `subvolume` the subvolume API over its backend (`native` ioctls or
+//! `btrfsutil`), `search` the b-tree search engine, `item` on-disk item
+//! layouts, `space` metadata space accounting.
 
 mod clone;
 mod flags;

@@ -325,10 +325,10 @@ struct RootRef {
 /// `struct btrfs_root_ref` (dirid, sequence, name_len: packed, little
 /// endian) followed by the name, which must be one non-empty component.
 fn parse_root_ref(child: u64, body: &[u8]) -> io::Result<RootRef> {
-    const NAME_AT: usize = 18;
-    let dirid = super::item::le64(body, 0).ok_or_else(|| malformed("short ROOT_REF item"))?;
+    use super::item::{ROOT_REF_DIRID, ROOT_REF_NAME as NAME_AT, ROOT_REF_NAME_LEN, le64};
+    let dirid = le64(body, ROOT_REF_DIRID).ok_or_else(|| malformed("short ROOT_REF item"))?;
     let name_len = body
-        .get(16..NAME_AT)
+        .get(ROOT_REF_NAME_LEN..NAME_AT)
         .map(|b| usize::from(u16::from_le_bytes([b[0], b[1]])))
         .ok_or_else(|| malformed("short ROOT_REF item"))?;
     let name = body

@@ -145,6 +145,9 @@ struct SearchArgsV2 {
     buf_size: u64,
 }
 
+// `struct btrfs_ioctl_search_key` is 104 bytes, the v2 args header 112.
+const _: () = assert!(std::mem::size_of::<SearchKey>() == 104);
+const _: () = assert!(std::mem::size_of::<SearchArgsV2>() == 112);
 const ARGS_WORDS: usize = std::mem::size_of::<SearchArgsV2>() / 8;
 const _: () = assert!(std::mem::size_of::<SearchArgsV2>().is_multiple_of(8));
 

@@ -65,6 +65,9 @@ struct SpaceInfo {
     used_bytes: u64,
 }
 
+// `struct btrfs_ioctl_space_info`: flags, total_bytes, used_bytes.
+const _: () = assert!(std::mem::size_of::<SpaceInfo>() == 24);
+
 /// BTRFS_IOC_SPACE_INFO: its argument is `struct btrfs_ioctl_space_args`
 /// (space_slots, total_spaces) followed by `space_slots` entries.
 const SPACE_INFO: Opcode = opcode::read_write::<[u64; 2]>(BTRFS_IOCTL_MAGIC, 20);
