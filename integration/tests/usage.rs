@@ -14,8 +14,8 @@ use std::process::Command;
 
 use common::{MIB, bytes, pkg, subvolume_create, vol, volumes_root};
 use integration::{FsKind, LoopFs, fs_or_skip, make_fragmented_file, run};
-use volume::sweep;
 use volume::sys::{EXTENT_DATA_KEY, ItemKey, KeyRange, search};
+use volume::usage::sweep;
 use volume::usage::{Bytes, Usage};
 use volume::{ErrorKind, VolumeStore};
 
@@ -274,11 +274,11 @@ fn extent_count_stops_early_and_is_exact_below_the_bound() {
     write(&dir.join("small"), &bytes(1, 100_000));
     sync();
     let fd = volume::sys::open_dir_path(&dir).expect("open");
-    let full = volume::extents::count_tree_extents(fd.as_fd(), u64::MAX).expect("count");
+    let full = volume::usage::count_tree_extents(fd.as_fd(), u64::MAX).expect("count");
     // Items, not merged FIEMAP extents: at least as many as FIEMAP reports.
     assert!(full >= made, "tree items {full} < fiemap extents {made}");
     for limit in [0, 1, 10, 500, full - 1] {
-        let n = volume::extents::count_tree_extents(fd.as_fd(), limit).expect("count");
+        let n = volume::usage::count_tree_extents(fd.as_fd(), limit).expect("count");
         assert_eq!(
             n,
             limit + 1,
@@ -286,7 +286,7 @@ fn extent_count_stops_early_and_is_exact_below_the_bound() {
         );
     }
     assert_eq!(
-        volume::extents::count_tree_extents(fd.as_fd(), full).expect("count"),
+        volume::usage::count_tree_extents(fd.as_fd(), full).expect("count"),
         full,
         "at the bound the count is exact"
     );

@@ -25,7 +25,7 @@
 //!    as far as the choice needs.
 //! 1. **Carve**: snapshot that subvolume as `<pkg>.migrate-parent` (O(1))
 //!    and cut the snapshot down to `<pkg>`'s contents
-//!    ([`volume::carve::carve`]): the very same inodes, nothing copied.
+//!    ([`carve::carve`](crate::carve)): the very same inodes, nothing copied.
 //!
 //! Then, for both:
 //!
@@ -68,6 +68,8 @@
 
 #![warn(missing_docs)]
 
+#[cfg(target_os = "linux")]
+mod carve;
 #[cfg(target_os = "linux")]
 mod migrate;
 #[cfg(target_os = "linux")]
@@ -116,7 +118,7 @@ pub enum Method {
     /// the package), resumable after a crash where it stopped.
     Clone,
     /// Snapshot the subvolume holding the volumes root and cut the snapshot
-    /// down to the package ([`volume::carve`]): O(everything else in that
+    /// down to the package (the crate's `carve` module): O(everything else in that
     /// subvolume, plus the package's top entries), whatever the package
     /// holds below them. Needs the subvolume's root reachable from the
     /// volumes root's mount, nothing mounted below it, no subvolume nested

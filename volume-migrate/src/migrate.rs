@@ -8,9 +8,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::ScopedJoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::carve::{self, CarveEvent};
 use models::{Error, ErrorKind, PackageId, ResultExt};
 use serde::Serialize;
-use volume::carve::{self, CarveEvent};
 use volume::copy::{self, CopyEvent, CopyOptions};
 use volume::layout::{MIGRATE_OLD_SUFFIX, MIGRATE_PARENT_SUFFIX, MIGRATE_SUFFIX, package_of};
 use volume::lock::PackageLock;

@@ -587,11 +587,14 @@ fn times(st: &Stat) -> Timestamps {
     }
 }
 
-/// Owner, mode, xattrs (copied from `src`, when given), timestamps, then
-/// `src_flags` but NOCOW added to the fd's flags: the order in which each
-/// survives the next. `now`: the fd's current owner and mode, when known,
-/// to skip a chown or chmod that would change nothing.
-pub(crate) fn finish_fd_metadata(
+/// Gives the file or directory open as `fd` the metadata `st` describes:
+/// owner, mode, xattrs (copied from `src`, when given), timestamps, then
+/// `src_flags` but NOCOW added to the fd's flags, the order in which each
+/// survives the next (a chown clears setuid and capabilities, the
+/// immutable flag forbids all the rest). `now`: the fd's current owner and
+/// mode, when known, to skip a chown or chmod that would change nothing.
+/// A failure part-way leaves some of it applied.
+pub fn finish_fd_metadata(
     st: &Stat,
     fd: BorrowedFd<'_>,
     src: Option<BorrowedFd<'_>>,
@@ -621,10 +624,7 @@ pub(crate) fn finish_fd_metadata(
 }
 
 /// Removes every xattr of `dst` that `src` does not have (both open fds).
-pub(crate) fn remove_xattrs_missing_from(
-    src: BorrowedFd<'_>,
-    dst: BorrowedFd<'_>,
-) -> io::Result<()> {
+pub fn remove_xattrs_missing_from(src: BorrowedFd<'_>, dst: BorrowedFd<'_>) -> io::Result<()> {
     let keep: HashSet<OsString> = sys::list_xattrs(src)?.into_iter().collect();
     for name in sys::list_xattrs(dst)?.iter().filter(|n| !keep.contains(*n)) {
         match sys::remove_xattr(dst, name) {

@@ -9,17 +9,23 @@
 //!
 //! [`VolumeStore`] is the API. start-core's `volume` module, upstream's
 //! names and call shapes, is `startos_core::volume`, on top of it.
+//!
+//! The public modules are the pieces the sibling crates build on, each an
+//! API of its own: [`sys`] (every system call, btrfs's ioctls included),
+//! [`copy`] (the lossless reflink copy and the tree removal the conversion
+//! uses), [`layout`] (the names a package owns), [`lock`] (the per-package
+//! lock every tool takes), [`mounts`] (who holds a mount of a volume),
+//! [`usage`] (space accounting from the b-tree) and [`failpoint`] (the
+//! crash sites the tests name). Everything else is internal.
 
 use std::path::{Path, PathBuf};
 
 pub use models::{Error, ErrorKind, PackageId, VolumeId};
 
 #[cfg(target_os = "linux")]
-pub mod carve;
-#[cfg(target_os = "linux")]
 pub mod copy;
 #[cfg(target_os = "linux")]
-pub mod extents;
+mod extents;
 pub mod failpoint;
 pub mod layout;
 #[cfg(target_os = "linux")]
@@ -32,13 +38,11 @@ mod record;
 #[cfg(target_os = "linux")]
 mod store;
 #[cfg(target_os = "linux")]
-pub mod sweep;
-#[cfg(target_os = "linux")]
 pub mod sys;
 #[cfg(target_os = "linux")]
 pub mod usage;
 #[cfg(target_os = "linux")]
-pub mod walk;
+mod walk;
 
 pub use failpoint::FAILPOINT_ENV;
 pub use layout::INSTALL_BACKUP_SUFFIX;

@@ -8,7 +8,7 @@
 //!
 //! For a subvolume, one TREE_SEARCH_V2 sweep over its own tree reads every
 //! item once, in key order within disjoint key ranges read by several
-//! threads (no directory walk, no per-inode call; see [`crate::sweep`]),
+//! threads (no directory walk, no per-inode call; see [`crate::usage::sweep`]),
 //! then each nested subvolume's tree likewise. For a plain directory, a walk
 //! that never follows a symlink does one tight search per inode.
 
@@ -22,6 +22,9 @@ use serde::Serialize;
 
 use crate::sys::{self, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, item};
 use crate::walk::{Visit, walk_files};
+
+pub use crate::extents::count_tree_extents;
+pub mod sweep;
 
 /// compsize's three figures, for one compression type or in total.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -300,7 +303,7 @@ impl Tally {
     }
 }
 
-/// Threads sweeping a subvolume's tree (see [`crate::sweep`]): warm, one
+/// Threads sweeping a subvolume's tree (see [`crate::usage::sweep`]): warm, one
 /// per core copies items out; cold, more keep several leaf reads in flight,
 /// so at least 8 whatever the cores. Measured once, with a temporary knob,
 /// on the bench's trees on a 2-core VM (loop-mounted btrfs, kernel 6.18),
@@ -322,7 +325,7 @@ fn sweep_threads() -> usize {
 
 /// Sweeps the whole tree of the subvolume holding `fd` into `tally`.
 fn sweep(fd: BorrowedFd<'_>, tally: Tally) -> io::Result<Tally> {
-    let ranges = crate::sweep::sweep(fd, sweep_threads(), Tally::new, |t, key, body| {
+    let ranges = crate::usage::sweep::sweep(fd, sweep_threads(), Tally::new, |t, key, body| {
         t.item(key, body)
     })?;
     Ok(ranges.into_iter().map(|(_, t)| t).fold(tally, Tally::merge))

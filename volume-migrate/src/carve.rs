@@ -22,8 +22,8 @@ use std::path::Path;
 
 use rustix::fs::{FileType, IFlags};
 
-use crate::copy;
-use crate::sys;
+use volume::copy;
+use volume::sys;
 
 /// A step of [`carve`], for progress and cancellation: an error returned
 /// from the callback stops the carve there with that error.
