@@ -20,6 +20,7 @@ mod fixture;
 mod frag;
 pub mod services;
 mod tree;
+pub mod upstream;
 
 pub use cmd::{run, sh};
 pub use fixture::{
