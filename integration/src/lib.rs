@@ -16,6 +16,7 @@
 #![warn(missing_docs)]
 
 mod cmd;
+pub mod compare;
 mod fixture;
 mod frag;
 pub mod services;
