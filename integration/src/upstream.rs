@@ -53,6 +53,9 @@ pub const VOLUME_RS_COMMIT: &str = "48408e8c540d322412519feeec119216bb261bfa";
 /// The commit of upstream's `util/btrfs.rs` and `util/clone.rs` this module
 /// models.
 pub const UTIL_COMMIT: &str = "bd14f8664972c44a2d7d926c3dad76a3609e83ab";
+/// The commit of upstream's `util/io.rs` (the file helpers `volume.rs`
+/// calls) this module models.
+pub const IO_RS_COMMIT: &str = "950be49dd13373d1f9021ae943eb72ad59535eac";
 
 /// The install backup: a writable snapshot of the live root.
 pub const INSTALL_BACKUP_SUFFIX: &str = ".install-backup";
@@ -102,8 +105,8 @@ impl Log {
         self.push("warn", msg);
     }
 
-    /// Upstream's `ResultExt::log_err`: an error becomes a log line and is
-    /// otherwise ignored.
+    /// Upstream's `ResultExt::log_err` (`error.rs`): an error becomes a log
+    /// line and is otherwise ignored.
     fn log_err<T>(&self, r: io::Result<T>) -> Option<T> {
         match r {
             Ok(v) => Some(v),
@@ -128,9 +131,10 @@ impl fmt::Debug for Log {
 
 // ------------------------------------------------------------------ errors
 
-/// Upstream's `volume.restore-conflict` refusal: a restore was interrupted
-/// between its two renames, and the live path has since gained files, so
-/// `resolve_pending` will not pick a winner. Someone must clean up by hand.
+/// Upstream's `volume.restore-conflict` refusal (`volume.rs` at
+/// [`VOLUME_RS_COMMIT`]): a restore was interrupted between its two renames,
+/// and the live path has since gained files, so `resolve_pending` will not pick
+/// a winner. Someone must clean up by hand.
 #[derive(Debug)]
 pub struct RestoreConflict {
     /// The package.
@@ -173,8 +177,8 @@ fn is_not_found(r: &io::Result<Metadata>) -> bool {
 
 // ------------------------------------------------------------------ util/io.rs
 
-/// Upstream's `util::io::create_file`: makes the parent directories, then
-/// creates (or truncates) the file.
+/// Upstream's `create_file` (`util/io.rs` at [`IO_RS_COMMIT`]): makes the
+/// parent directories, then creates (or truncates) the file.
 pub fn create_file(path: &Path) -> io::Result<File> {
     if let Some(parent) = path.parent() {
         fs::create_dir_all(parent).map_err(ctx(format!("mkdir -p {}", parent.display())))?;
@@ -182,7 +186,8 @@ pub fn create_file(path: &Path) -> io::Result<File> {
     File::create(path).map_err(ctx(format!("create {}", path.display())))
 }
 
-/// Upstream's `util::io::delete_file`: a missing file is no error.
+/// Upstream's `delete_file` (`util/io.rs` at [`IO_RS_COMMIT`]): a missing file
+/// is no error.
 fn delete_file(path: &Path) -> io::Result<()> {
     match fs::remove_file(path) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => {
@@ -192,8 +197,8 @@ fn delete_file(path: &Path) -> io::Result<()> {
     }
 }
 
-/// Upstream's `util::io::delete_dir`: `remove_dir_all`, O(entries and
-/// extents); a missing tree is no error.
+/// Upstream's `delete_dir` (`util/io.rs` at [`IO_RS_COMMIT`]):
+/// `remove_dir_all`, O(entries and extents); a missing tree is no error.
 fn delete_dir(path: &Path) -> io::Result<()> {
     match fs::remove_dir_all(path) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => {
@@ -203,8 +208,8 @@ fn delete_dir(path: &Path) -> io::Result<()> {
     }
 }
 
-/// Upstream's `util::io::rename`: makes the destination's parent
-/// directories, then renames.
+/// Upstream's `rename` (`util/io.rs` at [`IO_RS_COMMIT`]): makes the
+/// destination's parent directories, then renames.
 fn rename(src: &Path, dst: &Path) -> io::Result<()> {
     if let Some(parent) = dst.parent() {
         fs::create_dir_all(parent).map_err(ctx(format!("mkdir -p {}", parent.display())))?;
@@ -212,9 +217,9 @@ fn rename(src: &Path, dst: &Path) -> io::Result<()> {
     fs::rename(src, dst).map_err(ctx(format!("mv {} -> {}", src.display(), dst.display())))
 }
 
-/// Upstream's `util::io::dir_size`: the sizes of the regular files below
-/// `path`, by a full walk (symlinks not followed, nested subvolumes
-/// walked).
+/// Upstream's `dir_size` (`util/io.rs` at [`IO_RS_COMMIT`]): the sizes of the
+/// regular files below `path`, by a full walk (symlinks not followed, nested
+/// subvolumes walked).
 pub fn dir_size(path: &Path) -> io::Result<u64> {
     let mut total = 0;
     for entry in fs::read_dir(path)? {
@@ -232,15 +237,15 @@ pub fn dir_size(path: &Path) -> io::Result<u64> {
 
 // ------------------------------------------------------------------ util/btrfs.rs
 
-/// `btrfs.rs`'s `is_btrfs` (at [`UTIL_COMMIT`]): statfs says btrfs; false
-/// on any error.
+/// Upstream's `is_btrfs` (`btrfs.rs` at [`UTIL_COMMIT`]): statfs says btrfs;
+/// false on any error.
 pub fn is_btrfs(path: &Path) -> bool {
     // The magic is a 32-bit pattern; f_type is signed on some targets.
     rustix::fs::statfs(path).is_ok_and(|s| s.f_type as u32 == BTRFS_SUPER_MAGIC)
 }
 
-/// `btrfs.rs`'s `is_subvolume`: a directory (symlinks followed) with inode
-/// 256 on btrfs.
+/// Upstream's `is_subvolume` (`btrfs.rs` at [`UTIL_COMMIT`]): a directory
+/// (symlinks followed) with inode 256 on btrfs.
 pub fn is_subvolume(path: &Path) -> bool {
     match fs::metadata(path) {
         Ok(m) if m.is_dir() && m.ino() == SUBVOL_INO => is_btrfs(path),
@@ -248,8 +253,8 @@ pub fn is_subvolume(path: &Path) -> bool {
     }
 }
 
-/// One `btrfs` command, as upstream's `Invoke` runs it: failure carries
-/// its stderr.
+/// One `btrfs` command, as upstream's `Invoke` (`util/mod.rs`) runs it: failure
+/// carries its stderr.
 fn btrfs_cli(args: &[&str], path: &Path, second: Option<&Path>) -> io::Result<()> {
     let mut cmd = Command::new("btrfs");
     cmd.args(args).arg(path);
@@ -259,20 +264,22 @@ fn btrfs_cli(args: &[&str], path: &Path, second: Option<&Path>) -> io::Result<()
     run(&mut cmd).map(drop)
 }
 
-/// `btrfs.rs`'s `create_subvolume`: `btrfs subvolume create`.
+/// Upstream's `create_subvolume` (`btrfs.rs` at [`UTIL_COMMIT`]): `btrfs
+/// subvolume create`.
 pub fn create_subvolume(path: &Path) -> io::Result<()> {
     btrfs_cli(&["subvolume", "create"], path, None)
 }
 
-/// `btrfs.rs`'s `snapshot_subvolume`: `btrfs subvolume snapshot`, writable.
-/// A nested subvolume shows in the snapshot as an empty directory.
+/// Upstream's `snapshot_subvolume` (`btrfs.rs` at [`UTIL_COMMIT`]): `btrfs
+/// subvolume snapshot`, writable. A nested subvolume shows in the snapshot as
+/// an empty directory.
 pub fn snapshot_subvolume(src: &Path, dst: &Path) -> io::Result<()> {
     btrfs_cli(&["subvolume", "snapshot"], src, Some(dst))
 }
 
-/// `btrfs.rs`'s `nested_subvolumes`: every subvolume root (inode 256)
-/// below `path`, by a full walk, deepest first. Entries whose metadata
-/// cannot be read are skipped.
+/// Upstream's `nested_subvolumes` (`btrfs.rs` at [`UTIL_COMMIT`]): every
+/// subvolume root (inode 256) below `path`, by a full walk, deepest first.
+/// Entries whose metadata cannot be read are skipped.
 pub fn nested_subvolumes(path: &Path) -> io::Result<Vec<PathBuf>> {
     let mut found = Vec::new();
     let mut stack = vec![path.to_path_buf()];
@@ -292,8 +299,9 @@ pub fn nested_subvolumes(path: &Path) -> io::Result<Vec<PathBuf>> {
     Ok(found)
 }
 
-/// `btrfs.rs`'s private `delete_subvolume`: `btrfs subvolume delete` of
-/// each nested subvolume, deepest first, then of `path`.
+/// Upstream's private `delete_subvolume` (`btrfs.rs` at [`UTIL_COMMIT`]):
+/// `btrfs subvolume delete` of each nested subvolume, deepest first, then of
+/// `path`.
 fn delete_subvolume(path: &Path) -> io::Result<()> {
     for nested in nested_subvolumes(path)? {
         btrfs_cli(&["subvolume", "delete"], &nested, None)?;
@@ -301,7 +309,7 @@ fn delete_subvolume(path: &Path) -> io::Result<()> {
     btrfs_cli(&["subvolume", "delete"], path, None)
 }
 
-/// `btrfs.rs`'s `delete_tree` (at [`UTIL_COMMIT`]), which upstream's
+/// Upstream's `delete_tree` (`btrfs.rs` at [`UTIL_COMMIT`]), which upstream's
 /// uninstall calls on a volume root: a subvolume through the `btrfs` CLI,
 /// nested ones first; anything else with `remove_dir_all` (O(extents));
 /// nothing there is no error.
@@ -315,8 +323,9 @@ pub fn delete_tree(path: &Path) -> io::Result<()> {
 
 // ------------------------------------------------------------------ volume.rs: InstallBackup
 
-/// `<dir>/<name><suffix>`: upstream's `with_suffix`, which only ever appends
-/// since a package id has no dot.
+/// `<dir>/<name><suffix>`: upstream's `with_suffix` (`volume.rs` at
+/// [`VOLUME_RS_COMMIT`]), which only ever appends since a package id has no
+/// dot.
 fn with_suffix(live: &Path, suffix: &str) -> PathBuf {
     let mut name = live.file_name().unwrap_or_default().to_os_string();
     name.push(suffix);
@@ -378,14 +387,15 @@ impl InstallBackup {
         &self.restore_old
     }
 
-    /// Upstream's `InstallBackup::exists`: `<pkg>.install-backup` is there.
+    /// Upstream's `InstallBackup::exists` (`volume.rs` at
+    /// [`VOLUME_RS_COMMIT`]): `<pkg>.install-backup` is there.
     pub fn exists(&self) -> bool {
         fs::metadata(&self.backup).is_ok()
     }
 
-    /// Upstream's `InstallBackup::begin`: resolves a pending restore,
-    /// deletes the previous backup, and creates `<pkg>.install-fresh` when
-    /// there is no live root (removes it otherwise).
+    /// Upstream's `InstallBackup::begin` (`volume.rs` at [`VOLUME_RS_COMMIT`]):
+    /// resolves a pending restore, deletes the previous backup, and creates
+    /// `<pkg>.install-fresh` when there is no live root (removes it otherwise).
     pub fn begin(&self) -> io::Result<()> {
         self.resolve_pending()?;
         step(delete_tree(&self.backup), "upstream.begin.backup-deleted")?;
@@ -396,18 +406,19 @@ impl InstallBackup {
         }
     }
 
-    /// Upstream's `InstallBackup::is_fresh`: the fresh marker is there.
+    /// Upstream's `InstallBackup::is_fresh` (`volume.rs` at
+    /// [`VOLUME_RS_COMMIT`]): the fresh marker is there.
     pub fn is_fresh(&self) -> bool {
         fs::metadata(&self.fresh).is_ok()
     }
 
-    /// Upstream's `InstallBackup::snapshot`: resolves a pending restore;
-    /// then, if the live root is a subvolume, `btrfs subvolume snapshot` of
-    /// it to `<pkg>.install-backup-tmp`, deletes the old backup and renames
-    /// the new one into place. `Ok(false)`, with a warning, when the root is
-    /// a plain directory or any of those steps fails; an error only when
-    /// resolving the pending restore does. Upstream's caller ignores the
-    /// `bool`.
+    /// Upstream's `InstallBackup::snapshot` (`volume.rs` at
+    /// [`VOLUME_RS_COMMIT`]): resolves a pending restore; then, if the live
+    /// root is a subvolume, `btrfs subvolume snapshot` of it to
+    /// `<pkg>.install-backup-tmp`, deletes the old backup and renames the new
+    /// one into place. `Ok(false)`, with a warning, when the root is a plain
+    /// directory or any of those steps fails; an error only when resolving the
+    /// pending restore does. Upstream's caller ignores the `bool`.
     pub fn snapshot(&self) -> io::Result<bool> {
         self.resolve_pending()?;
         if !is_subvolume(&self.live) {
@@ -452,12 +463,12 @@ impl InstallBackup {
         Ok(true)
     }
 
-    /// Upstream's `InstallBackup::restore`: a no-op without a backup;
-    /// otherwise deletes a stale `<pkg>.restore-old`, renames the live root
-    /// to `<pkg>.restore-old` (from here until the next rename there is no
-    /// volume at the path), renames the backup to the live root, then
-    /// deletes `<pkg>.restore-old` (its failure only logged), nested
-    /// subvolumes with it.
+    /// Upstream's `InstallBackup::restore` (`volume.rs` at
+    /// [`VOLUME_RS_COMMIT`]): a no-op without a backup; otherwise deletes a
+    /// stale `<pkg>.restore-old`, renames the live root to `<pkg>.restore-old`
+    /// (from here until the next rename there is no volume at the path),
+    /// renames the backup to the live root, then deletes `<pkg>.restore-old`
+    /// (its failure only logged), nested subvolumes with it.
     pub fn restore(&self) -> io::Result<()> {
         if !self.exists() {
             return Ok(());
@@ -485,14 +496,15 @@ impl InstallBackup {
         Ok(())
     }
 
-    /// Upstream's `InstallBackup::resolve_pending`, which every other call
-    /// runs first: with no `<pkg>.restore-old`, nothing to do. With one and
-    /// a backup, the backup never landed: if the live path holds anything
-    /// but directories, refuse ([`RestoreConflict`]); otherwise delete what
-    /// is there, rename the backup in, and delete `<pkg>.restore-old`.
-    /// With no backup and no live root, the restore-old tree is the only
-    /// copy and is renamed back; with no backup but a live root, the
-    /// restore had finished and `<pkg>.restore-old` is deleted.
+    /// Upstream's `InstallBackup::resolve_pending` (`volume.rs` at
+    /// [`VOLUME_RS_COMMIT`]), which every other call runs first: with no
+    /// `<pkg>.restore-old`, nothing to do. With one and a backup, the backup
+    /// never landed: if the live path holds anything but directories, refuse
+    /// ([`RestoreConflict`]); otherwise delete what is there, rename the backup
+    /// in, and delete `<pkg>.restore-old`. With no backup and no live root, the
+    /// restore-old tree is the only copy and is renamed back; with no backup
+    /// but a live root, the restore had finished and `<pkg>.restore-old` is
+    /// deleted.
     pub fn resolve_pending(&self) -> io::Result<()> {
         if fs::metadata(&self.restore_old).is_err() {
             return Ok(());
@@ -530,8 +542,9 @@ impl InstallBackup {
         Ok(())
     }
 
-    /// Upstream's `InstallBackup::remove`: deletes the fresh marker,
-    /// resolves a pending restore, deletes the backup.
+    /// Upstream's `InstallBackup::remove` (`volume.rs` at
+    /// [`VOLUME_RS_COMMIT`]): deletes the fresh marker, resolves a pending
+    /// restore, deletes the backup.
     pub fn remove(&self) -> io::Result<()> {
         delete_file(&self.fresh)?;
         self.resolve_pending()?;
@@ -539,8 +552,8 @@ impl InstallBackup {
     }
 }
 
-/// Upstream's `holds_files`: anything but directories below `path` (a
-/// missing directory holds nothing).
+/// Upstream's `holds_files` (`volume.rs` at [`VOLUME_RS_COMMIT`]): anything but
+/// directories below `path` (a missing directory holds nothing).
 fn holds_files(path: &Path) -> io::Result<bool> {
     let mut stack = vec![path.to_path_buf()];
     while let Some(dir) = stack.pop() {
@@ -561,9 +574,9 @@ fn holds_files(path: &Path) -> io::Result<bool> {
     Ok(false)
 }
 
-/// Upstream's `ensure_volume_root`: resolves a pending restore, then, if
-/// `<volumes>/<pkg>` is missing, creates it as a subvolume on btrfs (a
-/// plain directory if that fails, or off btrfs).
+/// Upstream's `ensure_volume_root` (`volume.rs` at [`VOLUME_RS_COMMIT`]):
+/// resolves a pending restore, then, if `<volumes>/<pkg>` is missing, creates
+/// it as a subvolume on btrfs (a plain directory if that fails, or off btrfs).
 pub fn ensure_volume_root(volumes: &Path, pkg: &str, log: &Log) -> io::Result<()> {
     InstallBackup::with_log(volumes, pkg, log.clone()).resolve_pending()?;
     let path = volumes.join(pkg);
@@ -641,14 +654,14 @@ pub fn boot_volume_maintenance(
     Ok(report)
 }
 
-/// Upstream's `recover_and_sweep`, boot's first step. Two passes over the
-/// root's names (those that are UTF-8). First: deletes every
-/// `*.convert-tmp` and `*.install-backup-tmp`, and resolves every
+/// Upstream's `recover_and_sweep` (`volume.rs` at [`VOLUME_RS_COMMIT`]), boot's
+/// first step. Two passes over the root's names (those that are UTF-8). First:
+/// deletes every `*.convert-tmp` and `*.install-backup-tmp`, and resolves every
 /// `*.restore-old` ([`InstallBackup::resolve_pending`]). Second: a
-/// `*.convert-old` is deleted if its package's root exists and renamed back
-/// to it otherwise; a `*.install-backup` of a package in the database but
-/// not installed (mid-install) is left alone, of one with no live root is
-/// renamed to the root, and of one no longer in the database deleted; a
+/// `*.convert-old` is deleted if its package's root exists and renamed back to
+/// it otherwise; a `*.install-backup` of a package in the database but not
+/// installed (mid-install) is left alone, of one with no live root is renamed
+/// to the root, and of one no longer in the database deleted; a
 /// `*.install-fresh` of an installed or unknown package is deleted. Every
 /// failure is only logged.
 pub fn recover_and_sweep(
@@ -716,15 +729,15 @@ pub fn recover_and_sweep(
     Ok(())
 }
 
-/// Upstream's `needs_subvolume_conversion`: a directory, not a subvolume,
-/// on btrfs.
+/// Upstream's `needs_subvolume_conversion` (`volume.rs` at
+/// [`VOLUME_RS_COMMIT`]): a directory, not a subvolume, on btrfs.
 fn needs_subvolume_conversion(path: &Path) -> bool {
     fs::metadata(path).is_ok_and(|m| m.is_dir()) && !is_subvolume(path) && is_btrfs(path)
 }
 
-/// Upstream's `convert_package_to_subvolume`, which its 0.3.6 migration
-/// calls before installing a migrated package: [`convert_one`] if the root
-/// needs it, with no progress.
+/// Upstream's `convert_package_to_subvolume` (`volume.rs` at
+/// [`VOLUME_RS_COMMIT`]), which its 0.3.6 migration calls before installing a
+/// migrated package: `convert_one` if the root needs it, with no progress.
 pub fn convert_package_to_subvolume(volumes: &Path, pkg: &str, log: &Log) -> io::Result<()> {
     let src = volumes.join(pkg);
     if needs_subvolume_conversion(&src) {
@@ -733,9 +746,10 @@ pub fn convert_package_to_subvolume(volumes: &Path, pkg: &str, log: &Log) -> io:
     Ok(())
 }
 
-/// Upstream's `convert_to_subvolumes`: sizes every installed plain root
-/// first (a failure drops that package, logged), sets the total, then
-/// converts them one by one, a failure only logged.
+/// Upstream's `convert_to_subvolumes` (`volume.rs` at [`VOLUME_RS_COMMIT`]):
+/// sizes every installed plain root first (a failure drops that package,
+/// logged), sets the total, then converts them one by one, a failure only
+/// logged.
 fn convert_to_subvolumes(
     volumes: &Path,
     installed: &BTreeSet<PackageId>,
@@ -786,14 +800,14 @@ fn convert_to_subvolumes(
     }
 }
 
-/// Upstream's `convert_one`: deletes a stale `<pkg>.convert-tmp`, creates
-/// it as a subvolume (`btrfs subvolume create`), [`clone_tree`]s the plain
-/// root into it (progress every 500 ms), renames the root to
-/// `<pkg>.convert-old` (from here until the next rename there is no volume
-/// at the path), the new subvolume to the root, then `remove_dir_all`s the
-/// old tree inline, its failure only logged. A failed clone or rename
-/// deletes the new subvolume (and puts the root back). No fsync anywhere.
-/// Returns what it did, also on failure.
+/// Upstream's `convert_one` (`volume.rs` at [`VOLUME_RS_COMMIT`]): deletes a
+/// stale `<pkg>.convert-tmp`, creates it as a subvolume (`btrfs subvolume
+/// create`), [`clone_tree`]s the plain root into it (progress every 500 ms),
+/// renames the root to `<pkg>.convert-old` (from here until the next rename
+/// there is no volume at the path), the new subvolume to the root, then
+/// `remove_dir_all`s the old tree inline, its failure only logged. A failed
+/// clone or rename deletes the new subvolume (and puts the root back). No fsync
+/// anywhere. Returns what it did, also on failure.
 fn convert_one(
     id: &str,
     src: &Path,
@@ -856,9 +870,9 @@ fn convert_one(
     Ok(conversion)
 }
 
-/// Upstream's `with_byte_progress`: runs `work` (on another thread here),
-/// and sets `base` plus the bytes cloned so far every 500 ms until it is
-/// done; its end is noticed at once.
+/// Upstream's `with_byte_progress` (`volume.rs` at [`VOLUME_RS_COMMIT`]): runs
+/// `work` (on another thread here), and sets `base` plus the bytes cloned so
+/// far every 500 ms until it is done; its end is noticed at once.
 fn with_byte_progress(
     phase: &mut dyn startos_core::volume::BootProgress,
     base: u64,
@@ -919,8 +933,8 @@ pub fn clone_tree(src: &Path, dst: &Path, ctr: &AtomicU64, log: &Log) -> io::Res
     )))
 }
 
-/// `clone.rs`'s `Cloner`: the counter, and the first destination of each
-/// multiply linked source inode.
+/// Upstream's `Cloner` (`clone.rs` at [`UTIL_COMMIT`]): the counter, and the
+/// first destination of each multiply linked source inode.
 struct Cloner<'a> {
     ctr: &'a AtomicU64,
     log: &'a Log,
@@ -1023,8 +1037,8 @@ impl Cloner<'_> {
     }
 }
 
-/// One FICLONERANGE: `len` bytes at `offset` of `src` to the same offset of
-/// `dst`.
+/// Upstream's `clone_range` (`clone.rs` at [`UTIL_COMMIT`]): one FICLONERANGE,
+/// `len` bytes at `offset` of `src` to the same offset of `dst`.
 fn clone_range(src: &File, dst: &File, offset: u64, len: u64) -> io::Result<()> {
     let range = libc::file_clone_range {
         src_fd: i64::from(src.as_raw_fd()),
@@ -1041,8 +1055,8 @@ fn clone_range(src: &File, dst: &File, offset: u64, len: u64) -> io::Result<()> 
     Ok(())
 }
 
-/// `clone.rs`'s `mirror_nocow`: sets or clears NOCOW on `dst` to match
-/// `src`, keeping `dst`'s other flags.
+/// Upstream's `mirror_nocow` (`clone.rs` at [`UTIL_COMMIT`]): sets or clears
+/// NOCOW on `dst` to match `src`, keeping `dst`'s other flags.
 fn mirror_nocow(src: &File, dst: &File) -> io::Result<()> {
     let src_nocow = rustix::fs::ioctl_getflags(src)?.contains(IFlags::NOCOW);
     let dst_flags = rustix::fs::ioctl_getflags(dst)?;
@@ -1057,13 +1071,14 @@ fn mirror_nocow(src: &File, dst: &File) -> io::Result<()> {
     Ok(())
 }
 
-/// `clone.rs`'s `copy_dir_flags`: NOCOW mirrored on a directory, so the
-/// files created in it inherit what the source's did.
+/// Upstream's `copy_dir_flags` (`clone.rs` at [`UTIL_COMMIT`]): NOCOW mirrored
+/// on a directory, so the files created in it inherit what the source's did.
 fn copy_dir_flags(src: &Path, dst: &Path) -> io::Result<()> {
     mirror_nocow(&File::open(src)?, &File::open(dst)?)
 }
 
-/// `clone.rs`'s `apply_dir_metadata`: owner, then mode, then times.
+/// Upstream's `apply_dir_metadata` (`clone.rs` at [`UTIL_COMMIT`]): owner, then
+/// mode, then times.
 fn apply_dir_metadata(dst: &Path, meta: &Metadata) -> io::Result<()> {
     let f = File::open(dst)?;
     rustix::fs::fchown(
@@ -1076,6 +1091,8 @@ fn apply_dir_metadata(dst: &Path, meta: &Metadata) -> io::Result<()> {
     Ok(())
 }
 
+/// `lchown` to `meta`'s owner, as upstream's clone does for symlinks and
+/// FIFOs (`clone.rs` at [`UTIL_COMMIT`]).
 fn lchown(path: &Path, meta: &Metadata) -> io::Result<()> {
     rustix::fs::chownat(
         rustix::fs::CWD,
@@ -1087,7 +1104,8 @@ fn lchown(path: &Path, meta: &Metadata) -> io::Result<()> {
     Ok(())
 }
 
-/// The access and modification times of `meta` (what `clone.rs` sets).
+/// The access and modification times of `meta`: upstream's `timespecs`
+/// (`clone.rs` at [`UTIL_COMMIT`]).
 fn times_of(meta: &Metadata) -> Timestamps {
     Timestamps {
         last_access: Timespec {
@@ -1101,6 +1119,8 @@ fn times_of(meta: &Metadata) -> Timestamps {
     }
 }
 
+/// Upstream's `set_times_nofollow` (`clone.rs` at [`UTIL_COMMIT`]): `utimensat`
+/// without following a symlink.
 fn set_times_nofollow(path: &Path, meta: &Metadata) -> io::Result<()> {
     rustix::fs::utimensat(
         rustix::fs::CWD,
@@ -1119,7 +1139,8 @@ fn xattr_names(list: &[u8]) -> impl Iterator<Item = &std::ffi::OsStr> {
         .map(std::ffi::OsStr::from_bytes)
 }
 
-/// A size query, then the call: `clone.rs`'s list and read helpers. No
+/// A size query, then the call: upstream's `list_xattrs` and `read_xattr`
+/// (`clone.rs` at [`UTIL_COMMIT`]). No
 /// xattr support at all reads as none.
 fn sized(
     query: impl Fn() -> rustix::io::Result<usize>,
@@ -1140,7 +1161,7 @@ fn sized(
     Ok(buf)
 }
 
-/// `clone.rs`'s `copy_xattrs`, by descriptor.
+/// Upstream's `copy_xattrs` (`clone.rs` at [`UTIL_COMMIT`]), by descriptor.
 fn copy_xattrs(src: &File, dst: &File) -> io::Result<()> {
     let list = sized(
         || rustix::fs::flistxattr_query(src),
@@ -1158,7 +1179,8 @@ fn copy_xattrs(src: &File, dst: &File) -> io::Result<()> {
     Ok(())
 }
 
-/// `clone.rs`'s `copy_xattrs_nofollow`, by path, never through a symlink.
+/// Upstream's `copy_xattrs_nofollow` (`clone.rs` at [`UTIL_COMMIT`]), by path,
+/// never through a symlink.
 fn copy_xattrs_nofollow(src: &Path, dst: &Path) -> io::Result<()> {
     let list = sized(
         || rustix::fs::llistxattr_query(src),
