@@ -19,6 +19,8 @@
 //! - [`boot`] (g): a box of several plain-directory packages converted at
 //!   boot: when may every service start, when are the old trees gone.
 //!
+//! [`trees`] builds the volumes they run on; [`table`] lays out the rows.
+//!
 //! Each returns a `...Comparison` with an `upstream` and an `ours` outcome
 //! of the same type (so a test can assert on ours and only report
 //! upstream's), and [`Report::rows`] for the table of the `compare` binary
@@ -39,7 +41,7 @@ pub mod nested;
 pub mod nocow;
 pub mod resume;
 pub mod table;
-mod trees;
+pub mod trees;
 
 use std::collections::BTreeSet;
 use std::error::Error as StdError;

@@ -189,7 +189,11 @@ fn summary(o: &AttrsOutcome) -> String {
     }
     let mut lost = Vec::new();
     if !missing.is_empty() {
-        lost.push(format!("{} ({})", missing.len(), missing.join(", ")));
+        lost.push(format!(
+            "{} special files ({})",
+            missing.len(),
+            missing.join(", ")
+        ));
     }
     for x in &xattrs {
         lost.push(x.trim_start_matches("security.").to_owned());
@@ -200,8 +204,12 @@ fn summary(o: &AttrsOutcome) -> String {
     if read_only > 0 {
         lost.push("ro flag".into());
     }
-    for (flag, n) in &flags {
-        lost.push(format!("{}x{n}", flag.to_lowercase()));
+    if !flags.is_empty() {
+        let each: Vec<String> = flags
+            .iter()
+            .map(|(flag, n)| format!("{} {n}", flag.to_lowercase()))
+            .collect();
+        lost.push(format!("inode flags ({})", each.join(", ")));
     }
     if other > 0 {
         lost.push(format!("{other} other"));

@@ -220,6 +220,14 @@ fn old_cell(o: &BootOutcome, side: Side) -> String {
     }
 }
 
+fn ready_cell(o: &BootOutcome) -> String {
+    o.ready
+        .iter()
+        .map(|(p, t)| format!("{p} {}", super::table::fmt_duration(*t)))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 impl Report for BootComparison {
     fn rows(&self) -> Vec<Row> {
         let (u, o) = (&self.upstream, &self.ours);
@@ -231,6 +239,7 @@ impl Report for BootComparison {
                 start_cell(o, Side::Ours),
             )
             .timed(u.all_ready, o.all_ready),
+            Row::new("  ready, package by package", ready_cell(u), ready_cell(o)),
             Row::new(
                 "  old trees",
                 old_cell(u, Side::Upstream),

@@ -29,7 +29,8 @@ use super::{
 };
 use crate::{Subvolume, TreeDigest, upstream};
 
-/// Upstream's restore crash sites, in order ([`upstream::InstallBackup::restore`]).
+/// Upstream's restore crash sites, in order
+/// ([`upstream::InstallBackup::restore`]).
 pub const UPSTREAM_RESTORE_SITES: &[&str] = &[
     "upstream.restore.old-cleared",
     "upstream.restore.live-moved",

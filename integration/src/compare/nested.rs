@@ -47,7 +47,7 @@ pub struct NestedOutcome {
     pub backup_taken: bool,
     /// Whether the backup is read-only.
     pub backup_read_only: bool,
-    /// One check per nested subvolume, in [`NESTED`] order.
+    /// One check per nested subvolume, in [`super::trees::NESTED`] order.
     pub nested: Vec<NestedCheck>,
     /// The snapshot call.
     pub snapshot_time: Duration,

@@ -136,8 +136,8 @@ fn side_run(side: Side, root: &Path) -> Result<NocowOutcome> {
 fn backup_cell(o: &NocowOutcome, side: Side) -> String {
     match (o.backup_taken, side) {
         (false, Side::Upstream) => format!(
-            "none: snapshot() = false, its caller ignores it; only a log line: \"{}\"",
-            o.reported.trim_start_matches("warn: ")
+            "none: snapshot() = false, which its caller ignores; only a log line: \"{}\"",
+            o.reported.rsplit(": ").next().unwrap_or(&o.reported)
         ),
         (false, Side::Ours) => format!("none, reported: {}", o.reported),
         (true, _) => format!(

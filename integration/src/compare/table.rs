@@ -105,34 +105,38 @@ fn push_row(out: &mut String, row: &Row) {
 /// line.
 fn wrap(text: &str, width: usize) -> Vec<String> {
     let mut lines = Vec::new();
-    let mut line = String::new();
     let indent: String = text.chars().take_while(|c| *c == ' ').collect();
-    line.push_str(&indent);
+    let mut line = indent.clone();
+    // Whether `line` holds a word yet (then the next one needs a space).
+    let mut started = false;
     for word in text.split_whitespace() {
         let mut word = word.to_owned();
         loop {
             let len = line.chars().count();
-            let sep = usize::from(len > indent.len());
+            let sep = usize::from(started);
             if len + sep + word.chars().count() <= width {
-                if sep == 1 {
+                if started {
                     line.push(' ');
                 }
                 line.push_str(&word);
+                started = true;
                 break;
             }
-            if len > indent.len() {
+            if started {
                 lines.push(std::mem::take(&mut line));
+                started = false;
                 continue;
             }
             // A word longer than the column: cut it.
-            let head: String = word.chars().take(width - len).collect();
-            let rest: String = word.chars().skip(width - len).collect();
+            let room = width.saturating_sub(len).max(1);
+            let head: String = word.chars().take(room).collect();
+            let rest: String = word.chars().skip(room).collect();
             line.push_str(&head);
             lines.push(std::mem::take(&mut line));
             word = rest;
         }
     }
-    if !line.trim().is_empty() || lines.is_empty() {
+    if started || lines.is_empty() {
         lines.push(line);
     }
     lines
@@ -190,6 +194,7 @@ mod tests {
         assert_eq!(wrap("abcdefghij", 4), ["abcd", "efgh", "ij"]);
         assert_eq!(wrap("", 4), [""]);
         assert_eq!(wrap("  kill points", 8), ["  kill", "points"]);
+        assert_eq!(wrap("  ready, one by one", 10), ["  ready,", "one by one"]);
     }
 
     #[test]
