@@ -100,6 +100,10 @@ pub struct Scale {
     pub boot_db_bytes: u64,
     /// ... and its extents.
     pub boot_db_extents: u64,
+    /// (g) Drop the page cache before each timed boot, so neither side
+    /// reads what the other left cached (it slows whatever else runs on
+    /// the machine: not for the test suite).
+    pub cold: bool,
 }
 
 impl Scale {
@@ -113,6 +117,7 @@ impl Scale {
             boot_small_files: 200,
             boot_db_bytes: 16 << 20,
             boot_db_extents: 2_000,
+            cold: false,
         }
     }
 
@@ -127,6 +132,7 @@ impl Scale {
             boot_small_files: 5_000,
             boot_db_bytes: 1 << 30,
             boot_db_extents: 200_000,
+            cold: true,
         }
     }
 }

@@ -121,8 +121,10 @@ fn side_run(scale: &super::Scale, side: Side) -> Result<(BootOutcome, u64)> {
         .map(|p| p.parse::<PackageId>().ctx("package id"))
         .collect::<Result<_>>()?;
     super::settle(fs.mount_point())?;
-    // The page cache would favour whichever side ran second.
-    drop_caches();
+    if scale.cold {
+        // The page cache would favour whichever side ran second.
+        drop_caches();
+    }
 
     let mut progress = Progress::new();
     let started = Instant::now();
