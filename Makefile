@@ -13,6 +13,8 @@ SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
 # Extra arguments for the bench binary, e.g. `make bench BENCH_ARGS="--extents 500000"`.
 BENCH_ARGS ?=
+# Extra arguments for the compare binary, e.g. `make compare COMPARE_ARGS="--only crash"`.
+COMPARE_ARGS ?=
 # Extra cargo arguments for `make test`, e.g. `CARGO_TEST_FLAGS=--release`.
 CARGO_TEST_FLAGS ?=
 
@@ -24,7 +26,7 @@ CLI_FEATURES := volume/cli,volume-migrate/cli
 # them; a production build has none.
 TEST_FEATURES := volume/failpoints,volume-migrate/failpoints,startos-core/failpoints,$(CLI_FEATURES)
 
-.PHONY: all deps build fmt-check clippy test bench demo targets
+.PHONY: all deps build fmt-check clippy test bench demo targets compare
 
 all: build
 
@@ -84,3 +86,9 @@ targets:
 	for t in $(TARGETS); do \
 		$(CARGO) check --target $$t -p startos-core -p upstream-call-sites -p volume -p volume-migrate || exit 1; \
 	done
+
+# Upstream's volume code (integration::upstream) against ours, scenario by
+# scenario, in one table. The crash scenarios kill the binary's own child
+# processes at named steps, so it is built with the failpoints.
+compare: deps
+	$(CARGO) run --release -p integration --bin compare --features $(TEST_FEATURES) -- $(COMPARE_ARGS)

@@ -9,17 +9,21 @@
 //! - [`make_fragmented_file`]: a database-like file with hundreds of thousands of
 //!   extents, built in seconds, and [`extent_count`];
 //! - [`tree_digest`]: a comparable record of a tree's content and metadata;
-//! - [`run`] and [`sh`]: external commands whose failures carry their stderr.
+//! - [`run`] and [`sh`]: external commands whose failures carry their stderr;
+//! - [`upstream`]: upstream's own volume code, restated as a baseline;
+//! - [`compare`]: scenarios run against that baseline and against ours.
 //!
 //! Everything here needs Linux; most of it needs root.
 
 #![warn(missing_docs)]
 
 mod cmd;
+pub mod compare;
 mod fixture;
 mod frag;
 pub mod services;
 mod tree;
+pub mod upstream;
 
 pub use cmd::{run, sh};
 pub use fixture::{
