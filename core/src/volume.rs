@@ -348,10 +348,10 @@ pub async fn boot_volume_maintenance_at<'a, P: Display + 'a>(
             }
         }
     }
-    let (recovered, failed, converted) = work
+    let (recovered, failed, old_trees) = work
         .await
         .map_err(|e| Error::new(eyre!("boot maintenance task: {e}"), ErrorKind::Unknown))??;
-    let cleanup = converted.then(|| tokio::task::spawn_blocking(move || backend::cleanup(&root)));
+    let cleanup = old_trees.then(|| tokio::task::spawn_blocking(move || backend::cleanup(&root)));
     Ok(BootMaintenance {
         recovered,
         ready,
@@ -525,7 +525,9 @@ mod backend {
                 }
             }
         }
-        Ok((recovered, failed, !to_convert.is_empty()))
+        // Old trees to remove: this boot's, and any an interrupted run left.
+        let cleanup = !to_convert.is_empty() || plan.iter().any(|e| e.old_pending);
+        Ok((recovered, failed, cleanup))
     }
 
     /// Upstream's sweep, made safe: a backup of a package no longer in the
