@@ -1,29 +1,30 @@
-//! `make demo`: an update of a Monero node's volume, upstream's way and ours,
-//! on a scratch loop-mounted btrfs, in well under a minute.
+//! `make demo`: today's upstream StartOS beside ours, where they differ, on
+//! scratch loop-mounted btrfs images, in well under a minute.
 //!
-//! Builds a package volume `monerod` (a subvolume) whose volume `main` holds
-//! one LMDB-like file fragmented into ~200k extents, then walks through an
-//! update: the backup before the install, a failed install rolled back (and
-//! checked byte for byte with sha256), and a successful install whose backup
-//! is dropped. Each step is timed against upstream's commands on the same
-//! volume, both from a settled filesystem with the file out of the page
-//! cache; one more restore is timed with the file cached.
-//!
-//! Then the whole update flow on the same volume, through
-//! [`startos_core::Finalizer::install`], with the package's service running
-//! as a `startos-core-service` process that keeps writing random 4 KiB
-//! blocks into the volume until stopped: a successful update (stop,
-//! snapshot, the service's phases, notification, backup dropped in the
-//! background) and one that fails in its install phase, rolled back to a
-//! volume byte-identical to what the old version left, with the old version
-//! running again. `make demo` builds that binary first (it is looked for
-//! beside this one, or at `$STARTOS_CORE_SERVICE_BIN`).
+//! The history: StartOS used to copy a volume with `cp -a --reflink` before
+//! each update, O(extents) with the service running. Upstream now snapshots
+//! subvolumes (PR #3533 and after); `integration::upstream` restates its
+//! protocol step by step. The demo shows three things side by side:
+//! 1. a volume holding nested subvolumes (one read-only) through an update
+//!    that fails and is rolled back: upstream's snapshot holds them empty,
+//!    and its restore deletes their data; ours gives them back, flags and
+//!    all;
+//! 2. the first boot of a box of plain-directory packages, one with a
+//!    fragmented database: upstream's services all wait for every
+//!    conversion and every old tree's removal; ours start one by one as
+//!    each volume is ready;
+//! 3. ours alone: an update of a running service through
+//!    [`startos_core::Finalizer::install`] (stop, snapshot, install,
+//!    notification, backup dropped in the background), then one that fails
+//!    and comes back byte for byte. `make demo` builds the
+//!    `startos-core-service` binary first.
 //!
 //! Needs root; exits 1 with one line on stderr on any error.
 
+// Shared with the bench, which uses the rest of it.
+#[allow(dead_code)]
 mod common;
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::sync::{Arc, Mutex};
@@ -36,124 +37,73 @@ use startos_core::{
 };
 use volume::PackageId;
 
-use crate::common::{
-    Result, Scratch, fmt_bytes, fmt_count, fmt_duration, fmt_ratio, install_and_drop, scribble,
-    timed, volume_err,
-};
+use crate::common::{Result, Scratch, fmt_count, fmt_duration, install_and_drop, volume_err};
 
-const FILE_BYTES: u64 = 1 << 30;
-const IMAGE_BYTES: u64 = 4 << 30;
-const TARGET_EXTENTS: u64 = 200_000;
-/// 4 KiB blocks of garbage a failed migration leaves in the file (16 MiB).
-const GARBAGE_BLOCKS: u64 = 4096;
-
-/// Times `op` from a settled filesystem with the database file out of the
-/// page cache: the same starting point for upstream and ours.
-fn time(vol: &Scratch, op: impl FnOnce() -> Result<()>) -> Result<Duration> {
-    vol.settle()?;
-    vol.evict_page_cache()?;
-    timed(op).map(|((), took)| took)
-}
-
-/// Times `op` from a settled filesystem with the whole database file in the
-/// page cache, as the service that just ran would leave it.
-fn time_cached(vol: &Scratch, op: impl FnOnce() -> Result<()>) -> Result<Duration> {
-    vol.settle()?;
-    std::io::copy(&mut File::open(&vol.file)?, &mut std::io::sink())?;
-    timed(op).map(|((), took)| took)
-}
-
-fn row(step: &str, upstream: Duration, ours: Duration, note: &str) {
-    let ratio = upstream.as_secs_f64() / ours.as_secs_f64();
-    let line = format!(
-        "{step:<32} {:>9} {:>8} {:>9}  {note}",
-        fmt_duration(upstream),
-        fmt_duration(ours),
-        fmt_ratio(ratio)
-    );
-    println!("{}", line.trim_end());
-}
-
-/// Checks that the database file is byte-identical to `original`.
-fn check_restored(vol: &Scratch, original: &str) -> Result<()> {
-    if sha256_file(&vol.file)? == original {
-        Ok(())
-    } else {
-        Err("after the restore, the file differs from before the update".into())
-    }
-}
-
+/// The running service's volume holds a database of this size and extent
+/// count beside what the service writes.
+const FILE_BYTES: u64 = 256 << 20;
+const IMAGE_BYTES: u64 = 1 << 30;
+const TARGET_EXTENTS: u64 = 50_000;
 fn run() -> Result<()> {
+    println!("today's upstream (its protocol restated in integration::upstream) beside ours");
+    println!();
+    let scale = integration::compare::Scale::quick();
+
+    // 1. Nested subvolumes through a failed update's restore.
+    let n = integration::compare::nested::run(&scale).map_err(|e| e.to_string())?;
+    let kept = |o: &integration::compare::nested::NestedOutcome| {
+        let ro = o.nested.iter().filter(|c| c.read_only_before).count();
+        let ro_kept = o
+            .nested
+            .iter()
+            .filter(|c| c.read_only_before && c.read_only_kept)
+            .count();
+        format!(
+            "{} of {} nested subvolumes' data back, {ro_kept} of {ro} read-only",
+            o.data_kept(),
+            o.nested.len()
+        )
+    };
+    println!("1. a failed update, rolled back, of a volume with nested subvolumes");
+    println!("   upstream: {}", kept(&n.upstream));
+    println!("   ours:     {}", kept(&n.ours));
+    println!("   (upstream's snapshot holds them empty; its restore deletes the replaced tree)");
+    println!();
+
+    // 2. The first boot of a box of plain-directory packages.
+    // A database big enough for its extents to show.
+    let boot_scale = integration::compare::Scale {
+        image_bytes: 4 << 30,
+        boot_small_files: 2_000,
+        boot_db_bytes: 512 << 20,
+        boot_db_extents: 100_000,
+        ..scale
+    };
+    let b = integration::compare::boot::run(&boot_scale).map_err(|e| e.to_string())?;
+    println!(
+        "2. first boot: {} plain-directory packages, a {}-extent database among them",
+        b.ours.ready.len(),
+        fmt_count(b.db_extents)
+    );
+    let ready = |o: &integration::compare::boot::BootOutcome| {
+        let first = o.ready.iter().map(|(_, t)| *t).min().unwrap_or_default();
+        format!(
+            "services may start after {} (first) to {} (last); old trees gone after {}",
+            fmt_duration(first),
+            fmt_duration(o.all_ready),
+            fmt_duration(o.old_removed)
+        )
+    };
+    println!("   upstream: {}", ready(&b.upstream));
+    println!("   ours:     {}", ready(&b.ours));
+    println!(
+        "   (upstream removes every old tree before any service; ours after, in the background)"
+    );
+    println!();
+
+    // 3. Ours alone: an update of a running service, then a failed one.
     let vol = Scratch::new(IMAGE_BYTES)?;
-    let (extents, took) = timed(|| -> Result<u64> {
-        Ok(make_fragmented_file(
-            &vol.file,
-            FILE_BYTES,
-            TARGET_EXTENTS,
-            1,
-        )?)
-    })?;
-    println!(
-        "building a fragmented LMDB-like file: {} extents ({}) in {}",
-        fmt_count(extents),
-        fmt_bytes(FILE_BYTES),
-        fmt_duration(took)
-    );
-    let original = sha256_file(&vol.file)?;
-    println!();
-    println!(
-        "{:<32} {:>9} {:>8} {:>9}",
-        "step", "upstream", "ours", "speed-up"
-    );
-
-    // Before the install: upstream clones every extent, we snapshot.
-    let up_snapshot = time(&vol, || vol.upstream_snapshot())?;
-    let up_drop = time(&vol, || vol.upstream_drop())?;
-    let snapshot = time(&vol, || vol.snapshot())?;
-    row("update: snapshot before install", up_snapshot, snapshot, "");
-
-    // The install fails half-way through migrating the database.
-    scribble(&vol.file, GARBAGE_BLOCKS, 2)?;
-    if sha256_file(&vol.file)? == original {
-        return Err("the garbage did not change the file".into());
-    }
-    let restore = time(&vol, || vol.restore())?;
-    check_restored(&vol, &original)?;
-    vol.upstream_backup_for_restore()?;
-    scribble(&vol.file, GARBAGE_BLOCKS, 3)?;
-    let up_restore = time(&vol, || vol.upstream_restore())?;
-    row(
-        "failed install: restore",
-        up_restore,
-        restore,
-        "restored, sha256 matches",
-    );
-
-    // The same failure with the database in the page cache: deleting the
-    // replaced volume evicts its cached pages before the restore returns.
-    vol.snapshot()?;
-    scribble(&vol.file, GARBAGE_BLOCKS, 4)?;
-    let restore_cached = time_cached(&vol, || vol.restore())?;
-    check_restored(&vol, &original)?;
-
-    // The next install succeeds: the backup goes.
-    vol.snapshot()?;
-    let drop = time(&vol, || vol.drop_backup())?;
-    row("successful install: drop backup", up_drop, drop, "");
-
-    println!();
-    println!(
-        "times from a settled filesystem, file not in the page cache; with its {} cached,",
-        fmt_bytes(FILE_BYTES)
-    );
-    println!(
-        "our restore took {} (deleting the replaced volume evicts its pages)",
-        fmt_duration(restore_cached)
-    );
-    println!("upstream: cp -a --reflink=always; rm -rf <pkg> + mv (no volume in between); rm -rf");
-    println!("ours:     read-only subvolume snapshot; atomic RENAME_EXCHANGE; subvolume delete");
-
-    println!();
+    make_fragmented_file(&vol.file, FILE_BYTES, TARGET_EXTENTS, 1)?;
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -269,10 +219,7 @@ async fn update_flow(vol: &Scratch) -> Result<()> {
     let db = FileDb::open(vol.path("state.json")).map_err(volume_err)?;
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Notification>();
     let fin = Finalizer::new(db, Arc::new(recorder), Arc::new(tx), vol.root());
-    println!(
-        "update flow: {pkg}'s service (startos-core-service) writing random 4 KiB blocks into \
-         the volume"
-    );
+    println!("3. ours: updates of {pkg}, its service writing random 4 KiB blocks until stopped");
 
     // 1.0: installed over the existing volume, and running.
     install_and_drop(&fin, &request(&pkg, "1.0")).await?;
