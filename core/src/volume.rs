@@ -483,16 +483,29 @@ mod backend {
         }
         sweep(&store, installed, all, &mut failed)?;
         let migrator = volume_migrate::Migrator::open(root)?;
-        let plan = migrator.plan()?;
-        let to_convert: BTreeSet<PackageId> = plan
+        let listed = migrator.packages()?;
+        let installed_listed: Vec<PackageId> = listed
             .iter()
-            .filter(|e| e.estimate.is_some() && installed.contains(e.package.as_str()))
-            .map(|e| e.package.clone())
+            .filter(|p| installed.contains(p.as_str()))
+            .cloned()
             .collect();
-        let total: u64 = plan
+        // The services wait for this: the deferred cut leaves the removal of
+        // the parent's rest, as of every old tree, to the cleanup.
+        let opts = volume_migrate::MigrateOptions {
+            remove_old: false,
+            defer_cut: true,
+            ..Default::default()
+        };
+        let planned = migrator.schedule(&installed_listed, &opts)?;
+        let to_convert: BTreeSet<PackageId> = planned
             .iter()
-            .filter(|e| to_convert.contains(&e.package))
-            .filter_map(|e| e.estimate.map(|est| est.bytes))
+            .filter(|p| p.decision.is_some())
+            .map(|p| p.package.clone())
+            .collect();
+        let total: u64 = planned
+            .iter()
+            .filter(|p| p.decision.is_some())
+            .map(|p| p.bytes)
             .sum();
         let _ = tx.send(super::BootEvent::Total(total));
         // Everything installed that needs no conversion is ready now.
@@ -504,18 +517,17 @@ mod backend {
                 let _ = tx.send(super::BootEvent::Ready(pkg));
             }
         }
-        let opts = volume_migrate::MigrateOptions {
-            remove_old: false,
-            ..Default::default()
-        };
         let mut base = 0u64;
-        for pkg in &to_convert {
-            let mut sink = |p: &volume_migrate::Progress| {
-                let _ = tx.send(super::BootEvent::Done(base + p.bytes_done));
+        // In the schedule's order: the package converted by snapshotting
+        // the parent first.
+        for p in planned.iter().filter(|p| p.decision.is_some()) {
+            let pkg = &p.package;
+            let mut sink = |pr: &volume_migrate::Progress| {
+                let _ = tx.send(super::BootEvent::Done(base + pr.bytes_done.min(p.bytes)));
             };
-            match migrator.convert(pkg, &opts, &mut sink) {
-                Ok(report) => {
-                    base += report.estimate.map_or(0, |e| e.bytes);
+            match migrator.convert_planned(p, &opts, &mut sink) {
+                Ok(_) => {
+                    base += p.bytes;
                     let _ = tx.send(super::BootEvent::Done(base));
                     let _ = tx.send(super::BootEvent::Ready(pkg.clone()));
                 }
@@ -525,8 +537,13 @@ mod backend {
                 }
             }
         }
-        // Old trees to remove: this boot's, and any an interrupted run left.
-        let cleanup = !to_convert.is_empty() || plan.iter().any(|e| e.old_pending);
+        // Old trees to remove: this boot's, and any an interrupted run left
+        // (the packages listed that were not converted now have leftovers,
+        // or are plain directories of packages no longer installed, which
+        // the cleanup leaves alone).
+        let cleanup = !to_convert.is_empty()
+            || planned.iter().any(|p| p.old_pending)
+            || listed.len() > installed_listed.len();
         Ok((recovered, failed, cleanup))
     }
 

@@ -783,7 +783,7 @@ fn auto_snapshots_the_parent_only_when_that_is_cheaper() {
         .plan()
         .unwrap()
         .into_iter()
-        .map(|e| (e.package.to_string(), e.method))
+        .map(|e| (e.package.to_string(), e.method()))
         .collect();
     assert_eq!(
         planned,
@@ -813,13 +813,13 @@ fn auto_snapshots_the_parent_only_when_that_is_cheaper() {
         fs::File::create(flat_root.join(format!("flat/f{i}"))).unwrap();
     }
     let flat_m = Migrator::open(&flat_root).unwrap();
-    assert_eq!(flat_m.plan().unwrap()[0].method, Some(Method::Clone));
+    assert_eq!(flat_m.plan().unwrap()[0].method(), Some(Method::Clone));
     assert_eq!(convert(&flat_m, &flat_root, "flat"), Method::Clone);
 
     // More beside it than half the volume: a clone.
     fragmented(&root.join("big2"), 8000, 3);
     fs::create_dir(fs.path("ballast")).unwrap();
-    integration::make_fragmented_file(&fs.path("ballast/file"), 5000 * 8192, 5000, 4)
+    integration::make_fragmented_file(&fs.path("ballast/file"), 12_000 * 8192, 12_000, 4)
         .expect("fragmenting");
     assert_eq!(convert(&m, &root, "big2"), Method::Clone);
     assert!(

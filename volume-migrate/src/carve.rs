@@ -35,33 +35,61 @@ pub enum CarveEvent {
     /// One more entry of what is not kept, at any depth, was removed (the
     /// count so far).
     Removed(u64),
+    /// With [`Removal::Deferred`]: one more top entry of what is not kept
+    /// was moved into the rest's directory (the count so far).
+    SetAside(u64),
     /// One more entry of the kept directory was lifted to the root (the
     /// count so far).
     Lifted(u64),
 }
 
+/// When what is not kept goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Removal {
+    /// Now, entry by entry: O(what is removed).
+    Now,
+    /// Later: each top entry of it is moved into one directory at the root
+    /// ([`Carved::rest`]), O(top entries), for the caller to remove once the
+    /// subvolume is in use ([`remove_rest`]).
+    Deferred,
+}
+
+/// What [`carve`] left.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Carved {
+    /// With [`Removal::Deferred`]: the directory at the root holding what
+    /// is not kept.
+    pub rest: Option<OsString>,
+}
+
 /// The name under which the kept directory waits at the snapshot's top.
 const HOLD: &str = ".startos-carve";
+/// The name of the directory holding what a deferred cut did not remove.
+const REST: &str = ".startos-carve-rest";
 
 /// Cuts the writable subvolume open as `snapshot` (a fresh snapshot, which
 /// nothing else uses) down to its directory at `keep` (relative, no
 /// symlinks, no `..`): afterwards the subvolume's root holds exactly that
-/// directory's entries, and carries its owner, mode, xattrs (any other
-/// removed), timestamps and inode flags. Everything else the subvolume held
-/// is removed, entry by entry (immutable and append-only flags cleared
-/// first); placeholders of nested subvolumes are removed by `rmdir`.
+/// directory's entries (and, with [`Removal::Deferred`], the one directory
+/// holding the rest), and carries its owner, mode, xattrs (any other
+/// removed), timestamps and inode flags. With [`Removal::Now`] everything
+/// else the subvolume held is removed, entry by entry (immutable and
+/// append-only flags cleared first); placeholders of nested subvolumes are
+/// removed by `rmdir`.
 ///
 /// The directory itself must hold no nested subvolume (its placeholders
 /// would be kept as empty directories).
 ///
 /// A crash or error part-way leaves the subvolume half cut: callers carve
 /// under a temporary name and delete the whole subvolume (O(1)) on
-/// recovery. Costs O(entries and extents removed) plus O(entries lifted).
+/// recovery. Costs O(entries and extents removed) plus O(entries lifted);
+/// deferred, O(top entries) plus O(entries lifted).
 pub fn carve(
     snapshot: BorrowedFd<'_>,
     keep: &Path,
+    removal: Removal,
     on_event: &mut dyn FnMut(CarveEvent) -> io::Result<()>,
-) -> io::Result<()> {
+) -> io::Result<Carved> {
     let (Some(parent_rel), Some(name)) = (keep.parent(), keep.file_name()) else {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -81,19 +109,34 @@ pub fn carve(
     let kept_flags = sys::inode_flags(kept.as_fd())?;
     let kept_names = sys::read_dir_names(kept.as_fd())?;
     let top_names = sys::read_dir_names(snapshot)?;
-    let hold = hold_name(&top_names, &kept_names);
+    let hold = free_name(HOLD, &top_names, &kept_names, None);
     sys::clear_stuck_flags(kept.as_fd())?;
     sys::rename_at(parent, name, snapshot, &hold)?;
     on_event(CarveEvent::Held)?;
 
-    let mut removed = 0u64;
-    for (entry, _, _) in &top_names {
-        let before = removed;
-        copy::remove_tree_at(snapshot, entry, &mut |n| {
-            removed = before + n;
-            on_event(CarveEvent::Removed(removed))
-        })?;
-    }
+    let rest = match removal {
+        Removal::Now => {
+            let mut removed = 0u64;
+            for (entry, _, _) in &top_names {
+                let before = removed;
+                copy::remove_tree_at(snapshot, entry, &mut |n| {
+                    removed = before + n;
+                    on_event(CarveEvent::Removed(removed))
+                })?;
+            }
+            None
+        }
+        Removal::Deferred => {
+            let rest = free_name(REST, &top_names, &kept_names, Some(&hold));
+            sys::mkdir_at(snapshot, &rest, 0o700)?;
+            let rest_fd = sys::open_dir_at(snapshot, &rest)?;
+            for (i, (entry, _, _)) in top_names.iter().enumerate() {
+                lift(snapshot, rest_fd.as_fd(), entry)?;
+                on_event(CarveEvent::SetAside(i as u64 + 1))?;
+            }
+            Some(rest)
+        }
+    };
 
     for (i, (entry, _, _)) in kept_names.iter().enumerate() {
         lift(kept.as_fd(), snapshot, entry)?;
@@ -113,18 +156,48 @@ pub fn carve(
     drop(kept);
     sys::rmdir_at(snapshot, &hold)?;
     let now = sys::metadata(snapshot)?;
-    copy::finish_fd_metadata(&kept_st, snapshot, None, Some(kept_flags), Some(&now))
+    copy::finish_fd_metadata(&kept_st, snapshot, None, Some(kept_flags), Some(&now))?;
+    Ok(Carved { rest })
 }
 
-/// A name for the kept directory at the top that neither the top nor the
-/// kept directory already has.
-fn hold_name(top: &[(OsString, FileType, u64)], kept: &[(OsString, FileType, u64)]) -> OsString {
-    let taken = |n: &OsStr| top.iter().chain(kept).any(|(t, _, _)| t == n);
-    let mut name = OsString::from(HOLD);
+/// Removes the directory `rest` that a deferred [`carve`] left at the root
+/// of the subvolume open as `volume`, now in use: O(what it holds), entry
+/// by entry, the root's times put back afterwards (removing an entry
+/// changes them). A crash part-way leaves the rest of it, which a later call
+/// removes. `on_removed` gets the count of entries removed so far.
+pub fn remove_rest(
+    volume: BorrowedFd<'_>,
+    rest: &OsStr,
+    on_removed: &mut dyn FnMut(u64) -> io::Result<()>,
+) -> io::Result<()> {
+    let times = sys::times(volume)?;
+    let flags = sys::inode_flags(volume)?;
+    let stuck = flags.intersection(IFlags::IMMUTABLE | IFlags::APPEND);
+    if !stuck.is_empty() {
+        sys::set_inode_flags(volume, flags.difference(stuck))?;
+    }
+    copy::remove_tree_at(volume, rest, on_removed)?;
+    sys::set_times(volume, &times)?;
+    if !stuck.is_empty() {
+        sys::set_inode_flags(volume, flags)?;
+    }
+    Ok(())
+}
+
+/// `base`, or `base.N`: a name neither the top nor the kept directory has
+/// (nor `also`).
+fn free_name(
+    base: &str,
+    top: &[(OsString, FileType, u64)],
+    kept: &[(OsString, FileType, u64)],
+    also: Option<&OsStr>,
+) -> OsString {
+    let taken = |n: &OsStr| top.iter().chain(kept).any(|(t, _, _)| t == n) || also == Some(n);
+    let mut name = OsString::from(base);
     let mut i = 0u64;
     while taken(&name) {
         i += 1;
-        name = OsString::from(format!("{HOLD}.{i}"));
+        name = OsString::from(format!("{base}.{i}"));
     }
     name
 }

@@ -70,13 +70,28 @@
 
 #[cfg(target_os = "linux")]
 mod carve;
+pub mod cost;
+#[cfg(target_os = "linux")]
+mod decide;
+#[cfg(target_os = "linux")]
+mod job;
 #[cfg(target_os = "linux")]
 mod migrate;
 #[cfg(target_os = "linux")]
+mod report;
+#[cfg(target_os = "linux")]
+mod rest;
+#[cfg(target_os = "linux")]
 mod scan;
+#[cfg(target_os = "linux")]
+mod track;
 
 #[cfg(target_os = "linux")]
+pub use decide::{CloneReason, Decision, FIRST_ROUND_US, ROUND_GROWTH, SNAPSHOT_MIN_CLONE_US};
+#[cfg(target_os = "linux")]
 pub use migrate::*;
+#[cfg(target_os = "linux")]
+pub use report::{Outcome, PackageReport, Planned, ReportError};
 
 use std::time::Duration;
 
@@ -218,10 +233,23 @@ impl Estimate {
         self.extents + self.entries
     }
 
-    /// A rough duration, at the ~6.7 us per extent measured for reflink
-    /// copies plus ~30 us per entry.
+    /// A clone's expected duration, by the per-entry and per-extent costs
+    /// measured in [`cost`].
     pub fn duration(&self) -> Duration {
-        Duration::from_micros(self.extents.saturating_mul(7) + self.entries.saturating_mul(30))
+        cost::Cost::clone_of(self, true).duration()
+    }
+
+    /// The sum of two counts.
+    pub fn plus(&self, other: &Estimate) -> Estimate {
+        Estimate {
+            entries: self.entries.saturating_add(other.entries),
+            files: self.files.saturating_add(other.files),
+            bytes: self.bytes.saturating_add(other.bytes),
+            extents: self.extents.saturating_add(other.extents),
+            nested_subvolumes: self
+                .nested_subvolumes
+                .saturating_add(other.nested_subvolumes),
+        }
     }
 
     /// The new metadata a conversion is expected to write: 128 bytes per

@@ -1,6 +1,6 @@
 //! Counting what a conversion involves: entries, bytes and extent items.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::ops::ControlFlow;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -14,14 +14,39 @@ use crate::Estimate;
 /// File extent items of each regular file, by (device, inode).
 pub(crate) type ExtentsByInode = HashMap<(u64, u64), u64>;
 
+/// What an entry and an extent item weigh against [`Limits::max_work`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Weights {
+    pub entry: u64,
+    pub extent: u64,
+}
+
+impl Weights {
+    /// Entries and extents alike: the units of [`Estimate::work`].
+    pub const UNIT: Weights = Weights {
+        entry: 1,
+        extent: 1,
+    };
+
+    /// `est` weighed.
+    pub fn of(&self, est: &Estimate) -> u64 {
+        est.entries
+            .saturating_mul(self.entry)
+            .saturating_add(est.extents.saturating_mul(self.extent))
+    }
+}
+
 /// What a scan counts and how far it goes.
 pub(crate) struct Limits<'a> {
     /// Set by another thread: give up (`Interrupted`) at the next entry.
     pub stop: &'a AtomicBool,
-    /// Give up (`Ok(None)`) once entries plus extents exceed this.
+    /// Give up (`Ok(None)`) once the work counted, weighed by `weights`,
+    /// exceeds this.
     pub max_work: u64,
-    /// A directory (device, inode) neither counted nor entered.
-    pub skip: Option<(u64, u64)>,
+    /// How entries and extents weigh.
+    pub weights: Weights,
+    /// Directories (device, inode) neither counted nor entered.
+    pub skip: Option<&'a HashSet<(u64, u64)>>,
     /// Count a directory on another device (a nested subvolume, another
     /// filesystem mounted there) as one entry without entering it.
     pub one_device: bool,
@@ -35,11 +60,15 @@ pub(crate) struct Limits<'a> {
 pub(crate) struct Counted {
     /// Entries, files, bytes and extents.
     pub est: Estimate,
+    /// Whether the count reached the end; if not, it stopped once past
+    /// [`Limits::max_work`], and `est` is a part.
+    pub complete: bool,
     /// With [`Limits::in_place`]: regular files that btrfs writes in place,
     /// NOCOW ones and those with preallocated extents. Once their subvolume
     /// has been snapshotted, each of their extents is copied on its next
-    /// write, snapshot deleted or not: fragmentation, and data space their
-    /// owner did not plan for.
+    /// write, snapshot deleted or not (btrfs compares the extent's
+    /// generation with the subvolume's last snapshot): fragmentation, and
+    /// data space their owner did not plan for.
     pub in_place: u64,
 }
 
@@ -49,6 +78,7 @@ impl<'a> Limits<'a> {
         Limits {
             stop,
             max_work: u64::MAX,
+            weights: Weights::UNIT,
             skip: None,
             one_device: false,
             in_place: false,
@@ -69,17 +99,46 @@ pub(crate) fn scan(
     Ok((scan.est, scan.files))
 }
 
-/// [`scan`] within `limits`: `None` once the work counted passes
-/// `limits.max_work` (the scan stops there, so it costs at most about that).
-pub(crate) fn scan_within(dir: BorrowedFd<'_>, limits: Limits<'_>) -> io::Result<Option<Counted>> {
+/// [`scan`] within `limits`: stops once the work counted passes
+/// `limits.max_work`, so it costs at most about that.
+pub(crate) fn scan_within(dir: BorrowedFd<'_>, limits: Limits<'_>) -> io::Result<Counted> {
     let mut scan = Scan::new(limits);
-    Ok(match scan.dir(dir)? {
-        ControlFlow::Continue(()) => Some(Counted {
-            est: scan.est,
-            in_place: scan.in_place,
-        }),
-        ControlFlow::Break(()) => None,
+    let complete = scan.dir(dir)?.is_continue();
+    Ok(Counted {
+        est: scan.est,
+        complete,
+        in_place: scan.in_place,
     })
+}
+
+/// Entries and file bytes of the directory open as `dir`, from stats alone
+/// (no extent search): what a progress bar in bytes needs, at the cost of
+/// a stat per entry whatever the files' fragmentation.
+pub(crate) fn bytes(dir: BorrowedFd<'_>) -> io::Result<Estimate> {
+    fn walk(
+        dir: BorrowedFd<'_>,
+        seen: &mut HashSet<(u64, u64)>,
+        est: &mut Estimate,
+    ) -> io::Result<()> {
+        for (name, _, _) in sys::read_dir_names(dir)? {
+            let Some(st) = sys::metadata_at_if_exists(dir, &name)? else {
+                continue;
+            };
+            est.entries += 1;
+            match FileType::from_raw_mode(st.st_mode) {
+                FileType::Directory => walk(sys::open_dir_at(dir, &name)?.as_fd(), seen, est)?,
+                FileType::RegularFile if seen.insert((st.st_dev, st.st_ino)) => {
+                    est.files += 1;
+                    est.bytes += st.st_size as u64;
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+    let mut est = Estimate::default();
+    walk(dir, &mut HashSet::new(), &mut est)?;
+    Ok(est)
 }
 
 struct Scan<'a> {
@@ -101,8 +160,15 @@ impl<'a> Scan<'a> {
         }
     }
 
-    fn over(&self, more: u64) -> bool {
-        self.est.work().saturating_add(more) > self.limits.max_work
+    fn work(&self) -> u64 {
+        self.limits.weights.of(&self.est)
+    }
+
+    fn over(&self, entries: u64, extents: u64) -> bool {
+        let more = entries
+            .saturating_mul(self.limits.weights.entry)
+            .saturating_add(extents.saturating_mul(self.limits.weights.extent));
+        self.work().saturating_add(more) > self.limits.max_work
     }
 
     fn dir(&mut self, dir: BorrowedFd<'_>) -> io::Result<ControlFlow<()>> {
@@ -114,10 +180,14 @@ impl<'a> Scan<'a> {
             let Some(st) = sys::metadata_at_if_exists(dir, &name)? else {
                 continue;
             };
-            if self.limits.skip == Some((st.st_dev, st.st_ino)) {
+            if self
+                .limits
+                .skip
+                .is_some_and(|s| s.contains(&(st.st_dev, st.st_ino)))
+            {
                 continue;
             }
-            if self.over(1) {
+            if self.over(1, 0) {
                 return Ok(ControlFlow::Break(()));
             }
             self.est.entries += 1;
@@ -146,7 +216,8 @@ impl<'a> Scan<'a> {
                     self.est.bytes += st.st_size as u64;
                     let mut extents = 0u64;
                     let mut in_place = false;
-                    let room = self.limits.max_work.saturating_sub(self.est.work());
+                    let extent_weight = self.limits.weights.extent.max(1);
+                    let room = self.limits.max_work.saturating_sub(self.work()) / extent_weight;
                     let mut range = KeyRange::inode_items(st.st_ino, EXTENT_DATA_KEY);
                     if self.limits.in_place {
                         range.min = ItemKey {
@@ -173,9 +244,11 @@ impl<'a> Scan<'a> {
                         ControlFlow::Continue(())
                     })?;
                     self.est.extents += extents;
-                    self.in_place += u64::from(in_place);
+                    if in_place {
+                        self.in_place += 1;
+                    }
                     self.files.insert(key, extents);
-                    if self.over(0) {
+                    if self.over(0, 0) {
                         return Ok(ControlFlow::Break(()));
                     }
                 }

@@ -24,28 +24,28 @@ use models::{Error, ErrorKind, PackageId};
 /// Suffix of the read-only snapshot taken before an install (upstream's name).
 pub const INSTALL_BACKUP_SUFFIX: &str = ".install-backup";
 /// A backup being built; only renamed to the backup name once complete.
-pub(crate) const BACKUP_TMP_SUFFIX: &str = ".install-backup.tmp";
+pub const BACKUP_TMP_SUFFIX: &str = ".install-backup.tmp";
 /// A backup being dropped; whatever is left of it is garbage.
-pub(crate) const BACKUP_DROP_SUFFIX: &str = ".install-backup.drop";
+pub const BACKUP_DROP_SUFFIX: &str = ".install-backup.drop";
 /// Record: which subvolumes nested in the backup were read-only in the
 /// volume (the backup freezes them all). Written before the backup gets its
 /// name, removed after it is dropped; without a backup it is garbage.
-pub(crate) const BACKUP_RO_SUFFIX: &str = ".install-backup.ro";
+pub const BACKUP_RO_SUFFIX: &str = ".install-backup.ro";
 /// A restore in progress: the writable copy of the backup before the
 /// exchange, the replaced live volume after it.
-pub(crate) const ROLLBACK_SUFFIX: &str = ".rollback";
+pub const ROLLBACK_SUFFIX: &str = ".rollback";
 /// Record: the identity of the complete rollback copy. Written once the
 /// copy is complete and durable, before the exchange; removed as the
 /// restore's last step. While it exists, whichever of `<pkg>` and
 /// `<pkg>.rollback` has that identity is the restored volume.
-pub(crate) const ROLLBACK_ID_SUFFIX: &str = ".rollback.id";
+pub const ROLLBACK_ID_SUFFIX: &str = ".rollback.id";
 /// The volume a restore swapped out, waiting to be deleted: garbage. Kept
 /// apart from the restore because deleting it evicts its cached pages, which
 /// takes about 0.13 s per cached GiB and need not delay the old service.
-pub(crate) const REPLACED_SUFFIX: &str = ".replaced";
+pub const REPLACED_SUFFIX: &str = ".replaced";
 /// A volume being deleted on uninstall. While it exists, the delete is in
 /// progress: recovery drops the backup, then deletes this, last.
-pub(crate) const DELETE_SUFFIX: &str = ".delete";
+pub const DELETE_SUFFIX: &str = ".delete";
 /// volume-migrate: the subvolume being built from the plain directory
 /// `<pkg>` before the exchange; the old plain directory after it (a plain
 /// directory under this name means the exchange happened).
@@ -56,6 +56,11 @@ pub const MIGRATE_SUFFIX: &str = ".migrate";
 /// directory after it (a plain directory under this name means the exchange
 /// happened).
 pub const MIGRATE_PARENT_SUFFIX: &str = ".migrate-parent";
+/// volume-migrate, record: a cut whose removal of the rest was deferred
+/// left it in a directory at the top of the converted `<pkg>`; the record
+/// holds that directory's name and identity, so that only that directory
+/// is ever removed for it. Removed once the directory is.
+pub const MIGRATE_REST_SUFFIX: &str = ".migrate-rest";
 /// volume-migrate: the replaced plain directory, waiting to be removed. Only
 /// ever holds data that also lives in the converted `<pkg>`: always safe to
 /// delete.
@@ -66,15 +71,15 @@ pub const MIGRATE_OLD_SUFFIX: &str = ".migrate-old";
 pub const INSTALL_FRESH_SUFFIX: &str = ".install-fresh";
 /// Upstream's snapshot being made (its `.install-backup-tmp`): incomplete,
 /// deleted.
-pub(crate) const UPSTREAM_BACKUP_TMP_SUFFIX: &str = ".install-backup-tmp";
+pub const UPSTREAM_BACKUP_TMP_SUFFIX: &str = ".install-backup-tmp";
 /// Upstream's restore in flight: the live volume moved aside before its
 /// backup was renamed in. See [`crate::VolumeStore::recover`].
-pub(crate) const RESTORE_OLD_SUFFIX: &str = ".restore-old";
+pub const RESTORE_OLD_SUFFIX: &str = ".restore-old";
 /// Upstream's conversion copy being made: incomplete, deleted.
-pub(crate) const CONVERT_TMP_SUFFIX: &str = ".convert-tmp";
+pub const CONVERT_TMP_SUFFIX: &str = ".convert-tmp";
 /// Upstream's plain directory moved aside by its conversion: put back if
 /// `<pkg>` is missing, garbage (as `.migrate-old`) if not.
-pub(crate) const CONVERT_OLD_SUFFIX: &str = ".convert-old";
+pub const CONVERT_OLD_SUFFIX: &str = ".convert-old";
 /// Where recovery keeps what a package wrote into a volume root recreated
 /// half-way through one of upstream's restores (upstream's
 /// "restore-conflict", which it leaves for manual cleanup): nothing is
@@ -101,6 +106,7 @@ pub const SUFFIXES: &[&str] = &[
     CONVERT_OLD_SUFFIX,
     MIGRATE_OLD_SUFFIX,
     MIGRATE_PARENT_SUFFIX,
+    MIGRATE_REST_SUFFIX,
     MIGRATE_SUFFIX,
 ];
 
@@ -144,25 +150,45 @@ pub fn check_id_len(pkg: &PackageId) -> Result<(), Error> {
 /// package.
 #[derive(Debug, Clone)]
 #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
-pub(crate) struct Names {
+pub struct Names {
+    /// `<pkg>`, the volume.
     pub live: OsString,
+    /// The install backup ([`INSTALL_BACKUP_SUFFIX`]).
     pub backup: OsString,
+    /// A backup being made ([`BACKUP_TMP_SUFFIX`]).
     pub backup_tmp: OsString,
+    /// A backup being dropped ([`BACKUP_DROP_SUFFIX`]).
     pub backup_drop: OsString,
+    /// The backup's read-only record ([`BACKUP_RO_SUFFIX`]).
     pub backup_ro: OsString,
+    /// A restore's copy, or the volume it replaced ([`ROLLBACK_SUFFIX`]).
     pub rollback: OsString,
+    /// The rollback record ([`ROLLBACK_ID_SUFFIX`]).
     pub rollback_id: OsString,
+    /// The volume a restore replaced ([`REPLACED_SUFFIX`]).
     pub replaced: OsString,
+    /// A volume being deleted ([`DELETE_SUFFIX`]).
     pub delete: OsString,
+    /// Upstream's fresh-install marker ([`INSTALL_FRESH_SUFFIX`]).
     pub fresh: OsString,
+    /// Upstream's snapshot being made ([`UPSTREAM_BACKUP_TMP_SUFFIX`]).
     pub upstream_backup_tmp: OsString,
+    /// Upstream's restore in flight ([`RESTORE_OLD_SUFFIX`]).
     pub restore_old: OsString,
+    /// What an upstream restore-conflict kept ([`RESTORE_CONFLICT_SUFFIX`]).
     pub restore_conflict: OsString,
+    /// Upstream's conversion copy ([`CONVERT_TMP_SUFFIX`]).
     pub convert_tmp: OsString,
+    /// Upstream's replaced directory ([`CONVERT_OLD_SUFFIX`]).
     pub convert_old: OsString,
+    /// volume-migrate's partial clone (see [`MIGRATE_SUFFIX`]).
     pub migrate: OsString,
+    /// volume-migrate's parent snapshot (see [`MIGRATE_PARENT_SUFFIX`]).
     pub migrate_parent: OsString,
+    /// volume-migrate's replaced directory (see [`MIGRATE_OLD_SUFFIX`]).
     pub migrate_old: OsString,
+    /// volume-migrate's deferred removal (see [`MIGRATE_REST_SUFFIX`]).
+    pub migrate_rest: OsString,
 }
 
 #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
@@ -190,11 +216,12 @@ impl Names {
             migrate: with(MIGRATE_SUFFIX),
             migrate_parent: with(MIGRATE_PARENT_SUFFIX),
             migrate_old: with(MIGRATE_OLD_SUFFIX),
+            migrate_rest: with(MIGRATE_REST_SUFFIX),
         })
     }
 
     /// Every name, the live volume first.
-    pub fn all(&self) -> [&OsStr; 18] {
+    pub fn all(&self) -> [&OsStr; 19] {
         [
             &self.live,
             &self.backup,
@@ -214,6 +241,7 @@ impl Names {
             &self.migrate,
             &self.migrate_parent,
             &self.migrate_old,
+            &self.migrate_rest,
         ]
     }
 }

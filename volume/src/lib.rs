@@ -14,7 +14,8 @@
 //! API of its own: [`sys`] (every system call, btrfs's ioctls included),
 //! [`copy`] (the lossless reflink copy and the tree removal the conversion
 //! uses), [`layout`] (the names a package owns), [`lock`] (the per-package
-//! lock every tool takes), [`mounts`] (who holds a mount of a volume),
+//! lock every tool takes), [`record`] (the small facts kept beside a
+//! package's trees), [`mounts`] (who holds a mount of a volume),
 //! [`usage`] (space accounting from the b-tree) and [`failpoint`] (the
 //! crash sites the tests name). Everything else is internal.
 
@@ -34,7 +35,7 @@ pub mod lock;
 pub mod mounts;
 mod outcome;
 #[cfg(target_os = "linux")]
-mod record;
+pub mod record;
 #[cfg(target_os = "linux")]
 mod store;
 #[cfg(target_os = "linux")]

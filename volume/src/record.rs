@@ -27,11 +27,11 @@ use crate::sys;
 
 /// The longest value a record holds: far below any filesystem's limit on a
 /// symlink target (btrfs takes about 3.9 KiB, the page size less headers).
-pub(crate) const MAX_RECORD: usize = 2048;
+pub const MAX_RECORD: usize = 2048;
 
 /// Writes the record `name` in `root` holding `value`, which must be new
 /// (EEXIST otherwise). Not yet durable: callers commit or fsync `root`.
-pub(crate) fn write(root: BorrowedFd<'_>, name: &OsStr, value: &str) -> io::Result<()> {
+pub fn write(root: BorrowedFd<'_>, name: &OsStr, value: &str) -> io::Result<()> {
     if value.is_empty() || value.len() > MAX_RECORD {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -46,7 +46,7 @@ pub(crate) fn write(root: BorrowedFd<'_>, name: &OsStr, value: &str) -> io::Resu
 
 /// The record `name` in `root`: `None` if absent. A name that is not a
 /// symlink is no record of ours: an `InvalidData` error naming it.
-pub(crate) fn read(root: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<String>> {
+pub fn read(root: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<String>> {
     match sys::read_link_at(root, name) {
         Ok(Some(target)) => Ok(Some(String::from_utf8_lossy(&target).into_owned())),
         Ok(None) => Ok(None),
@@ -62,7 +62,7 @@ pub(crate) fn read(root: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Stri
 }
 
 /// Removes the record `name`, absent or not.
-pub(crate) fn remove(root: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+pub fn remove(root: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
     sys::unlink_if_exists(root, name)
 }
 
@@ -70,7 +70,7 @@ pub(crate) fn remove(root: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
 /// record holds, so that recovery can tell the two sides of the exchange
 /// apart without reading anything inside either.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Identity {
+pub enum Identity {
     /// A subvolume, by its UUID (never reused).
     Subvolume([u8; 16]),
     /// A plain directory, by its inode number and birth time (an inode
@@ -86,7 +86,7 @@ pub(crate) enum Identity {
 
 impl Identity {
     /// The identity of the directory open as `dir`.
-    pub(crate) fn of(dir: BorrowedFd<'_>) -> io::Result<Identity> {
+    pub fn of(dir: BorrowedFd<'_>) -> io::Result<Identity> {
         if sys::is_subvolume(dir)? {
             return Ok(Identity::Subvolume(sys::subvolume_info(dir)?.uuid));
         }
@@ -97,7 +97,7 @@ impl Identity {
     }
 
     /// The identity of the entry `name` of `root`, if it is a directory.
-    pub(crate) fn of_entry(root: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Identity>> {
+    pub fn of_entry(root: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Identity>> {
         match sys::stat_at(root, name)? {
             Some(st) if st.is_dir() => {
                 let fd = sys::open_dir_at(root, name)?;
@@ -109,7 +109,7 @@ impl Identity {
 
     /// The record's text: `subvolume <uuid>` or `directory <ino> <sec>.<nsec>`
     /// (`-` for no birth time).
-    pub(crate) fn encode(&self) -> String {
+    pub fn encode(&self) -> String {
         match self {
             Identity::Subvolume(uuid) => {
                 let mut s = String::from("subvolume ");
@@ -126,7 +126,7 @@ impl Identity {
     }
 
     /// Parses [`Identity::encode`]'s text; `None` for anything else.
-    pub(crate) fn decode(text: &str) -> Option<Identity> {
+    pub fn decode(text: &str) -> Option<Identity> {
         let mut words = text.split(' ');
         let identity = match words.next()? {
             "subvolume" => {

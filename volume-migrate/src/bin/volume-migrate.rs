@@ -32,10 +32,28 @@ struct Cli {
     /// JSON lines on stdout instead of text.
     #[arg(long)]
     json: bool,
-    /// Leave the replaced directories as `<pkg>.migrate-old` (remove them
+    /// Leave the replaced directories as `<pkg>.migrate-old`, and the rest
+    /// of a parent's snapshot set aside in the converted volume (remove them
     /// later with a run without this flag).
     #[arg(long)]
     keep_old: bool,
+    /// How to convert: `auto` picks per package by the estimated cost of
+    /// each way (the dry run shows both).
+    #[arg(long, value_enum, default_value = "auto")]
+    method: CliMethod,
+}
+
+/// `--method`.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum CliMethod {
+    /// Snapshot the parent for the dominant package where that costs well
+    /// under a clone; clone the others.
+    Auto,
+    /// Clone every package.
+    Clone,
+    /// Snapshot the parent for every package (refused where it cannot
+    /// apply).
+    SnapshotParent,
 }
 
 fn main() -> ExitCode {
@@ -84,7 +102,13 @@ fn json_line(value: serde_json::Value) {
 #[cfg(target_os = "linux")]
 fn run(cli: Cli) -> ExitCode {
     use serde_json::json;
-    use volume_migrate::{Method, MigrateOptions, Migrator, Outcome, Progress};
+    use volume_migrate::{Decision, Method, MigrateOptions, Migrator, Outcome, Progress};
+
+    let method = match cli.method {
+        CliMethod::Auto => Method::Auto,
+        CliMethod::Clone => Method::Clone,
+        CliMethod::SnapshotParent => Method::SnapshotParent,
+    };
 
     // Deep trees hold two directory fds per level while they are copied.
     match rlimit_nofile() {
@@ -115,7 +139,10 @@ fn run(cli: Cli) -> ExitCode {
     }
 
     if cli.dry_run {
-        let plan = match migrator.plan() {
+        let plan = match migrator.plan_with(&MigrateOptions {
+            method,
+            ..MigrateOptions::default()
+        }) {
             Ok(p) => p,
             Err(e) => {
                 eprintln!("volume-migrate: {e}");
@@ -123,58 +150,68 @@ fn run(cli: Cli) -> ExitCode {
             }
         };
         for entry in &plan {
+            let cost = |c: Option<volume_migrate::cost::Cost>| {
+                c.map_or_else(|| "not counted".to_owned(), |c| c.to_string())
+            };
             if cli.json {
                 // A clone's duration; snapshotting the parent takes milliseconds.
                 let est_secs = entry
                     .estimate
-                    .filter(|_| entry.method != Some(Method::SnapshotParent))
+                    .filter(|_| entry.method() != Some(Method::SnapshotParent))
                     .map(|e| e.duration().as_secs_f64());
                 json_line(json!({
                     "event": "plan",
                     "package": entry.package,
                     "estimate": entry.estimate,
-                    "method": entry.method,
+                    "method": entry.method(),
+                    "decision": entry.decision,
+                    "clone_cost": entry.clone,
+                    "cut_cost": entry.cut,
                     "estimated_seconds": est_secs,
                     "metadata_bytes": entry.estimate.map(|e| e.metadata_bytes()),
                     "resume": entry.resume,
                     "old_pending": entry.old_pending,
                 }));
-            } else {
-                match entry.estimate {
-                    Some(_) if entry.method == Some(Method::SnapshotParent) => println!(
-                        "would convert {}: snapshot its parent subvolume and cut the snapshot \
-                         down to it (little else is beside it)",
-                        entry.package
-                    ),
-                    Some(e) => println!(
-                        "would convert {}: {} entries, {} files, {}, {} extents{}, about {:.1} s{}",
-                        entry.package,
-                        e.entries,
-                        e.files,
-                        human_bytes(e.bytes),
-                        e.extents,
-                        if e.nested_subvolumes > 0 {
-                            format!(", {} nested subvolumes", e.nested_subvolumes)
-                        } else {
-                            String::new()
-                        },
-                        e.duration().as_secs_f64(),
-                        if entry.resume {
-                            " (resuming an interrupted run)"
-                        } else {
-                            ""
-                        },
-                    ),
-                    None => println!(
-                        "would finish {}: an interrupted run's leftovers{}",
-                        entry.package,
-                        if entry.old_pending {
-                            ", old directory to remove"
-                        } else {
-                            ""
-                        }
-                    ),
-                }
+                continue;
+            }
+            match (&entry.decision, entry.estimate) {
+                (Some(Decision::SnapshotParent), _) => println!(
+                    "would convert {}: snapshot its parent subvolume and cut the snapshot down \
+                     to it: the cut {}, against a clone {}",
+                    entry.package,
+                    cost(entry.cut),
+                    cost(entry.clone)
+                ),
+                (Some(Decision::Clone(reason)), Some(e)) => println!(
+                    "would convert {}: clone, {} entries, {} files, {}, {} extents{}, about \
+                     {:.1} s{}; not by snapshotting the parent: {reason} (a cut {})",
+                    entry.package,
+                    e.entries,
+                    e.files,
+                    human_bytes(e.bytes),
+                    e.extents,
+                    if e.nested_subvolumes > 0 {
+                        format!(", {} nested subvolumes", e.nested_subvolumes)
+                    } else {
+                        String::new()
+                    },
+                    e.duration().as_secs_f64(),
+                    if entry.resume {
+                        " (resuming an interrupted run)"
+                    } else {
+                        ""
+                    },
+                    cost(entry.cut),
+                ),
+                _ => println!(
+                    "would finish {}: an interrupted run's leftovers{}",
+                    entry.package,
+                    if entry.old_pending {
+                        ", old trees to remove"
+                    } else {
+                        ""
+                    }
+                ),
             }
         }
         // Packages convert one after another, so together they need the
@@ -305,6 +342,9 @@ fn run(cli: Cli) -> ExitCode {
     };
     let opts = MigrateOptions {
         remove_old: !cli.keep_old,
+        method,
+        // Every package is ready before any old tree is removed.
+        defer_cut: true,
         ..MigrateOptions::default()
     };
     let reports = match migrator.run(&opts, &mut sink, &mut on_done) {

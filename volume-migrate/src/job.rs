@@ -1,0 +1,493 @@
+//! One package's conversion in flight, from its plain directory to the
+//! exchange: the [`Job`], with its two ways of building the new subvolume
+//! ([`Job::clone_volume`], [`Job::carve_parent`]) and the common end
+//! ([`Job::swap_in`]).
+//!
+//! The crash states are the crate's (see the crate docs): a job only ever
+//! writes under `<pkg>.migrate`, `<pkg>.migrate-parent` and
+//! `<pkg>.migrate-rest` until the exchange, which is one rename.
+
+use std::ffi::OsStr;
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::thread::ScopedJoinHandle;
+use std::time::Instant;
+
+use models::{Error, ErrorKind, PackageId, ResultExt};
+use volume::copy::{self, CopyEvent, CopyOptions};
+use volume::failpoint::failpoint;
+use volume::layout::Names;
+use volume::record::Identity;
+use volume::sys;
+
+use crate::carve::{self, CarveEvent, Removal};
+use crate::decide::CloneReason;
+use crate::migrate::{MetadataRoom, MigrateOptions, Migrator, is_enospc};
+use crate::report::PackageReport;
+use crate::rest::RestRecord;
+use crate::scan::{ExtentsByInode, scan};
+use crate::track::Tracker;
+use crate::{Estimate, Phase};
+
+/// How often a conversion starts a background commit while cloning (see
+/// [`Migrator::convert`]): often enough that the final, waited-for commit is
+/// short, rarely enough that commits do not dominate. Measured once, with a
+/// temporary knob, on the bench's 500k-extent file: the final commit took a
+/// median of 42.6 ms at 500 ms and 18.3 ms at 250 ms, the clone 2.99 s at
+/// both.
+const BACKGROUND_COMMIT_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// The error context for a step of `pkg`'s conversion.
+pub(crate) fn step<'a>(
+    pkg: &'a PackageId,
+    what: &'static str,
+) -> impl FnOnce(&io::Error) -> (ErrorKind, String) + 'a {
+    move |_| (ErrorKind::MigrationFailed, pkg.context(what))
+}
+
+/// One package's conversion: the plain directory open, the free space read
+/// before anything was created, progress and the report so far.
+pub(crate) struct Job<'a, 's> {
+    pub m: &'a Migrator,
+    pub pkg: &'a PackageId,
+    pub names: &'a Names,
+    pub opts: &'a MigrateOptions,
+    /// `<pkg>`, the plain directory.
+    pub src: OwnedFd,
+    pub space: sys::MetadataSpace,
+    pub room: MetadataRoom,
+    pub tracker: Tracker<'s>,
+    pub report: PackageReport,
+}
+
+/// What [`Method::SnapshotParent`](crate::Method::SnapshotParent) needs,
+/// checked just before the cut.
+pub(crate) struct ParentPlan {
+    /// The root of the subvolume holding the volumes root.
+    pub root: OwnedFd,
+    /// `<pkg>`'s path from there.
+    pub keep: PathBuf,
+    /// `<pkg>`'s inode number.
+    pub ino: u64,
+    /// What the cut touches: the rest of the subvolume, which it removes
+    /// (or sets aside), and `<pkg>`'s top entries, which it lifts.
+    pub rest: Estimate,
+    /// `<pkg>`'s top entries.
+    pub lifted: u64,
+}
+
+impl ParentPlan {
+    /// Whether the free metadata space covers the cut. Removing from a fresh
+    /// snapshot copies each shared leaf it touches on write (and adds back
+    /// references for every extent in it): at worst a leaf per entry
+    /// removed or lifted, plus the extent items, plus `reserve`. A deferred
+    /// cut spends the same later, so it is held to the same.
+    pub fn check_space(&self, space: &sys::MetadataSpace, reserve: u64) -> Result<(), String> {
+        let need = (self.rest.entries + self.lifted)
+            .saturating_mul(space.node_size)
+            .saturating_add(self.rest.extents.saturating_mul(128))
+            .saturating_add(reserve);
+        if space.free() < need {
+            return Err(format!(
+                "not enough free metadata space to cut a snapshot of the parent down: {} bytes \
+                 free, {need} needed ({} entries and {} extents to remove, {} to lift, plus {} \
+                 reserved)",
+                space.free(),
+                self.rest.entries,
+                self.rest.extents,
+                self.lifted,
+                reserve
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Why [`Job::carve_parent`] did not carve: the step that failed, and
+/// whether the snapshot (and its record) are gone.
+pub(crate) struct CarveFailure {
+    what: String,
+    error: io::Error,
+    cleanup: io::Result<()>,
+}
+
+impl CarveFailure {
+    /// Whether [`Method::Auto`](crate::Method::Auto) may clone instead: the
+    /// snapshot is gone and space did not run out.
+    pub fn can_clone(&self) -> bool {
+        self.cleanup.is_ok() && !is_enospc(&self.error)
+    }
+
+    /// Why cloning instead, for the logs.
+    pub fn reason(&self) -> CloneReason {
+        CloneReason::Failed {
+            why: format!("{}: {}", self.what, self.error),
+        }
+    }
+
+    /// The error to report.
+    pub fn into_error(self, pkg: &PackageId, live: &std::path::Path) -> Error {
+        let msg = format!(
+            "{}: {}; {} is untouched{}",
+            self.what,
+            self.error,
+            live.display(),
+            match self.cleanup {
+                Ok(()) => " and the snapshot was deleted".to_owned(),
+                Err(c) => format!(", but deleting the snapshot failed: {c}"),
+            }
+        );
+        Error::for_package(pkg, ErrorKind::MigrationFailed, msg)
+    }
+}
+
+/// Why the scan stopped a clone.
+enum ScanFailure {
+    /// The scan itself failed.
+    Io(io::Error),
+    /// The scan's estimate does not fit in the free space: why.
+    Space(String),
+}
+
+/// The scan that runs beside a clone, feeding the progress totals and the
+/// space check: it need not delay the clone, so it runs on a second thread.
+struct ScanWatch<'scope> {
+    handle: Option<ScopedJoinHandle<'scope, io::Result<(Estimate, ExtentsByInode)>>>,
+    /// Why the scan stopped the clone, once it did.
+    failure: Option<ScanFailure>,
+}
+
+impl ScanWatch<'_> {
+    /// Takes the scan's result if it is done (`wait`: waits for it): totals
+    /// to the tracker, the estimate to the report, and the space check. An
+    /// error stops the clone; the reason stays in `failure`.
+    fn take(
+        &mut self,
+        wait: bool,
+        room: &MetadataRoom,
+        tracker: &mut Tracker<'_>,
+        report: &mut PackageReport,
+    ) -> io::Result<()> {
+        let Some(handle) = self.handle.take_if(|h| wait || h.is_finished()) else {
+            return Ok(());
+        };
+        let result = match handle.join() {
+            Ok(r) => r,
+            Err(panic) => std::panic::resume_unwind(panic),
+        };
+        self.failure = match result {
+            Err(e) => Some(ScanFailure::Io(e)),
+            Ok((estimate, per_file)) => {
+                report.estimate = Some(estimate);
+                tracker.scanned(estimate, per_file);
+                room.check(&estimate).err().map(ScanFailure::Space)
+            }
+        };
+        match self.failure {
+            Some(_) => Err(io::Error::other("the scan stopped the copy")),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Job<'_, '_> {
+    /// `<pkg>`'s path, for messages.
+    fn live_path(&self) -> PathBuf {
+        self.m.root().join(&self.names.live)
+    }
+
+    /// Clones `<pkg>` into the subvolume `<pkg>.migrate` (resuming the one
+    /// there if `resume`), then swaps it in. On ENOSPC, or when the scan
+    /// finds the space short, the partial subvolume is removed and `<pkg>`
+    /// is untouched; on other errors the partial copy is kept for the next
+    /// run.
+    pub fn clone_volume(&mut self, resume: bool) -> Result<(), Error> {
+        let stop_scan = AtomicBool::new(false);
+        let scan_fd = self
+            .src
+            .try_clone()
+            .with_ctx(step(self.pkg, "opening the volume for its scan"))?;
+        std::thread::scope(|scope| {
+            let stop = &stop_scan;
+            let mut watch = ScanWatch {
+                handle: Some(scope.spawn(move || scan(scan_fd.as_fd(), stop))),
+                failure: None,
+            };
+            let result = self.clone_with(resume, &mut watch);
+            stop_scan.store(true, std::sync::atomic::Ordering::Relaxed);
+            result
+        })
+    }
+
+    fn clone_with(&mut self, resume: bool, watch: &mut ScanWatch<'_>) -> Result<(), Error> {
+        let pkg = self.pkg;
+        let tmp_path = self.m.root().join(&self.names.migrate);
+        let (dst, since) = self.open_clone_target(resume)?;
+        let resumed = since.is_some();
+        self.report.resumed = resumed;
+        self.tracker.phase(Phase::Clone);
+        let copy_opts = CopyOptions {
+            resume: resumed,
+            chunk_bytes: Some(self.opts.chunk_bytes),
+            nested_subvolumes: true,
+            changed_since: since,
+        };
+        // The commit before the exchange must write out every cloned
+        // extent reference; starting commits in the background as the clone
+        // goes leaves it only the tail to wait for.
+        let mut last_commit = Instant::now();
+        let dst_fd = dst.as_fd();
+        let (tracker, report, room) = (&mut self.tracker, &mut self.report, &self.room);
+        let copied = copy::reflink_into(self.src.as_fd(), dst.as_fd(), &copy_opts, &mut |ev| {
+            if last_commit.elapsed() >= BACKGROUND_COMMIT_EVERY {
+                sys::start_commit(dst_fd)?;
+                last_commit = Instant::now();
+            }
+            match ev {
+                CopyEvent::Data {
+                    src,
+                    size,
+                    done,
+                    cloned,
+                    ..
+                } => {
+                    tracker.file_data(src, size, done, cloned);
+                    failpoint("migrate.chunk")?;
+                }
+                CopyEvent::Entry { .. } => {
+                    tracker.entry_done();
+                    failpoint("migrate.entry")?;
+                }
+            }
+            watch.take(false, room, tracker, report)
+        })
+        // The clone is done before the scan: wait for it, it may still find
+        // the space short.
+        .and_then(|stats| watch.take(true, room, tracker, report).map(|()| stats));
+        let stats = match (copied, watch.failure.take()) {
+            (Err(_), Some(ScanFailure::Space(why))) => return Err(self.abandon(dst, why)),
+            (Err(_), Some(ScanFailure::Io(e))) => {
+                return Err(e).with_ctx(step(
+                    pkg,
+                    "scanning the volume (the partial copy is kept for the next run)",
+                ));
+            }
+            (Err(e), None) if is_enospc(&e) => {
+                let why = format!(
+                    "out of space while cloning into {} ({e})",
+                    tmp_path.display()
+                );
+                return Err(self.abandon(dst, why));
+            }
+            (copied, _) => copied.with_ctx(|_| {
+                (
+                    ErrorKind::MigrationFailed,
+                    pkg.context(format!(
+                        "cloning {} into {} (the partial copy is kept for the next run)",
+                        self.live_path().display(),
+                        tmp_path.display()
+                    )),
+                )
+            })?,
+        };
+        self.report.bytes_cloned = stats.bytes_cloned;
+        self.report.entries_reused = stats.entries_reused;
+        failpoint("migrate.copied").with_ctx(step(pkg, "failpoint"))?;
+        let estimate = self.report.estimate.unwrap_or_default();
+        tracing::info!(package = %pkg, bytes = estimate.bytes, extents = estimate.extents, "volume cloned into a subvolume");
+        let tmp = self.names.migrate.clone();
+        self.swap_in(&tmp, dst)
+    }
+
+    /// The subvolume to clone into, and with a partial copy to resume, the
+    /// instant it was started (entries changed since are copied again). A
+    /// partial copy older than the latest change of `<pkg>`'s top is
+    /// replaced.
+    fn open_clone_target(&self, resume: bool) -> Result<(OwnedFd, Option<(i64, i64)>), Error> {
+        let pkg = self.pkg;
+        let root = self.m.root_fd();
+        if resume {
+            let fd = sys::open_dir_at(root, &self.names.migrate)
+                .with_ctx(step(pkg, "opening the partial copy"))?;
+            let since = sys::birth_time(fd.as_fd())
+                .with_ctx(step(pkg, "reading the partial copy's creation time"))?;
+            let src_full =
+                sys::metadata(self.src.as_fd()).with_ctx(step(pkg, "stat of the volume"))?;
+            #[allow(clippy::unnecessary_cast)]
+            let src_ctime = (src_full.st_ctime as i64, src_full.st_ctime_nsec as i64);
+            match since {
+                Some(t) if src_ctime < t => return Ok((fd, Some(t))),
+                _ => {
+                    tracing::warn!(package = %pkg, "volume changed since the partial copy was started: starting over");
+                    drop(fd);
+                    copy::remove_tree_at(root, &self.names.migrate, &mut |_| Ok(()))
+                        .with_ctx(step(pkg, "removing an outdated partial copy"))?;
+                }
+            }
+        }
+        // Not made durable here: a power cut that loses it loses only the
+        // start of the copy (the subvolume and its name go together, in one
+        // transaction), which the next run redoes; the first background
+        // commit comes a fraction of a second later. The whole-filesystem
+        // commit before the exchange is what makes the name durable: an
+        // fsync of the subvolume alone would not. Syncing here took 11-17 ms
+        // (measured once).
+        sys::create_subvolume(root, &self.names.migrate).with_ctx(|_| {
+            (
+                ErrorKind::MigrationFailed,
+                pkg.context(format!(
+                    "creating subvolume {}",
+                    self.m.root().join(&self.names.migrate).display()
+                )),
+            )
+        })?;
+        failpoint("migrate.created").with_ctx(step(pkg, "failpoint"))?;
+        let fd = sys::open_dir_at(root, &self.names.migrate)
+            .with_ctx(step(pkg, "opening the new subvolume"))?;
+        Ok((fd, None))
+    }
+
+    /// Gives up a clone that cannot complete (space): the partial subvolume
+    /// goes, `<pkg>` is untouched; the error says so and why.
+    fn abandon(&self, dst: OwnedFd, why: String) -> Error {
+        drop(dst);
+        let root = self.m.root_fd();
+        let cleanup = copy::remove_tree_at(root, &self.names.migrate, &mut |_| Ok(()))
+            .and_then(|()| sys::commit(root));
+        let msg = format!(
+            "{why}; {} is untouched{}",
+            self.live_path().display(),
+            match &cleanup {
+                Ok(()) => " and the partial subvolume was removed".to_owned(),
+                Err(c) => format!(", but removing the partial subvolume failed: {c}"),
+            }
+        );
+        Error::for_package(self.pkg, ErrorKind::MigrationFailed, msg)
+    }
+
+    /// [`Method::SnapshotParent`](crate::Method::SnapshotParent) up to the
+    /// exchange: snapshots the parent subvolume as `<pkg>.migrate-parent`
+    /// and cuts it down to `<pkg>` ([`carve::carve`]); with
+    /// [`MigrateOptions::defer_cut`], sets the rest aside and records it
+    /// ([`RestRecord`]). On failure the snapshot and the record are deleted
+    /// (O(1)). Returns the snapshot, open.
+    pub fn carve_parent(&mut self, plan: ParentPlan) -> Result<OwnedFd, CarveFailure> {
+        let root = self.m.root_fd();
+        let names = self.names;
+        self.tracker.set_estimate(Estimate {
+            entries: plan.rest.entries + plan.lifted,
+            ..plan.rest
+        });
+        self.tracker.phase(Phase::Carve);
+        let snapshot = self.m.root().join(&names.migrate_parent);
+        sys::snapshot(plan.root.as_fd(), root, &names.migrate_parent).map_err(|error| {
+            CarveFailure {
+                what: format!("snapshotting its subvolume as {}", snapshot.display()),
+                error,
+                cleanup: Ok(()),
+            }
+        })?;
+        drop(plan.root);
+        let removal = if self.opts.defer_cut {
+            Removal::Deferred
+        } else {
+            Removal::Now
+        };
+        let tracker = &mut self.tracker;
+        let result = failpoint("migrate.parent-snapshot")
+            .and_then(|()| volume::record::remove(root, &names.migrate_rest))
+            .and_then(|()| sys::open_dir_at(root, &names.migrate_parent))
+            .and_then(|fd| {
+                // The path was read before the snapshot: it must still lead
+                // to the volume (the same inode in the snapshot).
+                if sys::stat(sys::open_beneath(fd.as_fd(), &plan.keep)?.as_fd())?.ino != plan.ino {
+                    return Err(io::Error::other(format!(
+                        "{} in the snapshot is not the volume; was it moved?",
+                        plan.keep.display()
+                    )));
+                }
+                let carved = carve::carve(fd.as_fd(), &plan.keep, removal, &mut |ev| match ev {
+                    CarveEvent::Held => failpoint("migrate.carve-held"),
+                    CarveEvent::Removed(n) => {
+                        tracker.entries(n);
+                        failpoint("migrate.carve-removed")
+                    }
+                    CarveEvent::SetAside(_) => failpoint("migrate.carve-set-aside"),
+                    CarveEvent::Lifted(_) => failpoint("migrate.carve-lifted"),
+                })?;
+                if let Some(rest) = carved.rest {
+                    let identity = Identity::of_entry(fd.as_fd(), &rest)?.ok_or_else(|| {
+                        io::Error::other("the rest's directory vanished from the snapshot")
+                    })?;
+                    RestRecord {
+                        name: rest,
+                        identity,
+                    }
+                    .write(root, &names.migrate_rest)?;
+                    failpoint("migrate.rest-recorded")?;
+                }
+                Ok(fd)
+            });
+        result.map_err(|error| CarveFailure {
+            what: format!("cutting {} down to the volume", snapshot.display()),
+            error,
+            cleanup: copy::remove_tree_at(root, &names.migrate_parent, &mut |_| Ok(()))
+                .and_then(|()| volume::record::remove(root, &names.migrate_rest))
+                .and_then(|()| sys::fsync(root)),
+        })
+    }
+
+    /// The last steps of either method: commit the new subvolume `tmp`
+    /// (open as `dst`), exchange it with `<pkg>`, move the old directory to
+    /// `<pkg>.migrate-old`.
+    pub fn swap_in(&mut self, tmp: &OsStr, dst: OwnedFd) -> Result<(), Error> {
+        let pkg = self.pkg;
+        let root = self.m.root_fd();
+        // Sync: the copy must be durable before its name says "volume".
+        self.tracker.phase(Phase::Sync);
+        let committed = sys::commit(dst.as_fd());
+        drop(dst);
+        let tracker = &mut self.tracker;
+        let exchanged = committed
+            .and_then(|()| failpoint("migrate.durable"))
+            .and_then(|()| {
+                tracker.phase(Phase::Exchange);
+                sys::rename_exchange(root, tmp, &self.names.live)
+            });
+        if let Err(e) = exchanged {
+            let what = format!(
+                "exchanging {} with {}",
+                self.m.root().join(tmp).display(),
+                self.live_path().display()
+            );
+            if !is_enospc(&e) {
+                return Err(e).with_ctx(|_| (ErrorKind::MigrationFailed, pkg.context(what)));
+            }
+            // Out of metadata space with the copy complete: a rerun would
+            // meet the same wall, so the copy goes and frees what it took.
+            let cleanup = copy::remove_tree_at(root, tmp, &mut |_| Ok(()))
+                .and_then(|()| volume::record::remove(root, &self.names.migrate_rest))
+                .and_then(|()| sys::fsync(root));
+            return Err(Error::for_package(
+                pkg,
+                ErrorKind::MigrationFailed,
+                format!(
+                    "out of metadata space {what} ({e}); {} is untouched{}",
+                    self.live_path().display(),
+                    match cleanup {
+                        Ok(()) => " and the copy was removed".to_owned(),
+                        Err(c) => format!(", but removing the copy failed: {c}"),
+                    }
+                ),
+            ));
+        }
+        sys::fsync(root).with_ctx(step(pkg, "syncing the volumes root"))?;
+        failpoint("migrate.exchanged").with_ctx(step(pkg, "failpoint"))?;
+        self.m.settle_exchanged(pkg, self.names)?;
+        self.tracker.phase(Phase::Done);
+        tracing::info!(package = %pkg, "volume converted to a subvolume");
+        Ok(())
+    }
+}

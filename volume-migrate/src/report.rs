@@ -1,0 +1,115 @@
+//! What a run reports: per package, what happened ([`PackageReport`]) and
+//! what is planned ([`Planned`]).
+
+use std::time::Duration;
+
+use models::{Error, PackageId};
+use serde::Serialize;
+
+use crate::cost::Cost;
+use crate::decide::Decision;
+use crate::{Estimate, Method};
+
+/// What happened to one package.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Outcome {
+    /// Converted now (possibly resuming an interrupted run).
+    Converted,
+    /// An earlier run had already swapped the subvolume in; only its
+    /// bookkeeping (renaming the old directory aside) was left.
+    Finished,
+    /// Already a subvolume: nothing to do.
+    AlreadySubvolume,
+    /// Dry run: would be converted.
+    WouldConvert,
+    /// Failed; see [`PackageReport::error`]. `<pkg>` is untouched.
+    Failed,
+}
+
+/// An error, flattened for reports.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ReportError {
+    /// Upstream's numeric [`ErrorKind`] code.
+    pub code: i32,
+    /// The kind's title.
+    pub kind: String,
+    /// One line naming the package and path.
+    pub message: String,
+}
+
+impl From<&Error> for ReportError {
+    fn from(e: &Error) -> Self {
+        ReportError {
+            code: e.kind.code(),
+            kind: e.kind.as_str().to_owned(),
+            message: e.to_string(),
+        }
+    }
+}
+
+/// The result of converting one package ([`crate::Migrator::convert`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PackageReport {
+    /// The package.
+    pub package: PackageId,
+    /// What happened.
+    pub outcome: Outcome,
+    /// The scan of the plain directory, when there was one to scan.
+    pub estimate: Option<Estimate>,
+    /// How it was converted, when it was now.
+    pub method: Option<Method>,
+    /// Whether an interrupted earlier run's partial copy was reused.
+    pub resumed: bool,
+    /// Bytes cloned by this run (a resumed run skips what was in place).
+    pub bytes_cloned: u64,
+    /// Entries an earlier run had already copied and this one kept.
+    pub entries_reused: u64,
+    /// Whether the old directory is gone (else `<pkg>.migrate-old` remains
+    /// for [`crate::Migrator::remove_old`]).
+    pub old_removed: bool,
+    /// Wall time of this call.
+    #[serde(serialize_with = "ser_ms")]
+    pub elapsed: Duration,
+    /// For [`Outcome::Failed`].
+    pub error: Option<ReportError>,
+}
+
+fn ser_ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64())
+}
+
+/// One package of a run, before it is converted
+/// ([`crate::Migrator::schedule`], or [`crate::Migrator::plan`] for a dry
+/// run).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Planned {
+    /// The package.
+    pub package: PackageId,
+    /// For a plain directory, how it is to be converted and why; `None`
+    /// when only leftovers of an interrupted run remain (finishing them is
+    /// cheap, except removing old trees).
+    pub decision: Option<Decision>,
+    /// What cloning it costs, as far as deciding counted.
+    pub clone: Option<Cost>,
+    /// What cutting a snapshot of its parent down to it costs, as far as
+    /// deciding counted.
+    pub cut: Option<Cost>,
+    /// The whole scan of the plain directory: [`crate::Migrator::plan`]
+    /// only.
+    pub estimate: Option<Estimate>,
+    /// File bytes of the plain directory (each inode once), for progress
+    /// totals in bytes; 0 when not asked for.
+    pub bytes: u64,
+    /// Whether a partial copy from an interrupted run is there to resume.
+    pub resume: bool,
+    /// Whether old trees wait for removal.
+    pub old_pending: bool,
+}
+
+impl Planned {
+    /// The method it is to be converted by.
+    pub fn method(&self) -> Option<Method> {
+        self.decision.as_ref().map(Decision::method)
+    }
+}

@@ -1,0 +1,165 @@
+//! Progress reports for one package's conversion.
+
+use std::time::{Duration, Instant};
+
+use models::PackageId;
+
+use crate::scan::ExtentsByInode;
+use crate::{Estimate, Phase, Progress, ProgressSink};
+
+/// Turns copy events into throttled [`Progress`] reports with an ETA.
+///
+/// The scan runs beside the clone, so the per-file extent counts may arrive
+/// after some files are cloned: until then their data events wait in
+/// `pending` (bytes are credited at once), then are credited as if the
+/// counts had been known all along.
+pub(crate) struct Tracker<'s> {
+    p: Progress,
+    sink: &'s mut dyn ProgressSink,
+    started: Instant,
+    /// Work done when this run started cloning (resumed work is not a rate).
+    work_at_start: Option<u64>,
+    /// Work credited for what an earlier run had done.
+    reused_work: u64,
+    last_sent: Option<Instant>,
+    /// Extent items of each file, once the scan is done.
+    per_file: Option<ExtentsByInode>,
+    /// Data events (file, size, done, cloned) seen before the scan was done.
+    pending: Vec<((u64, u64), u64, u64, u64)>,
+    /// The file being cloned and the bytes credited so far.
+    current_bytes: Option<((u64, u64), u64)>,
+    /// The file being cloned and the extents credited so far.
+    current_extents: Option<((u64, u64), u64)>,
+}
+
+impl<'s> Tracker<'s> {
+    pub(crate) fn new(package: PackageId, est: Estimate, sink: &'s mut dyn ProgressSink) -> Self {
+        let mut t = Tracker {
+            p: Progress {
+                package,
+                phase: Phase::Scan,
+                totals_known: false,
+                bytes_done: 0,
+                bytes_total: 0,
+                extents_done: 0,
+                extents_total: 0,
+                entries_done: 0,
+                entries_total: 0,
+                eta: None,
+            },
+            sink,
+            started: Instant::now(),
+            work_at_start: None,
+            reused_work: 0,
+            last_sent: None,
+            per_file: None,
+            pending: Vec::new(),
+            current_bytes: None,
+            current_extents: None,
+        };
+        t.set_estimate(est);
+        t
+    }
+
+    pub(crate) fn set_estimate(&mut self, est: Estimate) {
+        self.p.bytes_total = est.bytes;
+        self.p.extents_total = est.extents;
+        self.p.entries_total = est.entries;
+    }
+
+    /// The scan is done: totals known, waiting events credited.
+    pub(crate) fn scanned(&mut self, est: Estimate, per_file: ExtentsByInode) {
+        self.set_estimate(est);
+        self.p.totals_known = true;
+        self.per_file = Some(per_file);
+        for (key, size, done, cloned) in std::mem::take(&mut self.pending) {
+            self.credit_extents(key, size, done, cloned);
+        }
+        self.send();
+    }
+
+    pub(crate) fn phase(&mut self, phase: Phase) {
+        self.p.phase = phase;
+        if phase == Phase::Done {
+            self.p.eta = Some(Duration::ZERO);
+        }
+        self.send();
+    }
+
+    pub(crate) fn file_data(&mut self, key: (u64, u64), size: u64, done: u64, cloned: u64) {
+        let prev = match self.current_bytes {
+            Some((k, b)) if k == key => b,
+            _ => 0,
+        };
+        self.p.bytes_done += done.saturating_sub(prev);
+        self.current_bytes = Some((key, done));
+        if self.per_file.is_some() {
+            self.credit_extents(key, size, done, cloned);
+        } else {
+            self.pending.push((key, size, done, cloned));
+        }
+        self.maybe_send();
+    }
+
+    /// Extents are exact per finished file, proportional to bytes within one.
+    fn credit_extents(&mut self, key: (u64, u64), size: u64, done: u64, cloned: u64) {
+        let extents = self
+            .per_file
+            .as_ref()
+            .and_then(|m| m.get(&key))
+            .copied()
+            .unwrap_or(0);
+        let prev = match self.current_extents {
+            Some((k, e)) if k == key => e,
+            _ => 0,
+        };
+        let ext = if size == 0 {
+            extents
+        } else {
+            (u128::from(extents) * u128::from(done) / u128::from(size)) as u64
+        };
+        self.p.extents_done += ext.saturating_sub(prev);
+        self.current_extents = Some((key, ext));
+        if cloned == 0 {
+            // What a resumed copy found in place: no measure of speed.
+            self.reused_work += ext.saturating_sub(prev);
+        }
+    }
+
+    pub(crate) fn entry_done(&mut self) {
+        self.p.entries_done += 1;
+        self.maybe_send();
+    }
+
+    /// For the removal phase: entries removed so far.
+    pub(crate) fn entries(&mut self, n: u64) {
+        self.p.entries_done = n;
+        self.maybe_send();
+    }
+
+    fn maybe_send(&mut self) {
+        if self
+            .last_sent
+            .is_none_or(|t| t.elapsed() >= Duration::from_millis(100))
+        {
+            self.send();
+        }
+    }
+
+    fn send(&mut self) {
+        let done = self.p.work_done().saturating_sub(self.reused_work);
+        let start = *self.work_at_start.get_or_insert(done);
+        let elapsed = self.started.elapsed();
+        if self.p.phase != Phase::Done
+            && self.p.totals_known
+            && done > start
+            && elapsed > Duration::from_millis(200)
+        {
+            let left = self.p.work_total().saturating_sub(self.p.work_done());
+            let rate = (done - start) as f64 / elapsed.as_secs_f64();
+            self.p.eta = Some(Duration::from_secs_f64(left as f64 / rate));
+        }
+        self.last_sent = Some(Instant::now());
+        self.sink.progress(&self.p);
+    }
+}
