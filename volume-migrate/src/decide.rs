@@ -54,7 +54,7 @@ use crate::{Estimate, Method};
 /// commit a snapshot itself waits for (11-17 ms measured) plus deciding.
 pub const SNAPSHOT_MIN_CLONE_US: u64 = 25_000;
 /// The first round's budget when counting for the dominant package, in
-/// microseconds of [`RANK`] weight: 1 s, about 7,000 entries or 90,000
+/// microseconds of the rank's weight (a clone plus two cuts): 1 s, about 7,000 entries or 90,000
 /// extent items, so most packages are counted whole in the first round.
 pub const FIRST_ROUND_US: u64 = 1_000_000;
 /// Each round counts four times as far as the one before: recounting from

@@ -18,14 +18,20 @@
 //!
 //! **Snapshot the parent**, O(everything else in the subvolume holding the
 //! volumes root, plus the package's top entries), whatever the package
-//! holds below them; for a package with little beside it, such as the one
-//! large database of a single-service box:
+//! holds below them; for the dominant package of a box, such as the one
+//! large database of a node:
 //!
-//! 0. **Scan**: count the package and the rest of its subvolume, each only
-//!    as far as the choice needs.
+//! 0. **Decide**: count the packages and the rest of their subvolume, each
+//!    only as far as the cost rule needs ([`Decision`]; the rule and its
+//!    measured per-unit costs are in the `decide` module and [`cost`]).
 //! 1. **Carve**: snapshot that subvolume as `<pkg>.migrate-parent` (O(1))
-//!    and cut the snapshot down to `<pkg>`'s contents
-//!    ([`carve::carve`](crate::carve)): the very same inodes, nothing copied.
+//!    and cut the snapshot down to `<pkg>`'s contents: the very same inodes,
+//!    nothing copied. With [`MigrateOptions::defer_cut`] (a boot's run), the
+//!    rest is only set aside in one directory, recorded as
+//!    `<pkg>.migrate-rest`, and removed with the old trees.
+//!
+//! A run ([`Migrator::schedule`], [`Migrator::run`]) snapshots the parent for
+//! at most one package, the dominant one, first, and clones the others.
 //!
 //! Then, for both:
 //!
@@ -35,7 +41,8 @@
 //!    `renameat2(RENAME_EXCHANGE)`, then rename the old directory to
 //!    `<pkg>.migrate-old`.
 //! 4. **RemoveOld** ([`Migrator::remove_old`]), a separate call that can run
-//!    after services start: unlink the old directory, O(extents).
+//!    after services start: remove a deferred cut's rest from the new
+//!    subvolume, then unlink the old directory, O(their extents).
 //!
 //! ## Crash safety
 //!
@@ -46,10 +53,13 @@
 //! size, aligned down to the block size; entries whose source changed since
 //! the partial copy was started, by ctime against the subvolume's creation
 //! time, are copied again); a *subvolume* `<pkg>.migrate-parent` is a cut
-//! that did not finish, deleted in O(1) (a new snapshot costs nothing); a
-//! *plain directory* under either name beside a subvolume `<pkg>` is the old
-//! directory after the exchange; anything named `<pkg>.migrate-old` is
-//! garbage. Every step takes the package's volume lock
+//! that did not finish, deleted in O(1) with its record `<pkg>.migrate-rest`
+//! (a new snapshot costs nothing); a *plain directory* under either name
+//! beside a subvolume `<pkg>` is the old directory after the exchange;
+//! anything named `<pkg>.migrate-old` is garbage, and so is the directory a
+//! `<pkg>.migrate-rest` beside the subvolume `<pkg>` names (by name and
+//! identity, in `<pkg>`). A run killed between packages resumes with the
+//! next: a converted package is a subvolume, which nothing converts again. Every step takes the package's volume lock
 //! ([`volume::lock::PackageLock`]), so it never interleaves with a
 //! [`volume::VolumeStore`] operation on the same package.
 //!

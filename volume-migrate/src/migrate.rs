@@ -700,7 +700,7 @@ impl Migrator {
     /// The scan that counts entries, bytes and extents (a stat and a tree
     /// search per file) runs on a second thread while the clone starts, so
     /// it costs no wall time: progress totals (and the ETA) arrive when it
-    /// finishes ([`Progress::totals_known`]). The reserve alone is checked
+    /// finishes ([`crate::Progress::totals_known`]). The reserve alone is checked
     /// before anything is created; the full estimate as soon as the scan
     /// has it, and if short the clone stops there, the partial subvolume is
     /// removed, and `<pkg>` is untouched, as for an ENOSPC. A dry run scans

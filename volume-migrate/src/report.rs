@@ -30,7 +30,7 @@ pub enum Outcome {
 /// An error, flattened for reports.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ReportError {
-    /// Upstream's numeric [`ErrorKind`] code.
+    /// Upstream's numeric [`models::ErrorKind`] code.
     pub code: i32,
     /// The kind's title.
     pub kind: String,

@@ -87,6 +87,15 @@ fn dry_run_then_convert_with_json_then_nothing_to_do() {
         plan[0]
     );
     assert_eq!(plan[0]["method"], "clone", "small volumes are cloned");
+    assert_eq!(
+        plan[0]["decision"]["reason"]["kind"], "small",
+        "and the dry run says why: {:?}",
+        plan[0]
+    );
+    assert!(
+        text.contains("not by snapshotting the parent: the clone costs under"),
+        "{text}"
+    );
     // The space the conversions need, beside what the filesystem has free.
     let summary = lines.last().unwrap();
     assert_eq!(summary["event"], "summary");
@@ -159,6 +168,22 @@ fn dry_run_and_run_say_when_the_parent_is_snapshotted() {
     let plan = json_lines(&o);
     assert_eq!(plan[0]["method"], "snapshot-parent", "{:?}", plan[0]);
     assert!(plan[0]["estimated_seconds"].is_null(), "{:?}", plan[0]);
+    // Why: the estimated cost of each way, the cut at most half the clone.
+    let micros = |way: &str| {
+        plan[0][way]["micros"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{way}: {:?}", plan[0]))
+    };
+    assert!(
+        micros("cut_cost") * 2 <= micros("clone_cost"),
+        "{:?}",
+        plan[0]
+    );
+    assert_eq!(
+        plan[0]["decision"]["method"], "snapshot-parent",
+        "{:?}",
+        plan[0]
+    );
     let o = cli(&["--root", r]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(

@@ -32,6 +32,8 @@
 //! The benchmark reports; it does not assert. It exits 0 whatever the figures,
 //! and 1 with one line on stderr if something failed.
 
+#[path = "bench/boot.rs"]
+mod boot;
 mod common;
 #[path = "bench/finalize.rs"]
 mod finalize;
@@ -80,6 +82,12 @@ enum Section {
     Migrate,
     /// A whole update of a running service: ours against upstream's order.
     Finalize,
+    /// The first boot of a box shaped like the field reports': upstream's
+    /// boot conversion, cp --reflink and ours.
+    Boot,
+    /// The per-entry and per-extent costs the conversion's rule uses,
+    /// measured again.
+    Costs,
 }
 
 #[derive(Parser)]
@@ -118,6 +126,10 @@ struct Args {
     /// 3 GiB, or 6 KiB per extent if that is more).
     #[arg(long, default_value_t = 500_000)]
     db_extents: u64,
+    /// Extent counts of the boot section's monerod database,
+    /// comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "500000,2000000")]
+    boot_extents: Vec<u64>,
     /// Print the results as JSON on stdout (progress still goes to stderr).
     #[arg(long)]
     json: bool,
@@ -576,6 +588,10 @@ struct Report {
     migrate: Option<migrate::Report>,
     #[serde(skip_serializing_if = "Option::is_none")]
     finalize: Option<finalize::Report>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    boot: Option<boot::Report>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    costs: Option<boot::CostReport>,
     total_seconds: f64,
 }
 
@@ -608,11 +624,17 @@ fn run(args: &Args) -> Result<Report> {
     let finalize = wants(Section::Finalize)
         .then(|| finalize::run(args))
         .transpose()?;
+    let costs = wants(Section::Costs).then(boot::run_costs).transpose()?;
+    let boot = wants(Section::Boot)
+        .then(|| boot::run(&args.boot_extents))
+        .transpose()?;
     Ok(Report {
         snapshot,
         usage,
         migrate,
         finalize,
+        boot,
+        costs,
         total_seconds: start.elapsed().as_secs_f64(),
     })
 }
@@ -639,6 +661,14 @@ fn print_text(report: &Report) {
     if let Some(r) = &report.finalize {
         gap();
         finalize::print(r);
+    }
+    if let Some(r) = &report.costs {
+        gap();
+        boot::print_costs(r);
+    }
+    if let Some(r) = &report.boot {
+        gap();
+        boot::print(r);
     }
     println!(
         "total {}",

@@ -1,0 +1,712 @@
+//! `boot`: the first boot of a box shaped like the field reports'
+//! ([`integration::node`]: monerod's fragmented LMDB, bitcoind's NOCOW data
+//! directory, electrs's 20,000 small files, five small packages, all plain
+//! directories on the top-level subvolume), at each of `--boot-extents`
+//! extents of monerod's database. Three ways, each on a fresh filesystem
+//! with the same box, settled and out of the page cache:
+//!
+//! - upstream's boot conversion ([`integration::upstream`]): clone each
+//!   root into a subvolume, swap, remove the old tree inline; every service
+//!   waits for all of it;
+//! - `cp -a --reflink=always` of every package, the copy upstream's update
+//!   backups made before subvolumes (bitcoind's into a NOCOW directory, or
+//!   cp refuses its files);
+//! - ours, [`startos_core::volume::boot_volume_maintenance_at`]: each
+//!   service may start when its own volume is ready; the old trees go in a
+//!   background task, timed separately.
+//!
+//! After upstream's and our conversions, the first writes to bitcoind's
+//! NOCOW block files: whether either way left them copying on write.
+//!
+//! `costs`: the per-entry and per-extent costs [`volume_migrate::cost`]
+//! states, measured again: each way of converting on trees that isolate
+//! one unit; and what a NOCOW file's first writes cost once its subvolume
+//! has been snapshotted, which is why such files outside the packages still
+//! veto the snapshot.
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use integration::LoopFs;
+use integration::compare::{Progress, block_on};
+use integration::node::{self, NodeShape};
+use models::PackageId;
+use serde::Serialize;
+use volume_migrate::cost;
+use volume_migrate::{Method, MigrateOptions, Migrator};
+
+use crate::common::{Result, fmt_count, fmt_duration, settle, timed};
+use crate::{Verdict, drop_caches};
+
+/// The box's extent counts at which ours must take at most this fraction
+/// of upstream's time until every service may start.
+const TARGETS: [(u64, f64); 2] = [(500_000, 0.3), (2_000_000, 0.1)];
+/// Ours at the largest count within this much of ours at the smallest.
+const FLAT_WITHIN: f64 = 0.2;
+/// The extent count of the field report (PR #3533): 47 million.
+const FIELD_EXTENTS: u64 = 47_000_000;
+/// 4 KiB blocks of bitcoind's block files rewritten after the conversion.
+const FIRST_WRITES: u64 = 4096;
+
+/// One way's boot.
+#[derive(Serialize, Clone)]
+pub struct Way {
+    /// Until every service may start (upstream: until its maintenance
+    /// returned; cp: until the last copy finished).
+    pub all_ready: f64,
+    /// When the first service may start.
+    pub first_ready: f64,
+    /// From then, until the old trees were removed (ours).
+    pub old_trees_after: Option<f64>,
+    /// Of `all_ready`, the inline removal of the old trees (upstream's).
+    pub old_trees_inline: Option<f64>,
+    /// How each package was converted, where the way says.
+    pub methods: Vec<(String, String)>,
+    /// What went wrong, if anything did.
+    pub error: Option<String>,
+}
+
+/// The first writes to bitcoind's block files after a conversion.
+#[derive(Serialize, Clone)]
+pub struct FirstWrites {
+    /// Their time, fdatasync included.
+    pub seconds: f64,
+    /// Extents the rewritten files gained: 0 when written in place.
+    pub new_extents: i64,
+}
+
+/// Everything at one extent count.
+#[derive(Serialize)]
+pub struct BootCase {
+    /// What monerod's database was fragmented to.
+    pub target_extents: u64,
+    /// What FIEMAP reports.
+    pub extents: u64,
+    /// The box's build time, per way.
+    pub build_seconds: f64,
+    /// Upstream's boot conversion.
+    pub upstream: Way,
+    /// `cp -a --reflink=always` of every package.
+    pub cp: Way,
+    /// Ours.
+    pub ours: Way,
+    /// bitcoind's first writes after upstream's conversion, then ours.
+    pub first_writes: (FirstWrites, FirstWrites),
+}
+
+/// The `boot` section's results.
+#[derive(Serialize)]
+pub struct Report {
+    /// One per extent count.
+    pub cases: Vec<BootCase>,
+    /// Upstream's and our seconds per monerod extent, fitted between the
+    /// smallest and the largest count, and what they give for the field's
+    /// 47 million extents.
+    pub per_extent: Option<Extrapolation>,
+    /// The targets.
+    pub targets: Vec<Verdict>,
+}
+
+/// The time until every service may start, extrapolated.
+#[derive(Serialize)]
+pub struct Extrapolation {
+    /// Upstream's seconds per extent.
+    pub upstream_per_extent: f64,
+    /// Ours.
+    pub ours_per_extent: f64,
+    /// Upstream at 47M extents, seconds.
+    pub upstream_at_field: f64,
+    /// Ours at 47M extents, seconds.
+    pub ours_at_field: f64,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Upstream,
+    Cp,
+    Ours,
+}
+
+/// A fresh filesystem with the box under `<mnt>/package-data/volumes`,
+/// settled and out of the page cache.
+fn fresh_box(shape: &NodeShape) -> Result<(LoopFs, std::path::PathBuf, u64, Duration)> {
+    let fs = LoopFs::btrfs(shape.image_bytes())?;
+    let root = fs.path("package-data/volumes");
+    fs::create_dir_all(&root)?;
+    let ((_, extents), took) = timed(|| node::build(&root, shape))?;
+    settle(fs.mount_point())?;
+    drop_caches()?;
+    Ok((fs, root, extents, took))
+}
+
+fn ids(shape: &NodeShape) -> Result<BTreeSet<PackageId>> {
+    shape
+        .packages()
+        .iter()
+        .map(|p| {
+            p.parse::<PackageId>()
+                .map_err(|e| format!("package id {p}: {e}").into())
+        })
+        .collect()
+}
+
+/// One way, on its own fresh box.
+fn run_way(shape: &NodeShape, kind: Kind) -> Result<(Way, u64, Duration, Option<FirstWrites>)> {
+    let (fs, root, extents, build) = fresh_box(shape)?;
+    let ids = ids(shape)?;
+    let mut way = Way {
+        all_ready: 0.0,
+        first_ready: 0.0,
+        old_trees_after: None,
+        old_trees_inline: None,
+        methods: Vec::new(),
+        error: None,
+    };
+    let started = Instant::now();
+    match kind {
+        Kind::Upstream => {
+            let mut progress = Progress::new();
+            let report =
+                integration::upstream::boot_volume_maintenance(&root, &ids, &ids, &mut progress)
+                    .map_err(|e| format!("upstream's boot: {e}"))?;
+            way.all_ready = started.elapsed().as_secs_f64();
+            way.first_ready = way.all_ready;
+            way.error = report
+                .conversions
+                .iter()
+                .find_map(|c| c.error.as_ref().map(|e| format!("{}: {e:?}", c.package)));
+            way.old_trees_inline = Some(
+                report
+                    .conversions
+                    .iter()
+                    .map(|c| c.removal_time.as_secs_f64())
+                    .sum(),
+            );
+            way.methods = report
+                .conversions
+                .iter()
+                .map(|c| (c.package.to_string(), "clone".to_owned()))
+                .collect();
+        }
+        Kind::Cp => {
+            for p in shape.packages() {
+                let dst = root.join(format!("{p}.cp"));
+                if p == node::NOCOW_PACKAGE {
+                    // cp cannot clone a NOCOW file into a COW one: the data
+                    // directory is made first, NOCOW, for cp to copy into.
+                    let data = dst.join("data/main/bitcoin");
+                    fs::create_dir_all(&data)?;
+                    let dir = fs::File::open(&data)?;
+                    let flags = rustix::fs::ioctl_getflags(&dir)?;
+                    rustix::fs::ioctl_setflags(&dir, flags | rustix::fs::IFlags::NOCOW)?;
+                    integration::run(
+                        std::process::Command::new("cp")
+                            .args(["-a", "--reflink=always", "-T"])
+                            .arg(root.join(p))
+                            .arg(&dst),
+                    )?;
+                } else {
+                    crate::common::cp_reflink(&root.join(p), &dst)?;
+                }
+            }
+            way.all_ready = started.elapsed().as_secs_f64();
+            way.first_ready = way.all_ready;
+        }
+        Kind::Ours => {
+            let mut progress = Progress::new();
+            let (returned, cleanup_done) = block_on(async {
+                let mut b = startos_core::volume::boot_volume_maintenance_at(
+                    &root,
+                    &ids,
+                    &ids,
+                    &mut progress,
+                )
+                .await
+                .map_err(|e| format!("our boot: {e}"))?;
+                let returned = started.elapsed();
+                if let Some((p, e)) = b.failed.first() {
+                    return Err(format!("our boot: {p}: {e}"));
+                }
+                if let Some(c) = b.cleanup.take() {
+                    c.await
+                        .map_err(|e| format!("cleanup task: {e}"))?
+                        .map_err(|e| format!("cleanup: {e}"))?;
+                }
+                Ok::<_, String>((returned, started.elapsed()))
+            })?;
+            let readies: Vec<Duration> = progress.ready.iter().map(|(_, t)| *t).collect();
+            let all = readies.iter().max().copied().unwrap_or(returned);
+            way.all_ready = all.as_secs_f64();
+            way.first_ready = readies.iter().min().copied().unwrap_or(all).as_secs_f64();
+            way.old_trees_after = Some((cleanup_done - all).as_secs_f64());
+            // How each was converted, from the plan a dry run of the same
+            // box gives (the conversion itself reports to the boot only
+            // readiness).
+            way.methods = ready_order(&progress);
+        }
+    }
+    let first = match kind {
+        Kind::Cp => None,
+        Kind::Upstream | Kind::Ours => {
+            settle(fs.mount_point())?;
+            Some(first_writes(&root)?)
+        }
+    };
+    fs.close()?;
+    Ok((way, extents, build, first))
+}
+
+/// Packages in the order they were reported ready, with when.
+fn ready_order(p: &Progress) -> Vec<(String, String)> {
+    p.ready
+        .iter()
+        .map(|(pkg, t)| (pkg.clone(), format!("ready at {}", fmt_duration(*t))))
+        .collect()
+}
+
+/// Rewrites [`FIRST_WRITES`] scattered 4 KiB blocks of bitcoind's first
+/// block files, with an fdatasync each 256, and counts the extents they
+/// gained.
+fn first_writes(root: &Path) -> Result<FirstWrites> {
+    let files: Vec<_> = (0..8).map(|i| node::block_file(root, i)).collect();
+    let before: u64 = files
+        .iter()
+        .map(|f| integration::extent_count(f))
+        .sum::<std::io::Result<u64>>()?;
+    let open: Vec<fs::File> = files
+        .iter()
+        .map(|f| fs::OpenOptions::new().write(true).open(f))
+        .collect::<std::io::Result<_>>()?;
+    let block = vec![0x5au8; 4096];
+    let ((), took) = timed(|| -> Result<()> {
+        for i in 0..FIRST_WRITES {
+            let f = &open[(i % 8) as usize];
+            let blocks = f.metadata()?.len() / 4096;
+            let at = (i.wrapping_mul(2_654_435_761) % blocks.max(1)) * 4096;
+            f.write_all_at(&block, at)?;
+            if i % 256 == 255 {
+                f.sync_data()?;
+            }
+        }
+        for f in &open {
+            f.sync_data()?;
+        }
+        Ok(())
+    })?;
+    let after: u64 = files
+        .iter()
+        .map(|f| integration::extent_count(f))
+        .sum::<std::io::Result<u64>>()?;
+    Ok(FirstWrites {
+        seconds: took.as_secs_f64(),
+        new_extents: after as i64 - before as i64,
+    })
+}
+
+/// The `boot` section.
+pub fn run(extent_counts: &[u64]) -> Result<Report> {
+    let mut cases = Vec::new();
+    for &target in extent_counts {
+        let shape = NodeShape::field(target);
+        eprintln!(
+            "boot: the box with monerod at {} extents: upstream's conversion",
+            fmt_count(target)
+        );
+        let (upstream, extents, build, up_first) = run_way(&shape, Kind::Upstream)?;
+        eprintln!("boot: cp -a --reflink=always of every package");
+        let (cp, _, _, _) = run_way(&shape, Kind::Cp)?;
+        eprintln!("boot: ours");
+        let (ours, _, _, our_first) = run_way(&shape, Kind::Ours)?;
+        let missing = || "first writes not measured".to_owned();
+        cases.push(BootCase {
+            target_extents: target,
+            extents,
+            build_seconds: build.as_secs_f64(),
+            upstream,
+            cp,
+            ours,
+            first_writes: (
+                up_first.ok_or_else(missing)?,
+                our_first.ok_or_else(missing)?,
+            ),
+        });
+    }
+    let per_extent = match (cases.first(), cases.last()) {
+        (Some(a), Some(b)) if b.extents > a.extents => {
+            let span = (b.extents - a.extents) as f64;
+            let up = (b.upstream.all_ready - a.upstream.all_ready) / span;
+            let ours = (b.ours.all_ready - a.ours.all_ready) / span;
+            let left = FIELD_EXTENTS.saturating_sub(b.extents) as f64;
+            Some(Extrapolation {
+                upstream_per_extent: up,
+                ours_per_extent: ours,
+                upstream_at_field: b.upstream.all_ready + up * left,
+                ours_at_field: b.ours.all_ready + ours.max(0.0) * left,
+            })
+        }
+        _ => None,
+    };
+    let mut targets = Vec::new();
+    for (at, fraction) in TARGETS {
+        if let Some(c) = cases.iter().find(|c| c.target_extents == at) {
+            let ratio = c.ours.all_ready / c.upstream.all_ready;
+            targets.push(Verdict::new(
+                format!(
+                    "boot: every service may start, ours <= {fraction} x upstream's at {} extents",
+                    fmt_count(at)
+                ),
+                ratio <= fraction,
+                format!(
+                    "{} vs {}: {}",
+                    secs(c.ours.all_ready),
+                    secs(c.upstream.all_ready),
+                    fmt_ratio(ratio)
+                ),
+            ));
+        }
+    }
+    if let (Some(a), Some(b)) = (cases.first(), cases.last())
+        && cases.len() > 1
+    {
+        let change = b.ours.all_ready / a.ours.all_ready - 1.0;
+        targets.push(Verdict::new(
+            format!(
+                "boot: ours the same within {:.0}% at {} and {} extents",
+                FLAT_WITHIN * 100.0,
+                fmt_count(a.target_extents),
+                fmt_count(b.target_extents)
+            ),
+            change.abs() <= FLAT_WITHIN,
+            format!(
+                "{} vs {} ({:+.0}%)",
+                secs(a.ours.all_ready),
+                secs(b.ours.all_ready),
+                change * 100.0
+            ),
+        ));
+    }
+    Ok(Report {
+        cases,
+        per_extent,
+        targets,
+    })
+}
+
+/// `0.07x`: two decimals, since these ratios are fractions.
+fn fmt_ratio(r: f64) -> String {
+    format!("{r:.2}x")
+}
+
+fn secs(s: f64) -> String {
+    fmt_duration(Duration::from_secs_f64(s.max(0.0)))
+}
+
+/// Prints the `boot` section.
+pub fn print(r: &Report) {
+    println!(
+        "boot: a box shaped like the field reports' (monerod LMDB, bitcoind +C, electrs 20,000 files, 5 small packages), all plain directories"
+    );
+    println!(
+        "{:>11}  {:>26}  {:>14}  {:>26}  {:>9}  {:>9}",
+        "db extents",
+        "upstream's boot conversion",
+        "cp -a --reflink",
+        "ours: every service may start",
+        "ours/up",
+        "ours/cp"
+    );
+    for c in &r.cases {
+        println!(
+            "{:>11}  {:>26}  {:>14}  {:>26}  {:>9}  {:>9}",
+            fmt_count(c.extents),
+            secs(c.upstream.all_ready),
+            secs(c.cp.all_ready),
+            format!(
+                "{} (first {})",
+                secs(c.ours.all_ready),
+                secs(c.ours.first_ready)
+            ),
+            fmt_ratio(c.ours.all_ready / c.upstream.all_ready),
+            fmt_ratio(c.ours.all_ready / c.cp.all_ready),
+        );
+    }
+    println!(
+        "  old trees: upstream removes them inline (inside its time above); ours after every service may start:"
+    );
+    for c in &r.cases {
+        println!(
+            "    {:>11} extents: upstream's inline removal took {}; ours removed them {} later, in the background; ready: {}",
+            fmt_count(c.extents),
+            c.upstream.old_trees_inline.map_or("-".to_owned(), secs),
+            c.ours.old_trees_after.map_or("-".to_owned(), secs),
+            c.ours
+                .methods
+                .iter()
+                .map(|(p, how)| format!("{p} {how}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        if let Some(e) = &c.upstream.error {
+            println!("    upstream failed: {e}");
+        }
+        let (u, o) = &c.first_writes;
+        println!(
+            "    bitcoind's first {} writes (NOCOW block files): after upstream's conversion {} ({:+} extents), after ours {} ({:+} extents)",
+            FIRST_WRITES,
+            secs(u.seconds),
+            u.new_extents,
+            secs(o.seconds),
+            o.new_extents
+        );
+    }
+    if let Some(x) = &r.per_extent {
+        println!(
+            "  per monerod extent, fitted between the counts: upstream {:.2} us, ours {:.3} us; at the field's {} extents: upstream {}, ours {}",
+            x.upstream_per_extent * 1e6,
+            x.ours_per_extent * 1e6,
+            fmt_count(FIELD_EXTENTS),
+            secs(x.upstream_at_field),
+            secs(x.ours_at_field)
+        );
+    }
+    for v in &r.targets {
+        v.print();
+    }
+}
+
+// ------------------------------------------------------------------ costs
+
+/// Small files of the per-entry trees.
+const COST_FILES: usize = 20_000;
+/// Extents of the per-extent file.
+const COST_EXTENTS: u64 = 200_000;
+
+/// One unit's cost, measured against what `cost.rs` states.
+#[derive(Serialize)]
+pub struct UnitCost {
+    /// What is measured.
+    pub what: String,
+    /// Microseconds per unit, measured now.
+    pub measured_us: f64,
+    /// What `volume_migrate::cost` states.
+    pub stated_us: u64,
+}
+
+/// The `costs` section's results.
+#[derive(Serialize)]
+pub struct CostReport {
+    /// Per entry and per extent, each way.
+    pub units: Vec<UnitCost>,
+    /// A NOCOW file's first writes in a never-snapshotted subvolume, then
+    /// in one whose snapshot was taken and deleted: seconds and extents
+    /// gained.
+    pub nocow_first_writes: [(f64, i64); 2],
+}
+
+fn small_files(dir: &Path, n: usize) -> Result<()> {
+    let data = vec![7u8; 8192];
+    for i in 0..n {
+        let sub = dir.join(format!("d{}", i / 1000));
+        if i % 1000 == 0 {
+            fs::create_dir_all(&sub)?;
+        }
+        fs::write(sub.join(format!("f{i}")), &data)?;
+    }
+    Ok(())
+}
+
+/// Converts `pkg` under `root` by `method` (the cut not deferred), from a
+/// settled filesystem out of the page cache; returns its time.
+fn convert(fs: &LoopFs, root: &Path, pkg: &str, method: Method) -> Result<Duration> {
+    settle(fs.mount_point())?;
+    drop_caches()?;
+    let m = Migrator::open(root).map_err(|e| e.to_string())?;
+    let opts = MigrateOptions {
+        method,
+        remove_old: false,
+        ..MigrateOptions::default()
+    };
+    let id: PackageId = pkg.parse().map_err(|e| format!("{e}"))?;
+    let (r, took) = timed(|| {
+        m.convert(&id, &opts, &mut |_: &volume_migrate::Progress| {})
+            .map_err(|e| e.to_string())
+    })?;
+    if r.method != Some(method) {
+        return Err(format!("{pkg}: converted by {:?}, not {method:?}", r.method).into());
+    }
+    Ok(took)
+}
+
+/// A filesystem with `<root>/a` and `<root>/b` built by `build`.
+fn pair(build: impl FnOnce(&Path) -> Result<u64>) -> Result<(LoopFs, std::path::PathBuf, u64)> {
+    let fs = LoopFs::btrfs(8 << 30)?;
+    let root = fs.path("volumes");
+    fs::create_dir_all(&root)?;
+    let n = build(&root)?;
+    Ok((fs, root, n))
+}
+
+/// The `costs` section.
+pub fn run_costs() -> Result<CostReport> {
+    let frag = |dir: &Path| -> Result<u64> {
+        fs::create_dir_all(dir)?;
+        Ok(integration::make_fragmented_file(
+            &dir.join("db"),
+            COST_EXTENTS * 5 * 1024,
+            COST_EXTENTS,
+            1,
+        )?)
+    };
+    eprintln!(
+        "costs: cloning {} files, then {} extents",
+        fmt_count(COST_FILES as u64),
+        fmt_count(COST_EXTENTS)
+    );
+    let (fs, root, extents) = pair(|root| {
+        small_files(&root.join("files/data"), COST_FILES)?;
+        frag(&root.join("frag/data"))
+    })?;
+    let clone_files = convert(&fs, &root, "files", Method::Clone)?;
+    let clone_frag = convert(&fs, &root, "frag", Method::Clone)?;
+    fs.close()?;
+    eprintln!("costs: cutting them out of a parent's snapshot");
+    // The package converted is small; what the cut removes is the other.
+    let (fs, root, _) = pair(|root| {
+        small_files(&root.join("rest/data"), COST_FILES)?;
+        fs::create_dir_all(root.join("kept/data"))?;
+        fs::write(root.join("kept/data/f"), b"kept")?;
+        Ok(0)
+    })?;
+    let cut_files = convert(&fs, &root, "kept", Method::SnapshotParent)?;
+    fs.close()?;
+    let (fs, root, cut_extents) = pair(|root| {
+        fs::create_dir_all(root.join("kept/data"))?;
+        fs::write(root.join("kept/data/f"), b"kept")?;
+        frag(&root.join("rest/data"))
+    })?;
+    let cut_frag = convert(&fs, &root, "kept", Method::SnapshotParent)?;
+    fs.close()?;
+
+    let per = |d: Duration, n: u64| d.as_secs_f64() * 1e6 / n as f64;
+    let (cf, cx) = (
+        per(clone_files, COST_FILES as u64),
+        per(clone_frag, extents),
+    );
+    let (kf, kx) = (
+        per(cut_files, COST_FILES as u64),
+        per(cut_frag, cut_extents),
+    );
+    // Each small file is one entry and one extent.
+    let units = vec![
+        UnitCost {
+            what: "clone, per entry".into(),
+            measured_us: cf - cx,
+            stated_us: cost::CLONE_ENTRY_US,
+        },
+        UnitCost {
+            what: "clone, per extent".into(),
+            measured_us: cx,
+            stated_us: cost::CLONE_EXTENT_US,
+        },
+        UnitCost {
+            what: "cut, per entry".into(),
+            measured_us: kf - kx,
+            stated_us: cost::CUT_ENTRY_US,
+        },
+        UnitCost {
+            what: "cut, per extent".into(),
+            measured_us: kx,
+            stated_us: cost::CUT_EXTENT_US,
+        },
+    ];
+
+    eprintln!("costs: a NOCOW file's first writes, before and after a snapshot");
+    let fs = LoopFs::btrfs(2 << 30)?;
+    let mut nocow = [(0.0, 0); 2];
+    for (i, snapshotted) in [false, true].into_iter().enumerate() {
+        let sub = fs.path(format!("sub{i}"));
+        integration::run(
+            std::process::Command::new("btrfs")
+                .args(["subvolume", "create"])
+                .arg(&sub),
+        )?;
+        let file = sub.join("nocow.img");
+        let f = fs::File::create(&file)?;
+        let flags = rustix::fs::ioctl_getflags(&f)?;
+        rustix::fs::ioctl_setflags(&f, flags | rustix::fs::IFlags::NOCOW)?;
+        f.write_all_at(&vec![1u8; 64 << 20], 0)?;
+        f.sync_all()?;
+        drop(f);
+        if snapshotted {
+            let snap = fs.path(format!("sub{i}-snap"));
+            integration::run(
+                std::process::Command::new("btrfs")
+                    .args(["subvolume", "snapshot"])
+                    .arg(&sub)
+                    .arg(&snap),
+            )?;
+            integration::run(
+                std::process::Command::new("btrfs")
+                    .args(["subvolume", "delete"])
+                    .arg(&snap),
+            )?;
+        }
+        settle(fs.mount_point())?;
+        let before = integration::extent_count(&file)?;
+        let f = fs::OpenOptions::new().write(true).open(&file)?;
+        let block = vec![0x5au8; 4096];
+        let ((), took) = timed(|| -> Result<()> {
+            for j in 0..FIRST_WRITES {
+                f.write_all_at(&block, (j.wrapping_mul(2_654_435_761) % (16 << 10)) * 4096)?;
+                if j % 256 == 255 {
+                    f.sync_data()?;
+                }
+            }
+            f.sync_data()?;
+            Ok(())
+        })?;
+        nocow[i] = (
+            took.as_secs_f64(),
+            integration::extent_count(&file)? as i64 - before as i64,
+        );
+    }
+    fs.close()?;
+    Ok(CostReport {
+        units,
+        nocow_first_writes: nocow,
+    })
+}
+
+/// Prints the `costs` section.
+pub fn print_costs(r: &CostReport) {
+    println!(
+        "costs: what volume_migrate::cost states, measured again ({} files of 8 KiB; one file of {} extents)",
+        fmt_count(COST_FILES as u64),
+        fmt_count(COST_EXTENTS)
+    );
+    println!(
+        "{:>20}  {:>10}  {:>8}  {:>9}",
+        "", "measured", "stated", "stated/measured"
+    );
+    for u in &r.units {
+        println!(
+            "{:>20}  {:>8.2}us  {:>6}us  {:>9}",
+            u.what,
+            u.measured_us,
+            u.stated_us,
+            fmt_ratio(u.stated_us as f64 / u.measured_us)
+        );
+    }
+    let [(a, ae), (b, be)] = r.nocow_first_writes;
+    println!(
+        "  a NOCOW file's first {} writes: never snapshotted {} ({:+} extents); after a snapshot, deleted since, {} ({:+} extents)",
+        FIRST_WRITES,
+        secs(a),
+        ae,
+        secs(b),
+        be
+    );
+}
