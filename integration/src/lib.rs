@@ -21,6 +21,7 @@ mod cmd;
 pub mod compare;
 mod fixture;
 mod frag;
+pub mod powercut;
 pub mod services;
 mod tree;
 pub mod upstream;
