@@ -215,6 +215,9 @@ enum Kind {
     Volume,
     /// A conversion; recovered by start-core's boot maintenance.
     Convert,
+    /// An update through start-core's finalization, its state in a file on
+    /// the same disk; recovered by start-core's reconcile.
+    Finalize,
 }
 
 struct Workload {
@@ -408,6 +411,60 @@ fn workload(name: &'static str) -> Workload {
                 BTreeSet::new(),
             )
         }
+        "finalize" => {
+            let v = volume_with_nested(&store, &root);
+            let t0 = rd(&v);
+            // The tree the migration leaves, found by running it once and
+            // rolling it back.
+            store.snapshot(&pkg_id()).expect("snapshot");
+            powercut::finalize::migrate(&v).expect("migrating");
+            let t1 = rd(&v);
+            store.restore(&pkg_id()).expect("restore");
+            assert_eq!(rd(&v), t0, "the restore of the probe migration");
+            fs::create_dir(fs.path("state")).expect("state dir");
+            runtime()
+                .block_on(async {
+                    let db = startos_core::FileDb::open(fs.path("state/db.json"))?;
+                    startos_core::Db::mutate(&*db, |m| {
+                        m.insert(
+                            pkg_id(),
+                            startos_core::PackageDataEntry {
+                                state_info: startos_core::StateInfo::Installed,
+                                version: Some(powercut::finalize::OLD_VERSION.to_owned()),
+                                s9pk: powercut::finalize::s9pk(
+                                    &pkg_id(),
+                                    powercut::finalize::OLD_VERSION,
+                                ),
+                            },
+                        );
+                        Ok(())
+                    })
+                    .await
+                })
+                .expect("writing the state");
+            let old = Pkg {
+                live: Some(t0.clone()),
+                backup: None,
+                ro_record: false,
+            };
+            let new = Pkg {
+                live: Some(t1),
+                ..old.clone()
+            };
+            (
+                Kind::Finalize,
+                vec![
+                    "powercut-workload",
+                    "finalize",
+                    root_cmd,
+                    "/mnt/state/db.json",
+                    PKG,
+                ],
+                old,
+                new,
+                t0.read_only.clone(),
+            )
+        }
         other => panic!("unknown workload {other}"),
     };
     drop(store);
@@ -480,6 +537,9 @@ fn build_plain_package(v: &Path, nested: bool) {
 enum Side {
     Old,
     New,
+    /// Neither, with the backup holding the old tree (an update's
+    /// migration under way, which its recovery rolls back).
+    Mid,
 }
 
 /// The outcome of one checked state.
@@ -499,6 +559,65 @@ fn side(w: &Workload, live: &Option<Tree>) -> Option<Side> {
     } else {
         None
     }
+}
+
+/// What the volume is as a cut left it: old, new, or (an update's
+/// migration only) neither with the old tree in the backup.
+fn before_side(w: &Workload, p: &Pkg) -> Option<Side> {
+    side(w, &p.live).or_else(|| {
+        let old = w.old.live.as_ref()?;
+        (w.kind == Kind::Finalize && p.backup.as_ref().map(|b| &b.digest) == Some(&old.digest))
+            .then_some(Side::Mid)
+    })
+}
+
+/// The package's entry in the state file beside the volumes root: old or
+/// new by its version, which must be installed.
+fn state_side(root: &Path) -> Result<Side, String> {
+    let path = db_path(root);
+    let map = runtime().block_on(async {
+        let db = startos_core::FileDb::open(&path).map_err(|e| e.to_string())?;
+        Ok::<_, String>(startos_core::Db::peek(&*db).await)
+    })?;
+    let entry = map
+        .get(&pkg_id())
+        .ok_or_else(|| format!("no entry for {PKG} in {}", path.display()))?;
+    match (&entry.state_info, entry.version.as_deref()) {
+        (startos_core::StateInfo::Installed, Some(powercut::finalize::OLD_VERSION)) => {
+            Ok(Side::Old)
+        }
+        (startos_core::StateInfo::Installed, Some(powercut::finalize::NEW_VERSION)) => {
+            Ok(Side::New)
+        }
+        other => Err(format!("the state says {other:?}")),
+    }
+}
+
+fn db_path(root: &Path) -> PathBuf {
+    root.parent().unwrap_or(root).join("state/db.json")
+}
+
+fn reconcile(root: &Path) -> Result<Vec<String>, String> {
+    let path = db_path(root);
+    runtime().block_on(async {
+        let db = startos_core::FileDb::open(&path).map_err(|e| e.to_string())?;
+        let r = startos_core::reconcile(&*db, root)
+            .await
+            .map_err(|e| format!("reconcile: {e}"))?;
+        if !r.needs_attention.is_empty() {
+            return Err(format!(
+                "reconcile needs attention: {:?}",
+                r.needs_attention
+            ));
+        }
+        let mut acts: Vec<String> = r
+            .volume_recoveries
+            .into_iter()
+            .flat_map(|r| r.actions)
+            .collect();
+        acts.extend(r.actions.into_iter().map(|(p, a)| format!("{p}: {a}")));
+        Ok(acts)
+    })
 }
 
 fn pkg_side(w: &Workload, p: &Pkg) -> Result<Side, String> {
@@ -559,6 +678,7 @@ fn boot_recovery(w: &Workload, root: &Path) -> Result<Vec<String>, String> {
             }
             Ok(acts)
         }
+        Kind::Finalize => reconcile(root),
         Kind::Convert => {
             let ids = [PKG.to_owned()];
             runtime().block_on(async {
@@ -594,8 +714,23 @@ fn settled(w: &Workload, fs: &LoopFs, what: &str) -> Result<(Side, Pkg), String>
     let root = fs.path("volumes");
     let p = read_pkg(&root)?;
     let s = pkg_side(w, &p).map_err(|e| format!("after {what}: {e}"))?;
+    agrees(w, &root, s, what)?;
     clean(w, fs, &p, what)?;
     Ok((s, p))
+}
+
+/// For an update: the state file names the version whose tree the volume is.
+fn agrees(w: &Workload, root: &Path, s: Side, what: &str) -> Result<(), String> {
+    if w.kind != Kind::Finalize {
+        return Ok(());
+    }
+    let state = state_side(root).map_err(|e| format!("after {what}: {e}"))?;
+    if state != s {
+        return Err(format!(
+            "after {what}: the state says the {state:?} version, the volume is the {s:?} tree"
+        ));
+    }
+    Ok(())
 }
 
 /// No temporary name is left, nothing beside the package changed, and a
@@ -629,6 +764,15 @@ fn next_operation(
 ) -> Result<(&'static str, Pkg), String> {
     let id = pkg_id();
     match w.kind {
+        Kind::Finalize => {
+            // Boot (reconcile), then the user retries the update.
+            reconcile(root)?;
+            runtime()
+                .block_on(powercut::finalize::update(root, &db_path(root), &id))
+                .map_err(|e| format!("the update's retry: {e}"))?;
+            agrees(w, root, Side::New, "the update's retry")?;
+            Ok(("update again", w.new.clone()))
+        }
         Kind::Convert => {
             runtime()
                 .block_on(startos_core::volume::convert_package_to_subvolume_at(
@@ -722,7 +866,7 @@ fn check_state(w: &Workload, which: usize, image: &Path) -> Result<Outcome, Stri
             .map_err(|e| format!("the state does not mount: {e}"))?;
         let root = fs.path("volumes");
         let cut = read_pkg(&root)?;
-        let before = side(w, &cut.live).ok_or_else(|| {
+        let before = before_side(w, &cut).ok_or_else(|| {
             format!(
                 "as the cut left it, the volume is neither the old tree nor the new one.\n\
                  against old:\n{}against new:\n{}",
@@ -769,6 +913,7 @@ struct Tally {
     states: usize,
     before_old: usize,
     before_new: usize,
+    before_mid: usize,
     after_old: usize,
     after_new: usize,
 }
@@ -779,16 +924,21 @@ impl Tally {
         match o.before {
             Side::Old => self.before_old += 1,
             Side::New => self.before_new += 1,
+            Side::Mid => self.before_mid += 1,
         }
         match o.after {
             Side::Old => self.after_old += 1,
-            Side::New => self.after_new += 1,
+            Side::New | Side::Mid => self.after_new += 1,
         }
     }
 
     fn row(&self, workload: &str, what: &str) -> String {
+        let mid = match self.before_mid {
+            0 => String::new(),
+            n => format!(", {n} mid-migration (backup old)"),
+        };
         format!(
-            "| {workload} | {what} | {} | {} old, {} new | {} old, {} new |",
+            "| {workload} | {what} | {} | {} old, {} new{mid} | {} old, {} new |",
             self.states, self.before_old, self.before_new, self.after_old, self.after_new
         )
     }
@@ -932,6 +1082,12 @@ fn guest_recoveries(kit: &GuestKit, w: &Workload, sweep: &Sweep, cuts: &[Cut]) -
     let command: Vec<&str> = match w.kind {
         Kind::Volume => vec!["startos-volume", "--root", "/mnt/volumes", "recover"],
         Kind::Convert => vec!["powercut-workload", "boot", "/mnt/volumes", PKG],
+        Kind::Finalize => vec![
+            "powercut-workload",
+            "reconcile",
+            "/mnt/volumes",
+            "/mnt/state/db.json",
+        ],
     };
     for &cut in cuts {
         let img = w.dir.path().join("guest-recover.img");
@@ -940,8 +1096,8 @@ fn guest_recoveries(kit: &GuestKit, w: &Workload, sweep: &Sweep, cuts: &[Cut]) -
             let copy = w.dir.path().join("guest-recover-peek.img");
             powercut::sparse_copy(&img, &copy).expect("copy");
             let fs = LoopFs::from_image(FsKind::Btrfs, &copy, "").expect("mounting the state");
-            let live = read_pkg(&fs.path("volumes")).expect("reading").live;
-            side(w, &live).unwrap_or_else(|| panic!("{}: state {} is neither", w.name, cut.end))
+            let p = read_pkg(&fs.path("volumes")).expect("reading");
+            before_side(w, &p).unwrap_or_else(|| panic!("{}: state {} is neither", w.name, cut.end))
         };
         let r = guest::run(kit, &img, &Disk::Direct, &command, None, GUEST_TIMEOUT)
             .unwrap_or_else(|e| panic!("{}: recovery in the guest: {e}", w.name));
@@ -1029,4 +1185,118 @@ fn convert_clone() {
 #[test]
 fn convert_parent() {
     sweep_workload("convert-parent", false, 2, 1);
+}
+
+#[test]
+fn finalize() {
+    sweep_workload("finalize", false, 2, 1);
+}
+
+// ---------------------------------------------------------------------------
+// Regression cases: the exact replayed state a bug lived in, rebuilt
+
+/// Mounts the state `cut` of `sweep` and runs `f` on its volumes root.
+fn peek<T>(w: &Workload, sweep: &Sweep, cut: Cut, f: impl FnOnce(&Path) -> T) -> T {
+    let img = w.dir.path().join("peek.img");
+    sweep.rebuild(cut, &img).expect("rebuilding a state");
+    let fs = LoopFs::from_image(FsKind::Btrfs, &img, "").expect("mounting a state");
+    f(&fs.path("volumes"))
+}
+
+/// The first state, in log order to the write, where `pred` holds: found
+/// among the flush states, then narrowed down write by write since the
+/// previous one. Fails the test if no state has it.
+fn first_state(w: &Workload, sweep: &Sweep, pred: &dyn Fn(&Path) -> bool) -> Cut {
+    let barriers = sweep.barrier_cuts();
+    let k = barriers
+        .iter()
+        .position(|&c| peek(w, sweep, c, pred))
+        .unwrap_or_else(|| panic!("{}: no state of the sweep shows what is looked for", w.name));
+    let from = if k == 0 { 0 } else { barriers[k - 1].end + 1 };
+    let all = sweep.every_cut();
+    all[from..=barriers[k].end]
+        .iter()
+        .copied()
+        .find(|&c| peek(w, sweep, c, pred))
+        .unwrap_or(barriers[k])
+}
+
+/// Issue 13's bug: after a restore of a volume with nested subvolumes, the
+/// first state in which the rollback record is durable must already have
+/// the rollback copy complete, the times of the nested subvolumes' parents
+/// (which the recursive snapshot changed and `snapshot_tree` put back) and
+/// the read-only flags included: recovery trusts the record. Today the
+/// record's commit (BTRFS_IOC_START_SYNC + WAIT_SYNC) makes them durable
+/// together; this rebuilds that exact state to keep it so.
+#[test]
+fn regression_restore_record_durable_with_the_copys_times() {
+    let Some(kit) = kit() else { return };
+    let w = workload("restore");
+    let (sweep, _) = logged_run(kit, &w);
+    let record = format!("{PKG}.rollback.id");
+    let cut = first_state(&w, &sweep, &|root| {
+        fs::symlink_metadata(root.join(&record)).is_ok()
+    });
+    let expected = w.new.live.clone().expect("the restored tree");
+    peek(&w, &sweep, cut, |root| {
+        let trees: Vec<Tree> = [format!("{PKG}.rollback"), PKG.to_owned()]
+            .iter()
+            .filter(|n| root.join(n).exists())
+            .map(|n| read_tree(&root.join(n)).unwrap_or_else(|e| panic!("{e}")))
+            .collect();
+        assert!(
+            trees.contains(&expected),
+            "the state before entry {} holds the rollback record, but neither {PKG} nor \
+             {PKG}.rollback is the complete backup:\n{}",
+            cut.end,
+            trees
+                .iter()
+                .map(|t| format!(
+                    "{}; read-only {:?}",
+                    expected.digest.diff(&t.digest).join("; "),
+                    paths(&t.read_only)
+                ))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    });
+    eprintln!(
+        "regression restore: the record is first durable before entry {} of {}; the copy is complete there",
+        cut.end,
+        sweep.log.entries.len()
+    );
+}
+
+/// Found by this harness: the finalizer recorded an update `installed`
+/// (which lets the backup go) while the new version's migration was not yet
+/// durable, so a cut just after the record kept it and lost the
+/// migration's last writes (here the times it set after its fsyncs), with
+/// no backup left by reconcile. The finalizer now commits the volume after
+/// init; this rebuilds the first state in which `installed` is durable and
+/// checks the volume is the migrated tree there.
+#[test]
+fn regression_update_recorded_installed_only_once_migrated() {
+    let Some(kit) = kit() else { return };
+    let w = workload("finalize");
+    let (sweep, _) = logged_run(kit, &w);
+    let cut = first_state(&w, &sweep, &|root| state_side(root) == Ok(Side::New));
+    peek(&w, &sweep, cut, |root| {
+        let p = read_pkg(root).unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            p.live == w.new.live,
+            "the state before entry {} records the update installed, but the volume is not \
+             the migrated tree:\n{}",
+            cut.end,
+            w.new.diff(&Pkg {
+                backup: None,
+                ro_record: false,
+                ..p
+            })
+        );
+    });
+    eprintln!(
+        "regression finalize: installed is first durable before entry {} of {}; the migration is there",
+        cut.end,
+        sweep.log.entries.len()
+    );
 }

@@ -7,10 +7,15 @@
 //!     volume_migrate::Migrator::convert with that method, then remove_old
 //! powercut-workload boot ROOT PKG
 //!     startos_core::volume::boot_volume_maintenance_at for PKG, cleanup included
+//! powercut-workload finalize ROOT DB PKG
+//!     integration::powercut::finalize::update: PKG's update, state in the file DB
+//! powercut-workload reconcile ROOT DB
+//!     startos_core::reconcile, the boot path of the state and the volumes
 //! ```
 //!
 //! Exit 0 on success; on failure one line on stderr and exit 1.
 
+use std::path::Path;
 use std::process::ExitCode;
 
 use volume::PackageId;
@@ -62,17 +67,39 @@ fn run(args: &[String]) -> Result<String, String> {
         }
         ["boot", root, pkg] => {
             let pkg = package(pkg)?;
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map_err(|e| format!("tokio runtime: {e}"))?;
-            rt.block_on(boot(root, &pkg))
+            runtime()?.block_on(boot(root, &pkg))
+        }
+        ["finalize", root, db, pkg] => {
+            let pkg = package(pkg)?;
+            let dropped = runtime()?
+                .block_on(integration::powercut::finalize::update(
+                    Path::new(root),
+                    Path::new(db),
+                    &pkg,
+                ))
+                .map_err(|e| e.to_string())?;
+            Ok(format!("updated {pkg}; backup dropped: {dropped}"))
+        }
+        ["reconcile", root, db] => {
+            let report = runtime()?.block_on(async {
+                let db = startos_core::FileDb::open(*db)?;
+                startos_core::reconcile(&*db, Path::new(root)).await
+            });
+            let report = report.map_err(|e| e.to_string())?;
+            Ok(format!("reconciled: {:?}", report.actions))
         }
         _ => Err(format!(
             "usage: powercut-workload convert ROOT PKG clone|snapshot-parent|auto \
-             | boot ROOT PKG (got {words:?})"
+             | boot ROOT PKG | finalize ROOT DB PKG | reconcile ROOT DB (got {words:?})"
         )),
     }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("tokio runtime: {e}"))
 }
 
 /// No progress display: the boot's figures are not what is tested here.

@@ -10,12 +10,15 @@
 //!   prefix of the log;
 //! - [`Sweep`]: one logged run and the states it yields, checked to replay
 //!   to the guest's final disk byte for byte;
-//! - [`btrfs_check`]: `btrfs check --readonly` of a state.
+//! - [`btrfs_check`]: `btrfs check --readonly` of a state;
+//! - [`finalize`]: the update-finalization workload, with services that are
+//!   already stopped and a deterministic data migration.
 //!
 //! What a state must then hold (old or new tree, after recovery one
 //! complete tree and no temporary name) is the tests' business
 //! (`integration/tests/powercut.rs`).
 
+pub mod finalize;
 pub mod guest;
 pub mod log;
 
