@@ -265,6 +265,27 @@ impl<W: Write> Cpio<W> {
     }
 }
 
+/// Removes the initramfs files earlier test processes left in `cache`
+/// (each is named by its process id) once that process is gone.
+fn remove_stale_initramfs(cache: &Path) -> io::Result<()> {
+    for e in fs::read_dir(cache)? {
+        let path = e?.path();
+        let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+            continue;
+        };
+        let pid = name
+            .strip_prefix("initramfs-")
+            .and_then(|n| n.split('.').next())
+            .and_then(|n| n.parse::<u32>().ok());
+        if let Some(pid) = pid {
+            if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+                fs::remove_file(&path)?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The bytes of `bin` as the guest gets it: stripped of debug information
 /// when `strip` is there (a debug build is mostly that), else as it is.
 fn binary_bytes(bin: &Path, scratch: &Path) -> io::Result<Vec<u8>> {
@@ -328,6 +349,7 @@ impl GuestKit {
         }
         let order = module_order(&moddir, MODULES)?;
 
+        remove_stale_initramfs(cache)?;
         let initramfs = cache.join(format!("initramfs-{}.cpio", std::process::id()));
         let tmp = initramfs.with_extension("tmp");
         let file = fs::File::create(&tmp)?;
