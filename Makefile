@@ -7,8 +7,11 @@ CARGO ?= cargo
 # libbtrfsutil and libclang (its bindgen build step) for the volume crate's
 # optional `btrfsutil` backend, which `make test` cross-checks; compsize
 # to cross-check usage figures, e2fsprogs for the ext4 fallback tests, attr and acl
-# for the tests that set xattrs and ACLs.
-APT_PACKAGES := btrfs-progs libbtrfsutil-dev libclang-dev btrfs-compsize e2fsprogs attr acl
+# for the tests that set xattrs and ACLs; qemu-system-x86 and busybox-static for
+# the power-cut guest (integration/tests/powercut.rs, which fetches Debian's
+# cloud kernel itself with `apt-get download` into the cargo target dir).
+APT_PACKAGES := btrfs-progs libbtrfsutil-dev libclang-dev btrfs-compsize e2fsprogs attr acl \
+	qemu-system-x86 busybox-static
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
 # Extra arguments for the bench binary, e.g. `make bench BENCH_ARGS="--extents 500000"`.
@@ -26,7 +29,7 @@ CLI_FEATURES := volume/cli,volume-migrate/cli
 # them; a production build has none.
 TEST_FEATURES := volume/failpoints,volume-migrate/failpoints,startos-core/failpoints,$(CLI_FEATURES)
 
-.PHONY: all deps build fmt-check clippy test bench demo targets compare
+.PHONY: all deps build fmt-check clippy test bench demo targets compare powercut
 
 all: build
 
@@ -43,7 +46,7 @@ deps:
 		echo "deps: installing$$missing"; \
 		export DEBIAN_FRONTEND=noninteractive; \
 		$(SUDO) apt-get update -qq \
-			&& $(SUDO) apt-get install -y -qq $(APT_PACKAGES) >/dev/null; \
+			&& $(SUDO) apt-get install -y -qq --no-install-recommends $(APT_PACKAGES) >/dev/null; \
 	fi
 
 build: deps
@@ -68,6 +71,12 @@ test: deps fmt-check clippy
 	$(CARGO) build --workspace --bins --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS)
 	$(CARGO) test --workspace --no-fail-fast --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS) -- --test-threads=4
 	$(CARGO) test -p volume --features volume/btrfsutil --test sys_primitives $(CARGO_TEST_FLAGS)
+
+# The fuller power-cut sweep: every write state of every workload, more real
+# cuts and more recoveries inside the guest (`make test` samples them).
+powercut: deps
+	$(CARGO) build --workspace --bins --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS)
+	POWERCUT_FULL=1 $(CARGO) test -p integration --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS) --test powercut -- --test-threads=3 --nocapture
 
 bench: deps
 	$(CARGO) build --release --features $(CLI_FEATURES) -p volume --bin startos-volume -p volume-migrate --bin volume-migrate -p integration --bin startos-core-service && $(CARGO) run --release -p integration --bin bench -- $(BENCH_ARGS)

@@ -206,8 +206,10 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
     /// Order: record the intent in the state; stop the old service (so
     /// nothing writes any more); snapshot its volume (fresh installs with no
     /// volume take none; a reinstall over a soft uninstall does); record that
-    /// the backup exists; uninit the old version towards the new one; install,
-    /// init and start the new one. Then: state `installed` at the new version,
+    /// the backup exists; uninit the old version towards the new one; install
+    /// and init the new one; commit what they wrote to the volume (so a power
+    /// cut never keeps the `installed` record without the migration it
+    /// vouches for); start it. Then: state `installed` at the new version,
     /// the success notification, and only after it the O(1) backup drop
     /// ([`Finalized::backup_drop`]).
     ///
@@ -446,6 +448,14 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
         failpoint("finalize.install")?;
         progress.phase = Phase::Init;
         step(pkg, Phase::Init, cancel, svc.init(pkg, &req.version, old)).await?;
+        // What uninit, install and init wrote (a migration) is durable before
+        // anything can record the install as done: the `installed` state is
+        // what lets the backup go, at once or by reconcile after a crash, and
+        // a power cut must not keep that record while losing the migration's
+        // last writes. The new service is not running yet, so this commits
+        // the migration only.
+        let (store, p) = (self.store()?, pkg.clone());
+        blocking(move || store.sync_volume(&p)).await?;
         failpoint("finalize.init")?;
         progress.phase = Phase::Start;
         step(pkg, Phase::Start, cancel, svc.start(pkg, &req.version)).await?;

@@ -326,6 +326,65 @@ impl LoopFs {
         }
     }
 
+    /// Attaches and mounts an existing image: `image` is moved into a fresh
+    /// directory of this `LoopFs` (so it is deleted on drop, as any image of
+    /// ours) and mounted with `options` (comma-separated, may be empty).
+    /// Fails with [`ErrorKind::Unsupported`] when loop-mounted `kind` is not
+    /// possible here.
+    pub fn from_image(kind: FsKind, image: &Path, options: &str) -> io::Result<LoopFs> {
+        check_support(kind).map_err(|reason| io::Error::new(ErrorKind::Unsupported, reason))?;
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("itest-{kind}-img-"))
+            .tempdir_in(scratch_root())?;
+        let root = dir.path().canonicalize()?;
+        let moved = root.join("fs.img");
+        let mount_point = root.join("mnt");
+        fs::create_dir(&mount_point)?;
+        fs::rename(image, &moved).or_else(|_| {
+            // Another filesystem: copy, then remove the original.
+            fs::copy(image, &moved).and_then(|_| fs::remove_file(image))
+        })?;
+        let mut fs = LoopFs {
+            kind,
+            dir: Some(dir),
+            image: moved,
+            device: PathBuf::new(),
+            mount_point,
+            mount_options: options.to_owned(),
+            attached: false,
+            mounted: false,
+        };
+        let out = run(Command::new(program("losetup")?)
+            .args(["--find", "--show"])
+            .arg(&fs.image))?;
+        let device = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        if device.is_empty() {
+            return Err(io::Error::other("losetup --find --show printed no device"));
+        }
+        fs.device = PathBuf::from(device);
+        fs.attached = true;
+        fs.mount()?;
+        Ok(fs)
+    }
+
+    /// Unmounts the filesystem and detaches its loop device, keeping the
+    /// image: for a tool that needs the device unused (`btrfs check`), or to
+    /// boot a guest on it. [`LoopFs::remount`] attaches nothing again; drop
+    /// or [`LoopFs::close`] still delete the image.
+    pub fn unmount(&mut self) -> io::Result<()> {
+        if self.mounted {
+            unmount_retrying(&self.mount_point)?;
+            self.mounted = false;
+        }
+        if self.attached {
+            run(Command::new(program("losetup")?)
+                .arg("-d")
+                .arg(&self.device))?;
+            self.attached = false;
+        }
+        Ok(())
+    }
+
     /// The filesystem's kind.
     pub fn kind(&self) -> FsKind {
         self.kind

@@ -22,6 +22,7 @@ pub mod compare;
 mod fixture;
 mod frag;
 pub mod node;
+pub mod powercut;
 pub mod services;
 mod tree;
 pub mod upstream;

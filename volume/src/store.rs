@@ -532,6 +532,29 @@ impl VolumeStore {
         Ok(kind)
     }
 
+    /// Makes everything written so far inside `<pkg>` durable: on btrfs a
+    /// commit after writing out the dirty data (BTRFS_IOC_SYNC), elsewhere
+    /// `syncfs`. For a caller about to record that the volume's contents are
+    /// final, such as start-core before it records an update installed and
+    /// so lets its backup go: without this, a power cut can keep that record
+    /// and lose the writes it vouches for (a migration's last changes), with
+    /// the backup gone. Does nothing when there is no volume; takes no lock.
+    pub fn sync_volume(&self, pkg: &PackageId) -> Result<(), Error> {
+        let names = Names::new(pkg)?;
+        if self.tree(pkg, &names.live)?.is_none() {
+            return Ok(());
+        }
+        let sync = || -> io::Result<()> {
+            let live = sys::open_dir_at(self.root_fd(), &names.live)?;
+            if self.btrfs {
+                sys::commit(live.as_fd())
+            } else {
+                sys::syncfs(live.as_fd())
+            }
+        };
+        sync().map_err(|e| self.failed(pkg, "making the volume's contents durable", e))
+    }
+
     /// Takes the install backup `<pkg>.install-backup` of `<pkg>`.
     ///
     /// On btrfs with `<pkg>` a subvolume: a read-only snapshot, nested

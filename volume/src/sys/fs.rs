@@ -259,6 +259,12 @@ pub fn fsync(fd: BorrowedFd<'_>) -> io::Result<()> {
     Ok(rustix::fs::fsync(fd)?)
 }
 
+/// `syncfs` of the filesystem holding `fd`: every dirty page and inode of
+/// it written and, where the filesystem has one, its journal committed.
+pub fn syncfs(fd: BorrowedFd<'_>) -> io::Result<()> {
+    Ok(rustix::fs::syncfs(fd)?)
+}
+
 /// Creation time (statx btime; a subvolume root's otime on btrfs) of the
 /// inode open as `fd`, as (seconds, nanoseconds); `None` where the
 /// filesystem does not record one.
