@@ -457,3 +457,49 @@ fn a_run_killed_at_every_step_loses_nothing_and_redoes_nothing() {
         volume::delete_tree(&case).unwrap_or_else(|e| panic!("{when}: deleting the case: {e}"));
     }
 }
+
+/// Counts paused at a round's budget go on where they stood: with two
+/// packages over the first round's budget, one of them paused in the middle
+/// of a fragmented file's extents (a directory is read in creation order,
+/// so the file created last is reached after the small files), the
+/// schedule's counts equal a whole count of each, entry for entry and
+/// extent for extent.
+#[test]
+fn counts_paused_between_rounds_lose_and_repeat_nothing() {
+    let fs = fs_or_skip!(LoopFs::btrfs(2 << 30));
+    let root = fs.path("volumes");
+    let small = |dir: &Path, n: u32| {
+        fs::create_dir_all(dir).unwrap();
+        for i in 0..n {
+            fs::write(dir.join(format!("f{i:05}")), [i as u8; 100]).unwrap();
+        }
+    };
+    // 5,500 small files (an entry and an inline extent each) come to just
+    // under the first round's budget: the file after them crosses it.
+    let a = root.join("alpha/data");
+    small(&a, 5_500);
+    let extents = integration::make_fragmented_file(&a.join("zz.db"), 20_000 * 8192, 20_000, 9)
+        .expect("fragmenting");
+    assert!(extents >= 18_000, "{extents}");
+    small(&root.join("bravo/data"), 10_000);
+    let m = Migrator::open(&root).unwrap();
+    let all = [pkg("alpha"), pkg("bravo")];
+    let plan = m.schedule(&all, &MigrateOptions::default()).unwrap();
+    let whole = m.plan().unwrap();
+    for p in ["alpha", "bravo"] {
+        let counted = planned_of(&plan, p).clone.expect("counted");
+        let est = planned_of(&whole, p).estimate.expect("scanned");
+        assert!(!counted.at_least, "{p}: counted whole in the second round");
+        assert_eq!(
+            (counted.entries, counted.extents),
+            (est.entries, est.extents),
+            "{p}: the paused count against a whole one"
+        );
+    }
+    // And the rule: neither package's cut is within half its clone here.
+    assert!(
+        plan.iter()
+            .all(|p| p.decision == Some(Decision::Clone(CloneReason::CutCostsMore))),
+        "{plan:?}"
+    );
+}

@@ -2,14 +2,16 @@
 //! extent items and costs per unit measured on this project's 2-core VM.
 //!
 //! The figures come from `bench --only costs`, which times each way on
-//! trees that isolate one unit (20,000 files of 8 KiB for entries, one file
-//! of 200,000 extents for extent items), release build, settled filesystem
-//! (run on 2026-12-01):
+//! trees that isolate one unit (20,000 files of 8 KiB for entries, each
+//! with one extent item; one file of 200,000 extents for extent items),
+//! release build, each from a settled filesystem out of the page cache.
+//! Three runs on 2026-12-01, medians (and the spread):
 //! - a clone (FICLONERANGE into a new subvolume, every attribute set):
-//!   45.6 us per 8 KiB file, 6.86 us per extent item, so 38.7 us per entry;
+//!   7.08 us per extent item (6.94-7.11), 40.7 us per entry beyond its
+//!   extent (37.6-46.3);
 //! - removing from a fresh snapshot (what the cut of a parent snapshot
 //!   does: each leaf it touches is copied first, as the snapshot shares it):
-//!   51.2 us per 8 KiB file, 2.01 us per extent item, so 49.2 us per entry;
+//!   2.72 us per extent item (2.66-2.88), 58.3 us per entry (56.7-65.9);
 //! - lifting a top entry of the package out of the snapshot: a rename,
 //!   taken as an entry removed.
 //!
@@ -22,13 +24,13 @@ use crate::Estimate;
 use crate::scan::Weights;
 
 /// Microseconds per entry cloned.
-pub const CLONE_ENTRY_US: u64 = 39;
+pub const CLONE_ENTRY_US: u64 = 41;
 /// Microseconds per extent item cloned.
 pub const CLONE_EXTENT_US: u64 = 7;
 /// Microseconds per entry removed from a fresh snapshot.
-pub const CUT_ENTRY_US: u64 = 49;
+pub const CUT_ENTRY_US: u64 = 58;
 /// Microseconds per extent item removed from a fresh snapshot.
-pub const CUT_EXTENT_US: u64 = 2;
+pub const CUT_EXTENT_US: u64 = 3;
 
 /// [`crate::Method::Auto`] snapshots the parent when cutting it down costs
 /// at most this fraction of cloning the package: half. The cut of a boot's

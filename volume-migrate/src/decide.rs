@@ -16,10 +16,11 @@
 //! the divisor at 2): the rule reads `C(P) + 2 CUT(P) >= 2 (R + lifted)`,
 //! and `R` is the same for every package, so if any package passes, the
 //! dominant one does (up to its top entries). Counting finds it without
-//! counting it whole: every package is counted in rounds of growing
-//! budget until at most one is left over the budget ([`FIRST_ROUND_US`],
-//! times [`ROUND_GROWTH`] each round), so the dominant one is counted only
-//! about as far as the others weigh. Its rest is then what was counted of
+//! counting it whole: every package is counted on a thread of its own that
+//! pauses at a budget ([`FIRST_ROUND_US`], times [`ROUND_GROWTH`] each
+//! round, the paused counts going on where they stood) until at most one is
+//! left over it, so the dominant one is counted only about as far as the
+//! others weigh. Its rest is then what was counted of
 //! the others plus everything else in the parent, which is counted only up
 //! to what the rule allows (and the dominant further, if the rest needs
 //! it). Deciding thus costs about what counting the other packages costs,
@@ -40,13 +41,14 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
+use std::thread::ScopedJoinHandle;
 
 use models::PackageId;
 use serde::Serialize;
 use volume::sys;
 
 use crate::cost::{self, CLONE_ENTRY_US, CUT, CUT_AT_MOST_DIVISOR, CUT_ENTRY_US, Cost};
-use crate::scan::{Counted, Limits, Weights, scan_within};
+use crate::scan::{Counted, Gate, Limits, Status, Weights, scan_within};
 use crate::{Estimate, Method};
 
 /// A package whose clone costs less than this (microseconds, by
@@ -54,11 +56,13 @@ use crate::{Estimate, Method};
 /// commit a snapshot itself waits for (11-17 ms measured) plus deciding.
 pub const SNAPSHOT_MIN_CLONE_US: u64 = 25_000;
 /// The first round's budget when counting for the dominant package, in
-/// microseconds of the rank's weight (a clone plus two cuts): 1 s, about 7,000 entries or 90,000
-/// extent items, so most packages are counted whole in the first round.
+/// microseconds of the rank's weight (a clone plus two cuts): 1 s, about
+/// 6,400 entries or 77,000 extent items, so most packages are counted
+/// whole in the first round.
 pub const FIRST_ROUND_US: u64 = 1_000_000;
-/// Each round counts four times as far as the one before: recounting from
-/// the start each round then costs at most a third more than one count.
+/// Each round lets the counts still going run four times as far: few
+/// rounds, and the dominant package counted at most four times further
+/// than the rule needed.
 pub const ROUND_GROWTH: u64 = 4;
 
 /// The weights packages are ranked by: a clone plus the divisor's cuts.
@@ -280,17 +284,54 @@ pub(crate) struct Decided {
     pub count: Option<Counted>,
 }
 
-/// Counts `dir` with `weights` up to `max_work` (no limit: `u64::MAX`).
-fn count(dir: BorrowedFd<'_>, weights: Weights, max_work: u64) -> io::Result<Counted> {
-    let stop = AtomicBool::new(false);
-    scan_within(
-        dir,
-        Limits {
-            max_work,
-            weights,
-            ..Limits::all(&stop)
-        },
-    )
+/// Every candidate's count, each on its own thread behind a [`Gate`]: the
+/// rounds raise budgets instead of counting again, and the counts of
+/// different packages overlap (on two cores, and on the disk when cold).
+struct Counts<'scope, 'g> {
+    gates: &'g [Gate],
+    handles: Vec<Option<ScopedJoinHandle<'scope, io::Result<Counted>>>>,
+    /// What each has counted so far: whole once its thread finished.
+    now: Vec<Counted>,
+}
+
+impl Counts<'_, '_> {
+    /// Waits for count `i` to pause or finish, and takes what it has.
+    fn refresh(&mut self, i: usize) -> io::Result<()> {
+        match self.gates[i].wait() {
+            Status::Paused(est) => {
+                self.now[i] = Counted {
+                    est,
+                    complete: false,
+                    in_place: 0,
+                };
+            }
+            Status::Finished => {
+                if let Some(h) = self.handles[i].take() {
+                    self.now[i] = match h.join() {
+                        Ok(r) => r?,
+                        Err(panic) => std::panic::resume_unwind(panic),
+                    };
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Lets count `i` go on up to `budget`, and waits for it.
+    fn raise(&mut self, i: usize, budget: u64) -> io::Result<()> {
+        self.gates[i].raise(budget);
+        self.refresh(i)
+    }
+}
+
+/// Stops every count when deciding ends, however it ends, so that no
+/// thread waits at its gate for ever.
+struct StopAll<'g>(&'g [Gate]);
+
+impl Drop for StopAll<'_> {
+    fn drop(&mut self) {
+        self.0.iter().for_each(Gate::stop);
+    }
 }
 
 /// [`Method::Auto`]'s decisions for the candidates, all plain directories
@@ -305,87 +346,129 @@ pub(crate) fn decide(
         Ok(p) => p,
         Err(reason) => return Ok(all_clone(candidates, |_| reason.clone())),
     };
-    // Rounds: count every open candidate up to the budget, until at most one
-    // eligible candidate is left over it. The ineligible are counted whole:
-    // they are part of the dominant one's rest.
-    for c in candidates.iter_mut().filter(|c| c.ineligible.is_some()) {
-        c.count = Some(count(c.dir.as_fd(), RANK, u64::MAX)?);
-    }
-    let mut budget = FIRST_ROUND_US;
-    loop {
-        let mut open = 0;
-        for c in candidates
-            .iter_mut()
-            .filter(|c| c.ineligible.is_none() && !c.complete())
-        {
-            let counted = count(c.dir.as_fd(), RANK, budget)?;
-            open += usize::from(!counted.complete);
-            c.count = Some(counted);
-        }
-        if open <= 1 {
-            break;
-        }
-        budget = budget.saturating_mul(ROUND_GROWTH);
-    }
-    let dominant = candidates
+    // The ineligible are counted whole: they are part of the dominant
+    // one's rest.
+    let gates: Vec<Gate> = candidates
         .iter()
-        .enumerate()
-        .filter(|(_, c)| c.ineligible.is_none())
-        .max_by_key(|(_, c)| (!c.complete(), RANK.of(&c.est())))
-        .map(|(i, _)| i);
-    let Some(d) = dominant else {
-        return Ok(all_clone(candidates, |_| CloneReason::CutCostsMore));
-    };
+        .map(|c| {
+            Gate::new(if c.ineligible.is_some() {
+                u64::MAX
+            } else {
+                FIRST_ROUND_US
+            })
+        })
+        .collect();
+    let (verdict, d, counts) = std::thread::scope(|scope| -> io::Result<_> {
+        let _stop = StopAll(&gates);
+        let mut counts = Counts {
+            gates: &gates,
+            handles: candidates
+                .iter()
+                .zip(&gates)
+                .map(|(c, gate)| {
+                    let dir = c.dir.as_fd();
+                    Some(scope.spawn(move || {
+                        let stop = AtomicBool::new(false);
+                        let r = scan_within(
+                            dir,
+                            Limits {
+                                max_work: gate.budget(),
+                                weights: RANK,
+                                gate: Some(gate),
+                                ..Limits::all(&stop)
+                            },
+                        );
+                        gate.finish();
+                        r
+                    }))
+                })
+                .collect(),
+            now: vec![Counted::default(); candidates.len()],
+        };
+        for i in 0..candidates.len() {
+            counts.refresh(i)?;
+        }
+        // Rounds, until at most one eligible candidate is left over the
+        // budget.
+        let mut budget = FIRST_ROUND_US;
+        loop {
+            let open: Vec<usize> = (0..candidates.len())
+                .filter(|&i| candidates[i].ineligible.is_none() && !counts.now[i].complete)
+                .collect();
+            if open.len() <= 1 {
+                break;
+            }
+            budget = budget.saturating_mul(ROUND_GROWTH);
+            for &i in &open {
+                counts.gates[i].raise(budget);
+            }
+            for &i in &open {
+                counts.refresh(i)?;
+            }
+        }
+        let dominant = (0..candidates.len())
+            .filter(|&i| candidates[i].ineligible.is_none())
+            .max_by_key(|&i| (!counts.now[i].complete, RANK.of(&counts.now[i].est)));
+        let Some(d) = dominant else {
+            return Ok((None, 0, counts.now));
+        };
 
-    let lifted = sys::read_dir_names(candidates[d].dir.as_fd())?.len() as u64;
-    let others = candidates
-        .iter()
-        .enumerate()
-        .filter(|&(i, _)| i != d)
-        .fold(Estimate::default(), |acc, (_, c)| acc.plus(&c.est()));
-    let skip: HashSet<(u64, u64)> = candidates.iter().map(|c| c.key).collect();
-    let verdict = loop {
-        let complete = candidates[d].complete();
-        let clone = Cost::clone_of(&candidates[d].est(), complete);
-        if complete && clone.micros < SNAPSHOT_MIN_CLONE_US {
-            break Verdict::Clone(CloneReason::Small, None);
-        }
-        let allowed = clone.micros / CUT_AT_MOST_DIVISOR;
-        let known = Cost::cut_of(&others, lifted, true);
-        if known.micros <= allowed {
-            let stop = AtomicBool::new(false);
-            let rest = scan_within(
-                parent.root.as_fd(),
-                Limits {
-                    stop: &stop,
-                    max_work: allowed - known.micros,
-                    weights: CUT,
-                    skip: Some(&skip),
-                    one_device: true,
-                    in_place: true,
-                },
-            )?;
-            let cut = Cost::cut_of(&others.plus(&rest.est), lifted, rest.complete);
-            if rest.complete {
-                if rest.in_place > 0 {
-                    break Verdict::Clone(
-                        CloneReason::InPlaceFiles {
-                            files: rest.in_place,
-                        },
-                        Some(cut),
-                    );
+        let lifted = sys::read_dir_names(candidates[d].dir.as_fd())?.len() as u64;
+        let others = (0..candidates.len())
+            .filter(|&i| i != d)
+            .fold(Estimate::default(), |acc, i| acc.plus(&counts.now[i].est));
+        let skip: HashSet<(u64, u64)> = candidates.iter().map(|c| c.key).collect();
+        let verdict = loop {
+            let complete = counts.now[d].complete;
+            let clone = Cost::clone_of(&counts.now[d].est, complete);
+            if complete && clone.micros < SNAPSHOT_MIN_CLONE_US {
+                break Verdict::Clone(CloneReason::Small, None);
+            }
+            let allowed = clone.micros / CUT_AT_MOST_DIVISOR;
+            let known = Cost::cut_of(&others, lifted, true);
+            if known.micros <= allowed {
+                let stop = AtomicBool::new(false);
+                let rest = scan_within(
+                    parent.root.as_fd(),
+                    Limits {
+                        stop: &stop,
+                        max_work: allowed - known.micros,
+                        weights: CUT,
+                        skip: Some(&skip),
+                        one_device: true,
+                        in_place: true,
+                        gate: None,
+                    },
+                )?;
+                let cut = Cost::cut_of(&others.plus(&rest.est), lifted, rest.complete);
+                if rest.complete {
+                    if rest.in_place > 0 {
+                        break Verdict::Clone(
+                            CloneReason::InPlaceFiles {
+                                files: rest.in_place,
+                            },
+                            Some(cut),
+                        );
+                    }
+                    break Verdict::Snapshot(cut);
                 }
-                break Verdict::Snapshot(cut);
+                if complete {
+                    break Verdict::Clone(CloneReason::CutCostsMore, Some(cut));
+                }
+            } else if complete {
+                break Verdict::Clone(CloneReason::CutCostsMore, Some(known.at_least()));
             }
-            if complete {
-                break Verdict::Clone(CloneReason::CutCostsMore, Some(cut));
-            }
-        } else if complete {
-            break Verdict::Clone(CloneReason::CutCostsMore, Some(known.at_least()));
-        }
-        // The cut may still fit in a clone counted further.
-        budget = budget.saturating_mul(ROUND_GROWTH);
-        candidates[d].count = Some(count(candidates[d].dir.as_fd(), RANK, budget)?);
+            // The cut may still fit in a clone counted further.
+            budget = budget.saturating_mul(ROUND_GROWTH);
+            counts.raise(d, budget)?;
+        };
+        Ok((Some(verdict), d, counts.now))
+    })?;
+    for (c, counted) in candidates.iter_mut().zip(counts) {
+        c.count = Some(counted);
+    }
+    let Some(verdict) = verdict else {
+        return Ok(all_clone(candidates, |_| CloneReason::CutCostsMore));
     };
 
     let dominant_pkg = candidates[d].package.clone();

@@ -1000,6 +1000,7 @@ impl Migrator {
                         skip: Some(&skip),
                         one_device: true,
                         in_place: true,
+                        gate: None,
                     },
                 )
                 .with_ctx(step(

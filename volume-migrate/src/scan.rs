@@ -5,6 +5,7 @@ use std::io;
 use std::ops::ControlFlow;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex, PoisonError};
 
 use rustix::fs::FileType;
 use volume::sys::{self, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, item};
@@ -53,6 +54,116 @@ pub(crate) struct Limits<'a> {
     /// Also count the files that write in place (see [`Counted::in_place`]);
     /// reads each file's inode item beside its extent items.
     pub in_place: bool,
+    /// Instead of stopping at `max_work`, pause there until the gate raises
+    /// it (or stops the count): a count another thread extends in rounds
+    /// without starting over.
+    pub gate: Option<&'a Gate>,
+}
+
+/// Where a gated count is ([`Gate::wait`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Status {
+    /// Paused at its budget, with what it counted so far.
+    Paused(Estimate),
+    /// Finished (complete, stopped, or failed: the thread's result says).
+    Finished,
+}
+
+/// The budget of a count running on another thread ([`Limits::gate`]):
+/// the count pauses when its work would pass it, and goes on when the
+/// deciding thread raises it, so rounds of growing budgets cost one count.
+#[derive(Debug)]
+pub(crate) struct Gate {
+    state: Mutex<GateState>,
+    changed: Condvar,
+}
+
+#[derive(Debug)]
+struct GateState {
+    budget: u64,
+    stopped: bool,
+    paused: Option<Estimate>,
+    finished: bool,
+}
+
+impl Gate {
+    /// A gate at `budget`.
+    pub fn new(budget: u64) -> Gate {
+        Gate {
+            state: Mutex::new(GateState {
+                budget,
+                stopped: false,
+                paused: None,
+                finished: false,
+            }),
+            changed: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
+        // A panicking count poisons nothing worth refusing: its thread's
+        // join reports the panic.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The count's side: its work would reach `work`, past the budget, with
+    /// `est` counted so far. Waits until the budget covers `work` (its new
+    /// value) or the count is stopped (`None`).
+    fn pause(&self, est: Estimate, work: u64) -> Option<u64> {
+        let mut st = self.lock();
+        st.paused = Some(est);
+        self.changed.notify_all();
+        while !st.stopped && st.budget < work {
+            st = self
+                .changed
+                .wait(st)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        st.paused = None;
+        (!st.stopped).then_some(st.budget)
+    }
+
+    /// The count's side: it returned.
+    pub fn finish(&self) {
+        self.lock().finished = true;
+        self.changed.notify_all();
+    }
+
+    /// Waits until the count pauses or finishes.
+    pub fn wait(&self) -> Status {
+        let mut st = self.lock();
+        loop {
+            if st.finished {
+                return Status::Finished;
+            }
+            if let Some(est) = st.paused {
+                return Status::Paused(est);
+            }
+            st = self
+                .changed
+                .wait(st)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// The budget now.
+    pub fn budget(&self) -> u64 {
+        self.lock().budget
+    }
+
+    /// Lets the count go on up to `budget`.
+    pub fn raise(&self, budget: u64) {
+        let mut st = self.lock();
+        st.budget = st.budget.max(budget);
+        st.paused = None;
+        self.changed.notify_all();
+    }
+
+    /// Ends the count where it is (it returns what it counted).
+    pub fn stop(&self) {
+        self.lock().stopped = true;
+        self.changed.notify_all();
+    }
 }
 
 /// What [`scan_within`] counted.
@@ -82,6 +193,7 @@ impl<'a> Limits<'a> {
             skip: None,
             one_device: false,
             in_place: false,
+            gate: None,
         }
     }
 }
@@ -164,11 +276,23 @@ impl<'a> Scan<'a> {
         self.limits.weights.of(&self.est)
     }
 
-    fn over(&self, entries: u64, extents: u64) -> bool {
+    /// Whether the work may grow by `entries` and `extents` more: within
+    /// the limit, or once a gate has raised it that far.
+    fn allows(&mut self, entries: u64, extents: u64) -> bool {
         let more = entries
             .saturating_mul(self.limits.weights.entry)
             .saturating_add(extents.saturating_mul(self.limits.weights.extent));
-        self.work().saturating_add(more) > self.limits.max_work
+        let work = self.work().saturating_add(more);
+        if work <= self.limits.max_work {
+            return true;
+        }
+        match self.limits.gate.and_then(|g| g.pause(self.est, work)) {
+            Some(budget) => {
+                self.limits.max_work = budget;
+                true
+            }
+            None => false,
+        }
     }
 
     fn dir(&mut self, dir: BorrowedFd<'_>) -> io::Result<ControlFlow<()>> {
@@ -187,7 +311,7 @@ impl<'a> Scan<'a> {
             {
                 continue;
             }
-            if self.over(1, 0) {
+            if !self.allows(1, 0) {
                 return Ok(ControlFlow::Break(()));
             }
             self.est.entries += 1;
@@ -217,7 +341,8 @@ impl<'a> Scan<'a> {
                     let mut extents = 0u64;
                     let mut in_place = false;
                     let extent_weight = self.limits.weights.extent.max(1);
-                    let room = self.limits.max_work.saturating_sub(self.work()) / extent_weight;
+                    let mut room = self.limits.max_work.saturating_sub(self.work()) / extent_weight;
+                    let (gate, base, mut stopped) = (self.limits.gate, self.est, false);
                     let mut range = KeyRange::inode_items(st.st_ino, EXTENT_DATA_KEY);
                     if self.limits.in_place {
                         range.min = ItemKey {
@@ -226,6 +351,8 @@ impl<'a> Scan<'a> {
                             offset: 0,
                         };
                     }
+                    let weights = self.limits.weights;
+                    let mut raised = None;
                     // The search runs in the subvolume of `dir`, the file's.
                     self.searcher.search(dir, range, |key, body| {
                         if key.objectid != st.st_ino {
@@ -238,17 +365,37 @@ impl<'a> Scan<'a> {
                             in_place |= body.get(item::TYPE) == Some(&item::TYPE_PREALLOC);
                             extents += 1;
                             if extents > room {
-                                return ControlFlow::Break(());
+                                // Paused mid-file, the search resumes
+                                // where it stood once the gate opens.
+                                let now = Estimate {
+                                    extents: base.extents + extents,
+                                    ..base
+                                };
+                                let work = weights.of(&now);
+                                match gate.and_then(|g| g.pause(now, work)) {
+                                    Some(budget) => {
+                                        raised = Some(budget);
+                                        room = budget.saturating_sub(weights.of(&base))
+                                            / extent_weight;
+                                    }
+                                    None => {
+                                        stopped = true;
+                                        return ControlFlow::Break(());
+                                    }
+                                }
                             }
                         }
                         ControlFlow::Continue(())
                     })?;
+                    if let Some(budget) = raised {
+                        self.limits.max_work = budget;
+                    }
                     self.est.extents += extents;
                     if in_place {
                         self.in_place += 1;
                     }
                     self.files.insert(key, extents);
-                    if self.over(0, 0) {
+                    if stopped || (gate.is_none() && !self.allows(0, 0)) {
                         return Ok(ControlFlow::Break(()));
                     }
                 }

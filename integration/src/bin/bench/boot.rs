@@ -95,6 +95,12 @@ pub struct BootCase {
     pub ours: Way,
     /// bitcoind's first writes after upstream's conversion, then ours.
     pub first_writes: (FirstWrites, FirstWrites),
+    /// Our schedule alone (deciding how to convert each package), timed
+    /// from a cold cache on the box `cp` then copies: part of ours'
+    /// `first_ready`.
+    pub deciding_seconds: f64,
+    /// What it decided, per package, in its order.
+    pub decisions: Vec<(String, String)>,
 }
 
 /// The `boot` section's results.
@@ -153,10 +159,63 @@ fn ids(shape: &NodeShape) -> Result<BTreeSet<PackageId>> {
         .collect()
 }
 
+/// What one way measured on its box.
+struct WayRun {
+    way: Way,
+    extents: u64,
+    build: Duration,
+    first_writes: Option<FirstWrites>,
+    /// cp's box only: our schedule, timed cold before cp ran, and what it
+    /// decided.
+    schedule: Option<(Duration, Vec<(String, String)>)>,
+}
+
+/// Our schedule of the box under `root`, from a cold cache: its time and
+/// decisions.
+fn schedule_cold(
+    root: &Path,
+    ids: &BTreeSet<PackageId>,
+) -> Result<(Duration, Vec<(String, String)>)> {
+    drop_caches()?;
+    let m = Migrator::open(root).map_err(|e| e.to_string())?;
+    let all: Vec<PackageId> = ids.iter().cloned().collect();
+    let opts = MigrateOptions {
+        defer_cut: true,
+        ..MigrateOptions::default()
+    };
+    let (plan, took) = timed(|| m.schedule(&all, &opts).map_err(|e| e.to_string()))?;
+    drop_caches()?;
+    let decisions = plan
+        .iter()
+        .map(|p| {
+            let how = match &p.decision {
+                Some(volume_migrate::Decision::SnapshotParent) => format!(
+                    "snapshot the parent (cut {}, clone {})",
+                    p.cut
+                        .map_or("-".to_owned(), |c| secs(c.duration().as_secs_f64())),
+                    p.clone.map_or("-".to_owned(), |c| format!(
+                        "{}{}",
+                        if c.at_least { ">= " } else { "" },
+                        secs(c.duration().as_secs_f64())
+                    )),
+                ),
+                Some(volume_migrate::Decision::Clone(why)) => format!("clone ({why})"),
+                None => "leftovers".to_owned(),
+            };
+            (p.package.to_string(), how)
+        })
+        .collect();
+    Ok((took, decisions))
+}
+
 /// One way, on its own fresh box.
-fn run_way(shape: &NodeShape, kind: Kind) -> Result<(Way, u64, Duration, Option<FirstWrites>)> {
+fn run_way(shape: &NodeShape, kind: Kind) -> Result<WayRun> {
     let (fs, root, extents, build) = fresh_box(shape)?;
     let ids = ids(shape)?;
+    let schedule = match kind {
+        Kind::Cp => Some(schedule_cold(&root, &ids)?),
+        Kind::Upstream | Kind::Ours => None,
+    };
     let mut way = Way {
         all_ready: 0.0,
         first_ready: 0.0,
@@ -256,7 +315,13 @@ fn run_way(shape: &NodeShape, kind: Kind) -> Result<(Way, u64, Duration, Option<
         }
     };
     fs.close()?;
-    Ok((way, extents, build, first))
+    Ok(WayRun {
+        way,
+        extents,
+        build,
+        first_writes: first,
+        schedule,
+    })
 }
 
 /// Packages in the order they were reported ready, with when.
@@ -315,23 +380,26 @@ pub fn run(extent_counts: &[u64]) -> Result<Report> {
             "boot: the box with monerod at {} extents: upstream's conversion",
             fmt_count(target)
         );
-        let (upstream, extents, build, up_first) = run_way(&shape, Kind::Upstream)?;
-        eprintln!("boot: cp -a --reflink=always of every package");
-        let (cp, _, _, _) = run_way(&shape, Kind::Cp)?;
+        let up = run_way(&shape, Kind::Upstream)?;
+        eprintln!("boot: cp -a --reflink=always of every package (our schedule first, alone)");
+        let cp = run_way(&shape, Kind::Cp)?;
         eprintln!("boot: ours");
-        let (ours, _, _, our_first) = run_way(&shape, Kind::Ours)?;
+        let ours = run_way(&shape, Kind::Ours)?;
         let missing = || "first writes not measured".to_owned();
+        let (deciding, decisions) = cp.schedule.ok_or("the schedule was not timed")?;
         cases.push(BootCase {
             target_extents: target,
-            extents,
-            build_seconds: build.as_secs_f64(),
-            upstream,
-            cp,
-            ours,
+            extents: up.extents,
+            build_seconds: up.build.as_secs_f64(),
+            upstream: up.way,
+            cp: cp.way,
+            ours: ours.way,
             first_writes: (
-                up_first.ok_or_else(missing)?,
-                our_first.ok_or_else(missing)?,
+                up.first_writes.ok_or_else(missing)?,
+                ours.first_writes.ok_or_else(missing)?,
             ),
+            deciding_seconds: deciding.as_secs_f64(),
+            decisions,
         });
     }
     let per_extent = match (cases.first(), cases.last()) {
@@ -449,6 +517,22 @@ pub fn print(r: &Report) {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
+        // Packages with the same decision on one line.
+        let mut grouped: Vec<(String, Vec<&str>)> = Vec::new();
+        for (p, how) in &c.decisions {
+            match grouped.iter_mut().find(|(h, _)| h == how) {
+                Some((_, ps)) => ps.push(p),
+                None => grouped.push((how.clone(), vec![p])),
+            }
+        }
+        println!(
+            "    {:>11} extents: our schedule alone, once more from a cold cache (on cp's box): {}",
+            fmt_count(c.extents),
+            secs(c.deciding_seconds),
+        );
+        for (how, ps) in grouped {
+            println!("        {}: {how}", ps.join(", "));
+        }
         if let Some(e) = &c.upstream.error {
             println!("    upstream failed: {e}");
         }
