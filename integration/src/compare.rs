@@ -155,6 +155,50 @@ impl fmt::Display for Side {
     }
 }
 
+/// One package's install backup on both sides, so that a scenario drives
+/// whichever `Side` it runs with the same calls.
+struct Backups {
+    theirs: crate::upstream::InstallBackup,
+    ours: startos_core::volume::InstallBackup,
+}
+
+impl Backups {
+    fn new(root: &Path, pkg: &str) -> Backups {
+        Backups {
+            theirs: crate::upstream::InstallBackup::new(root, pkg),
+            ours: startos_core::volume::InstallBackup::at(root, pkg),
+        }
+    }
+
+    /// Makes `<root>/<pkg>` a volume as the side's install would.
+    fn ensure_volume_root(&self, side: Side, root: &Path, pkg: &str) -> Result<()> {
+        match side {
+            Side::Upstream => Ok(crate::upstream::ensure_volume_root(
+                root,
+                pkg,
+                self.theirs.log(),
+            )?),
+            Side::Ours => block_on(startos_core::volume::ensure_volume_root_at(root, pkg))
+                .ctx("ensure_volume_root"),
+        }
+    }
+
+    /// Begins the update and takes the backup; whether one was taken.
+    fn begin_and_snapshot(&self, side: Side) -> Result<bool> {
+        match side {
+            Side::Upstream => {
+                self.theirs.begin()?;
+                Ok(self.theirs.snapshot()?)
+            }
+            Side::Ours => block_on(async {
+                self.ours.begin().await?;
+                self.ours.snapshot().await
+            })
+            .ctx("begin and snapshot"),
+        }
+    }
+}
+
 // ------------------------------------------------------------------ child processes
 
 const CHILD_OP_ENV: &str = "COMPARE_CHILD_OP";

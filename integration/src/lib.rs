@@ -20,6 +20,7 @@
 mod cmd;
 pub mod compare;
 mod fixture;
+pub mod fmt;
 mod frag;
 pub mod node;
 pub mod powercut;

@@ -22,8 +22,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::trees;
-use super::{Context, Report, Result, Row, Side, block_on};
-use crate::upstream;
+use super::{Backups, Context, Report, Result, Row, Side, block_on};
 
 /// How long the writer goes on after the restore returned.
 const WRITE_ON: Duration = Duration::from_millis(300);
@@ -215,26 +214,12 @@ pub fn run(scale: &super::Scale) -> Result<BindComparison> {
 fn side_run(side: Side, root: &Path, target: &Path) -> Result<BindOutcome> {
     let pkg = "app";
     let live = root.join(pkg);
-    let theirs = upstream::InstallBackup::new(root, pkg);
-    let ours = startos_core::volume::InstallBackup::at(root, pkg);
-    match side {
-        Side::Upstream => upstream::ensure_volume_root(root, pkg, theirs.log())?,
-        Side::Ours => block_on(startos_core::volume::ensure_volume_root_at(root, pkg))
-            .ctx("ensure_volume_root")?,
-    }
+    let backups = Backups::new(root, pkg);
+    let (theirs, ours) = (&backups.theirs, &backups.ours);
+    backups.ensure_volume_root(side, root, pkg)?;
     fs::create_dir_all(live.join("data/main")).ctx("mkdir data/main")?;
     fs::write(live.join("data/main/log"), b"0\n").ctx("writing the log")?;
-    let taken = match side {
-        Side::Upstream => {
-            theirs.begin()?;
-            theirs.snapshot()?
-        }
-        Side::Ours => block_on(async {
-            ours.begin().await?;
-            ours.snapshot().await
-        })
-        .ctx("begin and snapshot")?,
-    };
+    let taken = backups.begin_and_snapshot(side)?;
     if !taken {
         return Err("no backup was taken".into());
     }

@@ -24,8 +24,8 @@ use models::PackageId;
 
 use super::trees;
 use super::{
-    ChildOp, Context, Launcher, Progress, Report, Result, Row, Side, block_on, count_of, digest,
-    kill_at, leftovers,
+    Backups, ChildOp, Context, Launcher, Progress, Report, Result, Row, Side, block_on, count_of,
+    digest, kill_at, leftovers,
 };
 use crate::{Subvolume, TreeDigest, upstream};
 
@@ -203,26 +203,12 @@ fn restore_kill(
     write: bool,
 ) -> Result<RestoreKill> {
     let live = root.join(pkg);
-    let theirs = upstream::InstallBackup::new(root, pkg);
-    let ours = startos_core::volume::InstallBackup::at(root, pkg);
-    match side {
-        Side::Upstream => upstream::ensure_volume_root(root, pkg, theirs.log())?,
-        Side::Ours => block_on(startos_core::volume::ensure_volume_root_at(root, pkg))
-            .ctx("ensure_volume_root")?,
-    }
+    let backups = Backups::new(root, pkg);
+    let (theirs, ours) = (&backups.theirs, &backups.ours);
+    backups.ensure_volume_root(side, root, pkg)?;
     trees::simple_volume(&live, 7)?;
     let at_backup = digest(&live)?;
-    let taken = match side {
-        Side::Upstream => {
-            theirs.begin()?;
-            theirs.snapshot()?
-        }
-        Side::Ours => block_on(async {
-            ours.begin().await?;
-            ours.snapshot().await
-        })
-        .ctx("begin and snapshot")?,
-    };
+    let taken = backups.begin_and_snapshot(side)?;
     if !taken {
         return Err("no backup was taken".into());
     }

@@ -17,7 +17,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use super::trees::{self, NESTED};
-use super::{Context, Report, Result, Row, Side, block_on, count_of, digest};
+use super::{Backups, Context, Report, Result, Row, Side, block_on, count_of, digest};
 use crate::upstream;
 
 /// What became of one nested subvolume.
@@ -91,13 +91,9 @@ fn side_run(side: Side, root: &Path) -> Result<NestedOutcome> {
     let pkg = "app";
     let live = root.join(pkg);
     let backup = root.join(format!("{pkg}{}", upstream::INSTALL_BACKUP_SUFFIX));
-    let ours = startos_core::volume::InstallBackup::at(root, pkg);
-    let theirs = upstream::InstallBackup::new(root, pkg);
-    match side {
-        Side::Upstream => upstream::ensure_volume_root(root, pkg, theirs.log())?,
-        Side::Ours => block_on(startos_core::volume::ensure_volume_root_at(root, pkg))
-            .ctx("ensure_volume_root")?,
-    }
+    let backups = Backups::new(root, pkg);
+    let (theirs, ours) = (&backups.theirs, &backups.ours);
+    backups.ensure_volume_root(side, root, pkg)?;
     trees::nested_volume(&live)?;
     let mut at_backup = BTreeMap::new();
     for path in NESTED {
@@ -105,17 +101,7 @@ fn side_run(side: Side, root: &Path) -> Result<NestedOutcome> {
     }
 
     let started = Instant::now();
-    let backup_taken = match side {
-        Side::Upstream => {
-            theirs.begin()?;
-            theirs.snapshot()?
-        }
-        Side::Ours => block_on(async {
-            ours.begin().await?;
-            ours.snapshot().await
-        })
-        .ctx("begin and snapshot")?,
-    };
+    let backup_taken = backups.begin_and_snapshot(side)?;
     let snapshot_time = started.elapsed();
     let mut in_backup = BTreeMap::new();
     for path in NESTED {

@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+pub use crate::fmt::{fmt_bytes, fmt_count, fmt_duration};
+
 /// One row of the table. The first row of a scenario names it; the rest
 /// carry a short indented label in the first column.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -140,48 +142,6 @@ fn wrap(text: &str, width: usize) -> Vec<String> {
         lines.push(line);
     }
     lines
-}
-
-/// `12.3 s`, `3.41 s`, `521 ms`, `4.2 ms`, `850 us`.
-pub fn fmt_duration(d: Duration) -> String {
-    let s = d.as_secs_f64();
-    if s >= 10.0 {
-        format!("{s:.1} s")
-    } else if s >= 1.0 {
-        format!("{s:.2} s")
-    } else if s >= 0.1 {
-        format!("{:.0} ms", s * 1e3)
-    } else if s >= 0.001 {
-        format!("{:.1} ms", s * 1e3)
-    } else {
-        format!("{:.0} us", s * 1e6)
-    }
-}
-
-/// `3.0 GiB`, `640 MiB`, `12 KiB`.
-pub fn fmt_bytes(n: u64) -> String {
-    const KIB: f64 = 1024.0;
-    let n = n as f64;
-    if n >= KIB * KIB * KIB {
-        format!("{:.1} GiB", n / (KIB * KIB * KIB))
-    } else if n >= KIB * KIB {
-        format!("{:.0} MiB", n / (KIB * KIB))
-    } else {
-        format!("{:.0} KiB", n / KIB)
-    }
-}
-
-/// `515,321`.
-pub fn fmt_count(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
 }
 
 #[cfg(test)]

@@ -9,6 +9,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+// Each binary takes what it prints with.
+#[allow(unused_imports)]
+pub use integration::fmt::{fmt_bytes, fmt_count, fmt_duration, fmt_ratio};
 use integration::{LoopFs, run};
 use volume::{PackageId, SnapshotOutcome, VolumeId, VolumeStore};
 
@@ -271,48 +274,4 @@ pub fn scribble(path: &Path, blocks: u64, seed: u64) -> Result<()> {
     }
     file.sync_all()?;
     Ok(())
-}
-
-/// `12.3 s`, `3.41 s`, `521 ms`, `4.2 ms`, `850 us`.
-pub fn fmt_duration(d: Duration) -> String {
-    let s = d.as_secs_f64();
-    if s >= 10.0 {
-        format!("{s:.1} s")
-    } else if s >= 1.0 {
-        format!("{s:.2} s")
-    } else if s >= 0.1 {
-        format!("{:.0} ms", s * 1e3)
-    } else if s >= 0.001 {
-        format!("{:.1} ms", s * 1e3)
-    } else {
-        format!("{:.0} us", s * 1e6)
-    }
-}
-
-/// `812x`, `3.4x`.
-pub fn fmt_ratio(ratio: f64) -> String {
-    if ratio >= 10.0 {
-        format!("{ratio:.0}x")
-    } else {
-        format!("{ratio:.1}x")
-    }
-}
-
-/// `515,321`.
-pub fn fmt_count(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
-}
-
-/// Binary units, one decimal (`3.0 GiB`): the one way the workspace
-/// prints sizes.
-pub fn fmt_bytes(n: u64) -> String {
-    bytesize::ByteSize::b(n).display().iec().to_string()
 }
