@@ -22,6 +22,8 @@ const CHILD_ROOT_ENV: &str = "MIGRATE_CHILD_ROOT";
 const CHILD_PKG_ENV: &str = "MIGRATE_CHILD_PKG";
 const CHILD_CHUNK_ENV: &str = "MIGRATE_CHILD_CHUNK";
 const CHILD_METHOD_ENV: &str = "MIGRATE_CHILD_METHOD";
+/// Set: the child defers the cut's removal ([`MigrateOptions::defer_cut`]).
+const CHILD_DEFER_ENV: &str = "MIGRATE_CHILD_DEFER";
 
 fn new_fs() -> Option<(LoopFs, PathBuf)> {
     let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE), None);
@@ -351,6 +353,7 @@ fn migrate_child() {
             &p,
             &MigrateOptions {
                 method,
+                defer_cut: std::env::var_os(CHILD_DEFER_ENV).is_some(),
                 ..opts(chunk)
             },
             &mut no_progress,
@@ -1028,4 +1031,123 @@ fn a_failed_cut_deletes_the_snapshot() {
             assert_same(&before, &raw(&vol), &when);
         }
     }
+}
+
+/// Deciding that fails (an I/O error counting the rest) fails no
+/// conversion: Auto clones, and says why.
+#[test]
+fn a_failure_while_deciding_clones() {
+    let Some((_fs, root)) = new_fs() else { return };
+    let vol = root.join("db");
+    fs::create_dir_all(vol.join("data/main")).unwrap();
+    integration::make_fragmented_file(&vol.join("data/main/db.mdb"), 8000 * 8192, 8000, 5)
+        .expect("fragmenting");
+    let before = raw(&vol);
+    let m = Migrator::open(&root).unwrap();
+    let planned = m.plan().unwrap();
+    assert_eq!(
+        planned
+            .iter()
+            .find(|p| p.package == pkg("db"))
+            .and_then(|p| p.decision.clone()),
+        Some(volume_migrate::Decision::SnapshotParent),
+        "without the failure: {planned:?}"
+    );
+    let (killed, out) = child(&root, "db", "migrate.decide=eio", 1 << 20);
+    assert!(!killed, "{out}");
+    assert!(out.contains("CHILD-RESULT ok Converted"), "{out}");
+    assert!(is_subvolume(&vol));
+    assert_same(&expected_after(&before), &raw(&vol), "cloned");
+    assert!(
+        migrate_names(&root).is_empty(),
+        "{:?}",
+        migrate_names(&root)
+    );
+}
+
+/// A volume whose top is immutable cannot be exchanged (the kernel refuses
+/// to rename an immutable directory): the conversion says so before it
+/// copies anything, and leaves the package directory as it was, nothing
+/// beside it.
+#[test]
+fn an_immutable_top_is_refused_and_left_untouched() {
+    let Some((_fs, root)) = new_fs() else { return };
+    let vol = root.join("db");
+    fs::create_dir_all(vol.join("data/main")).unwrap();
+    fs::write(vol.join("data/main/db"), b"data").unwrap();
+    setflags(&vol, rustix::fs::IFlags::IMMUTABLE);
+    let before = raw(&vol);
+    let (killed, out) = child(&root, "db", "none", 1 << 20);
+    assert!(!killed, "{out}");
+    assert!(
+        out.contains(&format!(
+            "CHILD-RESULT err {}",
+            ErrorKind::InvalidRequest.code()
+        )) && out.contains("is immutable or append-only"),
+        "{out}"
+    );
+    assert!(!is_subvolume(&vol));
+    assert_same(&before, &raw(&vol), "untouched");
+    assert!(
+        migrate_names(&root).is_empty(),
+        "{:?}",
+        migrate_names(&root)
+    );
+    setflags(&vol, rustix::fs::IFlags::empty());
+}
+
+/// A deferred cut's rest, its removal killed just after the rest's own
+/// rmdir (before the removal is reported): the rerun finds the rest gone,
+/// removes its record, and the volume is exactly the package directory it
+/// was, the top's times included.
+#[test]
+fn a_kill_as_the_rest_leaves_loses_nothing() {
+    let Some((_fs, root)) = new_fs() else { return };
+    let vol = root.join("db");
+    fs::create_dir_all(vol.join("data/main")).unwrap();
+    integration::make_fragmented_file(&vol.join("data/main/db.mdb"), 8000 * 8192, 8000, 5)
+        .expect("fragmenting");
+    fs::write(root.join("beside"), b"in the rest").unwrap();
+    let before = raw(&vol);
+    let flags = flags_and_blocks(&vol);
+
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "migrate_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ROOT_ENV, &root)
+        .env(CHILD_PKG_ENV, "db")
+        .env(CHILD_METHOD_ENV, "snapshot-parent")
+        .env(CHILD_DEFER_ENV, "1")
+        .env(volume::FAILPOINT_ENV, "migrate.rest-rmdir")
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .output()
+        .expect("spawning the child");
+    let said =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGKILL),
+        "not killed at migrate.rest-rmdir: failpoints compiled in?\n{said}"
+    );
+    assert!(is_subvolume(&vol), "converted before the kill");
+    assert!(
+        fs::symlink_metadata(root.join("db.migrate-rest")).is_ok(),
+        "the record outlives the kill: {:?}",
+        root_names(&root)
+    );
+
+    let m = Migrator::open(&root).unwrap();
+    assert!(m.remove_old(&pkg("db"), &mut no_progress).unwrap());
+    assert_same(&expected_after(&before), &raw(&vol), "after the rerun");
+    assert_eq!(flags, flags_and_blocks(&vol), "flags or holes");
+    assert!(
+        migrate_names(&root).is_empty(),
+        "{:?}",
+        migrate_names(&root)
+    );
 }

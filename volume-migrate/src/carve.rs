@@ -23,6 +23,7 @@ use std::path::Path;
 use rustix::fs::{FileType, IFlags};
 
 use volume::copy;
+use volume::failpoint::failpoint;
 use volume::sys;
 
 /// A step of [`carve`], for progress and cancellation: an error returned
@@ -162,24 +163,65 @@ pub fn carve(
 
 /// Removes the directory `rest` that a deferred [`carve`] left at the root
 /// of the subvolume open as `volume`, now in use: O(what it holds), entry
-/// by entry, the root's times put back afterwards (removing an entry
-/// changes them). A crash part-way leaves the rest of it, which a later call
-/// removes. `on_removed` gets the count of entries removed so far.
+/// by entry. `root_stuck`: the immutable and append-only flags the cut gave
+/// the root ([`crate::rest::RestRecord::root_stuck`]). `on_removed` gets
+/// the count of entries removed so far.
+///
+/// Everything below `rest` goes first, which changes nothing of the root;
+/// only `rest`'s own rmdir needs the root's immutable and append-only flags
+/// lifted and changes its times, which are put back at once. A crash
+/// part-way leaves the rest of it, which a later call removes, the root's
+/// flags put back from `root_stuck` whatever the crash left; a crash
+/// between the rmdir and putting the times back (two system calls) leaves
+/// the root's modification time at that moment.
 pub fn remove_rest(
     volume: BorrowedFd<'_>,
     rest: &OsStr,
+    root_stuck: IFlags,
     on_removed: &mut dyn FnMut(u64) -> io::Result<()>,
 ) -> io::Result<()> {
-    let times = sys::times(volume)?;
-    let flags = sys::inode_flags(volume)?;
-    let stuck = flags.intersection(IFlags::IMMUTABLE | IFlags::APPEND);
-    if !stuck.is_empty() {
-        sys::set_inode_flags(volume, flags.difference(stuck))?;
+    let stuck_bits = IFlags::IMMUTABLE | IFlags::APPEND;
+    let mut removed = 0u64;
+    if let Some(st) = sys::metadata_at_if_exists(volume, rest)?
+        && FileType::from_raw_mode(st.st_mode) == FileType::Directory
+    {
+        let dir = sys::open_dir_at(volume, rest)?;
+        sys::clear_stuck_flags(dir.as_fd())?;
+        for (child, _, _) in sys::read_dir_names(dir.as_fd())? {
+            let before = removed;
+            copy::remove_tree_at(dir.as_fd(), &child, &mut |n| {
+                removed = before + n;
+                on_removed(removed)
+            })?;
+        }
     }
-    copy::remove_tree_at(volume, rest, on_removed)?;
-    sys::set_times(volume, &times)?;
-    if !stuck.is_empty() {
-        sys::set_inode_flags(volume, flags)?;
+    let flags = sys::inode_flags(volume)?;
+    let lifted = flags.difference(stuck_bits);
+    let times = sys::times(volume)?;
+    if flags != lifted {
+        sys::set_inode_flags(volume, lifted)?;
+    }
+    match sys::rmdir_at(volume, rest) {
+        Ok(()) => {
+            sys::set_times(volume, &times)?;
+            // Inside the moment the root's flags are lifted.
+            failpoint("migrate.rest-rmdir")?;
+            on_removed(removed + 1)?;
+        }
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+        Err(e) => return Err(e),
+    }
+    put_back_root_flags(volume, root_stuck)
+}
+
+/// Gives the volume's root open as `volume` the immutable and append-only
+/// flags of `root_stuck` again, if it lacks any: what a crash inside
+/// [`remove_rest`] may have left lifted.
+pub fn put_back_root_flags(volume: BorrowedFd<'_>, root_stuck: IFlags) -> io::Result<()> {
+    let flags = sys::inode_flags(volume)?;
+    let wanted = flags.union(root_stuck.intersection(IFlags::IMMUTABLE | IFlags::APPEND));
+    if wanted != flags {
+        sys::set_inode_flags(volume, wanted)?;
     }
     Ok(())
 }

@@ -16,6 +16,7 @@ use std::thread::ScopedJoinHandle;
 use std::time::Instant;
 
 use models::{Error, ErrorKind, PackageId, ResultExt};
+use rustix::fs::IFlags;
 use volume::copy::{self, CopyEvent, CopyOptions};
 use volume::failpoint::failpoint;
 use volume::layout::Names;
@@ -421,9 +422,12 @@ impl Job<'_, '_> {
                     let identity = Identity::of_entry(fd.as_fd(), &rest)?.ok_or_else(|| {
                         io::Error::other("the rest's directory vanished from the snapshot")
                     })?;
+                    let root_stuck = sys::inode_flags(fd.as_fd())?
+                        .intersection(IFlags::IMMUTABLE | IFlags::APPEND);
                     RestRecord {
                         name: rest,
                         identity,
+                        root_stuck,
                     }
                     .write(root, &names.migrate_rest)?;
                     failpoint("migrate.rest-recorded")?;

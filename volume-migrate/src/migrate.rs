@@ -9,6 +9,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use models::{Error, ErrorKind, PackageId, ResultExt};
+use rustix::fs::IFlags;
 use serde::Serialize;
 use volume::copy;
 use volume::failpoint::failpoint;
@@ -407,15 +408,7 @@ impl Migrator {
             cands.push(c);
         }
         let decided: Vec<Decided> = match &parent {
-            Some(parent) => decide::decide(&mut cands, parent).with_ctx(|_| {
-                (
-                    ErrorKind::MigrationFailed,
-                    format!(
-                        "deciding how to convert the volumes under {}",
-                        self.root.display()
-                    ),
-                )
-            })?,
+            Some(parent) => decide::decide(&mut cands, parent),
             None => cands
                 .iter()
                 .map(|c| Decided {
@@ -517,11 +510,35 @@ impl Migrator {
     /// Removes every old tree left under the root ([`Migrator::remove_old`]
     /// for each package); the second phase, fine to run while services run.
     /// Returns the packages cleaned.
+    ///
+    /// The order matters to the services already running: a deferred cut's
+    /// rest holds a copy of every other package's old tree, and until both
+    /// it and a package's own old tree are gone, the NOCOW files cloned into
+    /// that package share their extents, so each of its first writes there
+    /// is a copy (a new extent) instead of an overwrite. The rests go first,
+    /// then the other packages' old trees, and last the old trees of the
+    /// packages converted by a cut: the largest (each was cut for being the
+    /// dominant package), and shared with no running service.
     pub fn remove_all_old(&self, sink: &mut dyn ProgressSink) -> Result<Vec<PackageId>, Error> {
+        let (cut, cloned): (Vec<PackageId>, Vec<PackageId>) =
+            self.packages()?.into_iter().partition(|pkg| {
+                // A record that cannot be read is for remove_old to report.
+                Names::new(pkg).is_ok_and(|names| {
+                    !matches!(
+                        RestRecord::read(self.root_fd(), &names.migrate_rest),
+                        Ok(None)
+                    )
+                })
+            });
         let mut done = Vec::new();
-        for pkg in self.packages()? {
-            if self.remove_old(&pkg, sink)? {
-                done.push(pkg);
+        for pkg in &cut {
+            if self.remove_parts(pkg, false, sink)? {
+                done.push(pkg.clone());
+            }
+        }
+        for pkg in cloned.iter().chain(&cut) {
+            if self.remove_old(pkg, sink)? && !done.contains(pkg) {
+                done.push(pkg.clone());
             }
         }
         Ok(done)
@@ -539,6 +556,17 @@ impl Migrator {
     /// leaves them off that other name.) Also finishes an exchange whose
     /// rename aside was interrupted.
     pub fn remove_old(&self, pkg: &PackageId, sink: &mut dyn ProgressSink) -> Result<bool, Error> {
+        self.remove_parts(pkg, true, sink)
+    }
+
+    /// [`Migrator::remove_old`], or with `old` false only the rest of a
+    /// deferred cut (`<pkg>.migrate-old` left for a later call).
+    fn remove_parts(
+        &self,
+        pkg: &PackageId,
+        old: bool,
+        sink: &mut dyn ProgressSink,
+    ) -> Result<bool, Error> {
         if !self.btrfs {
             return Ok(false);
         }
@@ -547,10 +575,11 @@ impl Migrator {
         self.settle_exchanged(pkg, &names)?;
         let mut tracker = Tracker::new(pkg.clone(), Estimate::default(), sink);
         let rest = self.remove_rest(pkg, &names, &mut tracker)?;
-        if self
-            .kind(&names.migrate_old)
-            .with_ctx(step(pkg, "inspecting the old directory"))?
-            == Kind::Absent
+        if !old
+            || self
+                .kind(&names.migrate_old)
+                .with_ctx(step(pkg, "inspecting the old directory"))?
+                == Kind::Absent
         {
             if rest {
                 tracker.phase(Phase::Done);
@@ -599,13 +628,18 @@ impl Migrator {
                 .with_ctx(step(pkg, "looking for the cut's rest"))?
             {
                 tracker.phase(Phase::RemoveOld);
-                carve::remove_rest(live.as_fd(), &record.name, &mut |n| {
+                carve::remove_rest(live.as_fd(), &record.name, record.root_stuck, &mut |n| {
                     tracker.entries(n);
                     failpoint("migrate.rest-removed")
                 })
                 .and_then(|()| sys::commit(live.as_fd()))
                 .with_ctx(step(pkg, "removing the rest of the parent's snapshot"))?;
                 tracing::info!(package = %pkg, "the rest of the parent's snapshot removed");
+            } else {
+                // Removed before a crash that came before the record's
+                // removal: the root's flags may still be lifted.
+                carve::put_back_root_flags(live.as_fd(), record.root_stuck)
+                    .with_ctx(step(pkg, "putting back the volume root's flags"))?;
             }
         }
         // A backup taken before the removal holds the rest too; a restore of
@@ -856,6 +890,23 @@ impl Migrator {
                     "{} is on another filesystem than the volumes root {}",
                     live_path.display(),
                     self.root.display()
+                ),
+            ));
+        }
+
+        // The kernel renames no immutable or append-only directory: the
+        // exchange would fail after the whole copy.
+        let stuck = sys::inode_flags(src.as_fd())
+            .with_ctx(step(pkg, "reading the volume's inode flags"))?
+            .intersection(IFlags::IMMUTABLE | IFlags::APPEND);
+        if !stuck.is_empty() {
+            return Err(Error::for_package(
+                pkg,
+                ErrorKind::InvalidRequest,
+                format!(
+                    "{} is immutable or append-only, and the kernel renames no such \
+                     directory; clear the flag (chattr -i -a) and convert again",
+                    live_path.display()
                 ),
             ));
         }

@@ -11,6 +11,10 @@
 //! package's container sees (it mounts `data/<id>` and `assets/<id>`
 //! below it), and the directory is root's, mode 0700.
 //!
+//! The record also holds the immutable and append-only flags the cut gave
+//! the volume's root: the directory's own removal must lift them for a
+//! moment, and a crash in that moment must not leave them off for good.
+//!
 //! Crash states: a record beside a plain `<pkg>` belongs to a cut that did
 //! not reach the exchange (its snapshot is deleted with it); beside the
 //! subvolume `<pkg>`, the directory it names is removed entry by entry,
@@ -23,6 +27,7 @@ use std::ffi::{OsStr, OsString};
 use std::io;
 use std::os::fd::BorrowedFd;
 
+use rustix::fs::IFlags;
 use volume::record::{self, Identity};
 
 /// What the record says: the directory's name at the top of `<pkg>`, and
@@ -33,18 +38,32 @@ pub(crate) struct RestRecord {
     pub name: OsString,
     /// Its identity when the cut made it.
     pub identity: Identity,
+    /// The immutable and append-only flags of the volume's root after the
+    /// cut (no other flag: the others are never lifted).
+    pub root_stuck: IFlags,
 }
 
 impl RestRecord {
-    /// The record's text: the name, a space, [`Identity::encode`].
+    /// The record's text: the name, the root's flags in hexadecimal,
+    /// [`Identity::encode`], separated by spaces.
     fn encode(&self) -> String {
-        format!("{} {}", self.name.to_string_lossy(), self.identity.encode())
+        format!(
+            "{} {:x} {}",
+            self.name.to_string_lossy(),
+            self.root_stuck.bits(),
+            self.identity.encode()
+        )
     }
 
     /// Parses [`RestRecord::encode`]'s text; `None` for anything else, or a
     /// name that is not a plain ASCII entry name.
     fn decode(text: &str) -> Option<RestRecord> {
-        let (name, identity) = text.split_once(' ')?;
+        let (name, rest) = text.split_once(' ')?;
+        let (flags, identity) = rest.split_once(' ')?;
+        let root_stuck = IFlags::from_bits(u32::from_str_radix(flags, 16).ok()?)?;
+        if !(IFlags::IMMUTABLE | IFlags::APPEND).contains(root_stuck) {
+            return None;
+        }
         let plain = !name.is_empty()
             && name != "."
             && name != ".."
@@ -55,6 +74,7 @@ impl RestRecord {
         Some(RestRecord {
             name: OsString::from(name),
             identity: Identity::decode(identity)?,
+            root_stuck,
         })
     }
 
@@ -98,8 +118,14 @@ mod tests {
         let r = RestRecord {
             name: OsString::from(".startos-carve-rest.2"),
             identity: Identity::decode("directory 300 1733000000.000000005").expect("identity"),
+            root_stuck: IFlags::IMMUTABLE,
         };
-        assert_eq!(RestRecord::decode(&r.encode()), Some(r));
+        assert_eq!(RestRecord::decode(&r.encode()), Some(r.clone()));
+        let none = RestRecord {
+            root_stuck: IFlags::empty(),
+            ..r
+        };
+        assert_eq!(RestRecord::decode(&none.encode()), Some(none));
         for bad in [
             "",
             ".startos-carve-rest",
@@ -107,6 +133,11 @@ mod tests {
             "a/b directory 300 1.5",
             ". directory 300 1.5",
             "x directory nope",
+            "x directory 300 1.5",
+            "x 0 directory nope",
+            "x zz directory 300 1.5",
+            // NOCOW (0x800000) is not a flag the removal lifts.
+            "x 800000 directory 300 1.5",
         ] {
             assert_eq!(RestRecord::decode(bad), None, "{bad:?}");
         }

@@ -111,9 +111,11 @@ impl Gate {
     /// value) or the count is stopped (`None`).
     fn pause(&self, est: Estimate, work: u64) -> Option<u64> {
         let mut st = self.lock();
-        st.paused = Some(est);
-        self.changed.notify_all();
         while !st.stopped && st.budget < work {
+            // Said again after every raise that is not enough: a raise
+            // clears it, and the deciding thread waits for it.
+            st.paused = Some(est);
+            self.changed.notify_all();
             st = self
                 .changed
                 .wait(st)
@@ -403,5 +405,39 @@ impl<'a> Scan<'a> {
             }
         }
         Ok(ControlFlow::Continue(()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    /// `wait` from another thread, or `None` if it does not return soon:
+    /// a hang is the failure this looks for.
+    fn wait_briefly(gate: &'static Gate) -> Option<Status> {
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(gate.wait());
+        });
+        rx.recv_timeout(Duration::from_secs(5)).ok()
+    }
+
+    #[test]
+    fn a_raise_short_of_the_work_leaves_the_count_paused() {
+        let gate: &'static Gate = Box::leak(Box::new(Gate::new(1)));
+        let est = Estimate {
+            entries: 3,
+            ..Estimate::default()
+        };
+        let count = std::thread::spawn(move || gate.pause(est, 10));
+        assert!(matches!(wait_briefly(gate), Some(Status::Paused(e)) if e.entries == 3));
+        gate.raise(5);
+        assert!(matches!(wait_briefly(gate), Some(Status::Paused(_))));
+        gate.raise(10);
+        assert_eq!(count.join().ok().flatten(), Some(10));
+        gate.finish();
+        assert!(matches!(wait_briefly(gate), Some(Status::Finished)));
     }
 }
