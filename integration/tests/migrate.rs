@@ -1151,3 +1151,55 @@ fn a_kill_as_the_rest_leaves_loses_nothing() {
         migrate_names(&root)
     );
 }
+
+/// A copy of the volume that an interrupted restore may yet make the volume
+/// again (`<pkg>.rollback` here) holds the deferred cut's rest too: the
+/// rest's record stays while it exists, so the rest is removed again after
+/// such a restore; once it is gone, the record goes.
+#[test]
+fn a_copy_a_restore_may_bring_back_keeps_the_rests_record() {
+    let Some((_fs, root)) = new_fs() else { return };
+    let vol = root.join("db");
+    fs::create_dir_all(vol.join("data/main")).unwrap();
+    integration::make_fragmented_file(&vol.join("data/main/db.mdb"), 8000 * 8192, 8000, 5)
+        .expect("fragmenting");
+    fs::write(root.join("beside"), b"in the rest").unwrap();
+    let m = Migrator::open(&root).unwrap();
+    let r = m
+        .convert(
+            &pkg("db"),
+            &MigrateOptions {
+                method: Method::SnapshotParent,
+                defer_cut: true,
+                ..opts(1 << 20)
+            },
+            &mut no_progress,
+        )
+        .unwrap();
+    assert_eq!(r.outcome, Outcome::Converted);
+    let record = root.join("db.migrate-rest");
+    assert!(fs::symlink_metadata(&record).is_ok(), "a deferred cut");
+    integration::run(
+        Command::new("btrfs")
+            .args(["subvolume", "snapshot"])
+            .arg(&vol)
+            .arg(root.join("db.rollback")),
+    )
+    .unwrap();
+    assert!(m.remove_old(&pkg("db"), &mut no_progress).unwrap());
+    assert!(
+        fs::symlink_metadata(&record).is_ok(),
+        "the record outlives the removal while db.rollback holds the rest"
+    );
+    integration::run(
+        Command::new("btrfs")
+            .args(["subvolume", "delete"])
+            .arg(root.join("db.rollback")),
+    )
+    .unwrap();
+    assert!(m.remove_old(&pkg("db"), &mut no_progress).unwrap());
+    assert!(
+        fs::symlink_metadata(&record).is_err(),
+        "the record goes with the last copy"
+    );
+}

@@ -643,19 +643,33 @@ impl Migrator {
             }
         }
         // A backup taken before the removal holds the rest too; a restore of
-        // it would bring it back, so the record stays while it exists.
-        let in_backup = match sys::stat_at(root, &names.backup)
-            .with_ctx(step(pkg, "inspecting the install backup"))?
-        {
-            Some(st) if st.is_dir() => {
-                let backup = sys::open_dir_at(root, &names.backup)
-                    .with_ctx(step(pkg, "opening the install backup"))?;
-                record
-                    .is_in(backup.as_fd())
-                    .with_ctx(step(pkg, "looking for the cut's rest in the backup"))?
-            }
-            _ => false,
-        };
+        // it would bring it back, so the record stays while it exists. So
+        // does every copy an interrupted backup or restore may yet turn
+        // into the volume (ours or upstream's), named here.
+        let mut in_backup = false;
+        for copy in [
+            &names.backup,
+            &names.backup_tmp,
+            &names.rollback,
+            &names.replaced,
+            &names.upstream_backup_tmp,
+            &names.restore_old,
+            &names.restore_conflict,
+        ] {
+            let holds = match sys::stat_at(root, copy)
+                .with_ctx(step(pkg, "inspecting a copy of the volume"))?
+            {
+                Some(st) if st.is_dir() => {
+                    let dir = sys::open_dir_at(root, copy)
+                        .with_ctx(step(pkg, "opening a copy of the volume"))?;
+                    record
+                        .is_in(dir.as_fd())
+                        .with_ctx(step(pkg, "looking for the cut's rest in a copy"))?
+                }
+                _ => false,
+            };
+            in_backup |= holds;
+        }
         if !in_backup {
             volume::record::remove(root, &names.migrate_rest)
                 .and_then(|()| sys::fsync(root))

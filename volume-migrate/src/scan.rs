@@ -361,8 +361,11 @@ impl<'a> Scan<'a> {
                             return ControlFlow::Continue(());
                         }
                         if key.item_type == INODE_ITEM_KEY {
-                            let flags = item::le64(body, item::INODE_FLAGS).unwrap_or(0);
-                            in_place |= flags & item::INODE_NODATACOW != 0;
+                            // A body too short for the flags (never from a
+                            // sane kernel) counts as NOCOW: it can veto a
+                            // snapshot, never wrongly allow one.
+                            in_place |= item::le64(body, item::INODE_FLAGS)
+                                .is_none_or(|flags| flags & item::INODE_NODATACOW != 0);
                         } else if key.item_type == EXTENT_DATA_KEY {
                             in_place |= body.get(item::TYPE) == Some(&item::TYPE_PREALLOC);
                             extents += 1;
