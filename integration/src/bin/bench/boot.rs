@@ -26,7 +26,7 @@
 
 use std::collections::BTreeSet;
 use std::fs;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -93,8 +93,16 @@ pub struct BootCase {
     pub cp: Way,
     /// Ours.
     pub ours: Way,
-    /// bitcoind's first writes after upstream's conversion, then ours.
+    /// bitcoind's first writes after upstream's conversion, then ours
+    /// (after our cleanup, to other blocks than the next).
     pub first_writes: (FirstWrites, FirstWrites),
+    /// bitcoind's first writes after ours, as soon as every service may
+    /// start, while the cleanup runs: what a node writes in that window.
+    pub first_writes_during_cleanup: FirstWrites,
+    /// Whether our timed run kept monerod's database as the very same
+    /// inode (same number and birth time): a cut keeps it, a clone makes a
+    /// new one. The decisions printed are a dry run's; this is the run's.
+    pub dominant_cut_in_run: bool,
     /// Our schedule alone (deciding how to convert each package), timed
     /// from a cold cache on the box `cp` then copies: part of ours'
     /// `first_ready`.
@@ -165,6 +173,10 @@ struct WayRun {
     extents: u64,
     build: Duration,
     first_writes: Option<FirstWrites>,
+    /// Ours only: first writes while the cleanup runs.
+    first_writes_during_cleanup: Option<FirstWrites>,
+    /// Ours only: whether monerod's database kept its inode.
+    dominant_cut: Option<bool>,
     /// cp's box only: our schedule, timed cold before cp ran, and what it
     /// decided.
     schedule: Option<(Duration, Vec<(String, String)>)>,
@@ -224,6 +236,11 @@ fn run_way(shape: &NodeShape, kind: Kind) -> Result<WayRun> {
         methods: Vec::new(),
         error: None,
     };
+    let mut first_during = None;
+    let mut dominant_cut = None;
+    let db = root.join(node::DOMINANT).join("data/main/lmdb/data.mdb");
+    let identity = |m: fs::Metadata| m.created().map(|born| (m.ino(), born));
+    let db_before = identity(fs::metadata(&db)?)?;
     let started = Instant::now();
     match kind {
         Kind::Upstream => {
@@ -276,7 +293,7 @@ fn run_way(shape: &NodeShape, kind: Kind) -> Result<WayRun> {
         }
         Kind::Ours => {
             let mut progress = Progress::new();
-            let (returned, cleanup_done) = block_on(async {
+            let (returned, cleanup_done, during, kept) = block_on(async {
                 let mut b = startos_core::volume::boot_volume_maintenance_at(
                     &root,
                     &ids,
@@ -289,13 +306,22 @@ fn run_way(shape: &NodeShape, kind: Kind) -> Result<WayRun> {
                 if let Some((p, e)) = b.failed.first() {
                     return Err(format!("our boot: {p}: {e}"));
                 }
+                let kept = fs::metadata(&db)
+                    .and_then(identity)
+                    .map_err(|e| format!("monerod's database: {e}"))?
+                    == db_before;
+                // bitcoind writes as soon as it may start, the cleanup
+                // running beside it (on the blocking pool).
+                let during = first_writes(&root, 0).map_err(|e| format!("first writes: {e}"))?;
                 if let Some(c) = b.cleanup.take() {
                     c.await
                         .map_err(|e| format!("cleanup task: {e}"))?
                         .map_err(|e| format!("cleanup: {e}"))?;
                 }
-                Ok::<_, String>((returned, started.elapsed()))
+                Ok::<_, String>((returned, started.elapsed(), during, kept))
             })?;
+            first_during = Some(during);
+            dominant_cut = Some(kept);
             let readies: Vec<Duration> = progress.ready.iter().map(|(_, t)| *t).collect();
             let all = readies.iter().max().copied().unwrap_or(returned);
             way.all_ready = all.as_secs_f64();
@@ -311,7 +337,8 @@ fn run_way(shape: &NodeShape, kind: Kind) -> Result<WayRun> {
         Kind::Cp => None,
         Kind::Upstream | Kind::Ours => {
             settle(fs.mount_point())?;
-            Some(first_writes(&root)?)
+            // Other blocks than those written during the cleanup.
+            Some(first_writes(&root, FIRST_WRITES)?)
         }
     };
     fs.close()?;
@@ -320,6 +347,8 @@ fn run_way(shape: &NodeShape, kind: Kind) -> Result<WayRun> {
         extents,
         build,
         first_writes: first,
+        first_writes_during_cleanup: first_during,
+        dominant_cut,
         schedule,
     })
 }
@@ -334,8 +363,9 @@ fn ready_order(p: &Progress) -> Vec<(String, String)> {
 
 /// Rewrites [`FIRST_WRITES`] scattered 4 KiB blocks of bitcoind's first
 /// block files, with an fdatasync each 256, and counts the extents they
-/// gained.
-fn first_writes(root: &Path) -> Result<FirstWrites> {
+/// gained. `skip`: how many of the sequence's blocks to pass over first,
+/// so that a second call writes other blocks.
+fn first_writes(root: &Path, skip: u64) -> Result<FirstWrites> {
     let files: Vec<_> = (0..8).map(|i| node::block_file(root, i)).collect();
     let before: u64 = files
         .iter()
@@ -347,7 +377,7 @@ fn first_writes(root: &Path) -> Result<FirstWrites> {
         .collect::<std::io::Result<_>>()?;
     let block = vec![0x5au8; 4096];
     let ((), took) = timed(|| -> Result<()> {
-        for i in 0..FIRST_WRITES {
+        for i in skip..skip + FIRST_WRITES {
             let f = &open[(i % 8) as usize];
             let blocks = f.metadata()?.len() / 4096;
             let at = (i.wrapping_mul(2_654_435_761) % blocks.max(1)) * 4096;
@@ -398,6 +428,8 @@ pub fn run(extent_counts: &[u64]) -> Result<Report> {
                 up.first_writes.ok_or_else(missing)?,
                 ours.first_writes.ok_or_else(missing)?,
             ),
+            first_writes_during_cleanup: ours.first_writes_during_cleanup.ok_or_else(missing)?,
+            dominant_cut_in_run: ours.dominant_cut.ok_or_else(missing)?,
             deciding_seconds: deciding.as_secs_f64(),
             decisions,
         });
@@ -436,6 +468,26 @@ pub fn run(extent_counts: &[u64]) -> Result<Report> {
             ));
         }
     }
+    targets.push(Verdict::new(
+        "boot: monerod converted in O(1) (its database kept as the same inode) in every timed run"
+            .to_owned(),
+        cases.iter().all(|c| c.dominant_cut_in_run),
+        cases
+            .iter()
+            .map(|c| {
+                format!(
+                    "{} extents: {}",
+                    fmt_count(c.target_extents),
+                    if c.dominant_cut_in_run {
+                        "cut"
+                    } else {
+                        "cloned"
+                    }
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", "),
+    ));
     if let (Some(a), Some(b)) = (cases.first(), cases.last())
         && cases.len() > 1
     {
@@ -544,6 +596,20 @@ pub fn print(r: &Report) {
             u.new_extents,
             secs(o.seconds),
             o.new_extents
+        );
+        println!(
+            "      monerod in our timed run: {}",
+            if c.dominant_cut_in_run {
+                "its database the same inode (cut from the parent's snapshot)"
+            } else {
+                "its database a new inode (cloned)"
+            }
+        );
+        let d = &c.first_writes_during_cleanup;
+        println!(
+            "      ours as soon as every service may start, the cleanup running: {} ({:+} extents)",
+            secs(d.seconds),
+            d.new_extents
         );
     }
     if let Some(x) = &r.per_extent {
