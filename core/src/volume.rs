@@ -335,7 +335,7 @@ pub async fn boot_volume_maintenance_at<'a, P: Display + 'a>(
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let work = {
         let root = root.clone();
-        tokio::task::spawn_blocking(move || backend::boot(&root, &installed, &all, &tx))
+        crate::blocking::spawn_walk(move || backend::boot(&root, &installed, &all, &tx))
     };
     let mut ready = Vec::new();
     while let Some(event) = rx.recv().await {
@@ -351,7 +351,7 @@ pub async fn boot_volume_maintenance_at<'a, P: Display + 'a>(
     let (recovered, failed, old_trees) = work
         .await
         .map_err(|e| Error::new(eyre!("boot maintenance task: {e}"), ErrorKind::Unknown))??;
-    let cleanup = old_trees.then(|| tokio::task::spawn_blocking(move || backend::cleanup(&root)));
+    let cleanup = old_trees.then(|| crate::blocking::spawn_walk(move || backend::cleanup(&root)));
     Ok(BootMaintenance {
         recovered,
         ready,

@@ -1203,3 +1203,153 @@ fn a_copy_a_restore_may_bring_back_keeps_the_rests_record() {
         "the record goes with the last copy"
     );
 }
+
+/// `depth` directories one in another under `top`, a file at the bottom,
+/// made level by level through directory fds (no path is that long).
+fn nest(top: &Path, depth: usize) {
+    fs::create_dir_all(top).unwrap();
+    let mut dir = fs::File::open(top).unwrap();
+    for _ in 0..depth {
+        rustix::fs::mkdirat(&dir, "d", rustix::fs::Mode::from_raw_mode(0o755)).unwrap();
+        let next = rustix::fs::openat(
+            &dir,
+            "d",
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY,
+            rustix::fs::Mode::empty(),
+        )
+        .unwrap();
+        dir = fs::File::from(next);
+    }
+    let f = rustix::fs::openat(
+        &dir,
+        "bottom",
+        rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::CREATE,
+        rustix::fs::Mode::from_raw_mode(0o644),
+    )
+    .unwrap();
+    rustix::io::write(&f, b"at the bottom").unwrap();
+}
+
+/// How many `d` directories [`nest`] made under `top`, and what the bottom
+/// file says (walked through fds: the path is too long for a name).
+fn nested(top: &Path) -> (usize, Vec<u8>) {
+    let mut dir = fs::File::open(top).unwrap();
+    let mut depth = 0;
+    loop {
+        match rustix::fs::openat(
+            &dir,
+            "d",
+            rustix::fs::OFlags::RDONLY
+                | rustix::fs::OFlags::DIRECTORY
+                | rustix::fs::OFlags::NOFOLLOW,
+            rustix::fs::Mode::empty(),
+        ) {
+            Ok(next) => {
+                dir = fs::File::from(next);
+                depth += 1;
+            }
+            Err(rustix::io::Errno::NOENT) => break,
+            Err(e) => panic!("walking {}: {e}", top.display()),
+        }
+    }
+    let f = rustix::fs::openat(
+        &dir,
+        "bottom",
+        rustix::fs::OFlags::RDONLY,
+        rustix::fs::Mode::empty(),
+    )
+    .unwrap();
+    let mut buf = vec![0u8; 64];
+    let n = rustix::io::read(&f, &mut buf).unwrap();
+    buf.truncate(n);
+    (depth, buf)
+}
+
+/// A package nests directories as deep as it likes. Through start-core's
+/// boot (its tasks) and through the CLI, a package nested
+/// `copy::MAX_DEPTH` levels deep converts, old tree removed, and a deeper
+/// one is refused with one line naming it, left exactly as it was with
+/// nothing beside it, while the other package still converts. (20,000
+/// levels used to overflow a thread's stack and abort the process.)
+#[test]
+fn trees_deeper_than_the_limit_are_refused_and_the_rest_converts() {
+    let limit = volume::copy::MAX_DEPTH;
+    for way in ["core", "cli"] {
+        let Some((_fs, root)) = new_fs() else { return };
+        nest(&root.join("deep"), 20_000);
+        nest(&root.join("ok"), limit - 1);
+        let said = match way {
+            "core" => {
+                let ids: Vec<String> = vec!["deep".into(), "ok".into()];
+                let mut progress = integration::compare::Progress::new();
+                // One runtime: the cleanup task is the boot's.
+                let boot = integration::compare::block_on(async {
+                    let mut boot = startos_core::volume::boot_volume_maintenance_at(
+                        &root,
+                        &ids,
+                        &ids,
+                        &mut progress,
+                    )
+                    .await
+                    .unwrap_or_else(|e| panic!("core's boot: {e}"));
+                    if let Some(cleanup) = boot.cleanup.take() {
+                        cleanup.await.expect("cleanup task").expect("cleanup");
+                    }
+                    boot
+                });
+                assert_eq!(progress.ready.len(), 1, "{:?}", progress.ready);
+                assert_eq!(progress.ready[0].0, "ok");
+                assert_eq!(boot.failed.len(), 1, "{:?}", boot.failed);
+                assert_eq!(boot.failed[0].0.to_string(), "deep");
+                boot.failed[0].1.to_string()
+            }
+            _ => {
+                let out = Command::new(cli_bin())
+                    .arg("--root")
+                    .arg(&root)
+                    .env_remove("RUST_LOG")
+                    .stdin(Stdio::null())
+                    .output()
+                    .expect("running volume-migrate");
+                assert_eq!(out.status.code(), Some(1), "{out:?}");
+                let err = String::from_utf8_lossy(&out.stderr).into_owned();
+                assert_eq!(err.lines().count(), 1, "one line: {err}");
+                assert!(err.contains("package deep"), "{err}");
+                err
+            }
+        };
+        assert!(
+            said.contains("nested deeper than 2048 levels"),
+            "{way}: {said}"
+        );
+        assert!(!said.trim_end().contains('\n'), "{way}: one line: {said}");
+        assert!(!is_subvolume(&root.join("deep")), "{way}");
+        assert!(is_subvolume(&root.join("ok")), "{way}");
+        assert_eq!(
+            nested(&root.join("ok")),
+            (limit - 1, b"at the bottom".to_vec()),
+            "{way}"
+        );
+        assert_eq!(
+            nested(&root.join("deep")),
+            (20_000, b"at the bottom".to_vec()),
+            "{way}"
+        );
+        assert!(
+            migrate_names(&root).is_empty(),
+            "{way}: {:?}",
+            migrate_names(&root)
+        );
+    }
+}
+
+/// The `volume-migrate` binary next to this test's.
+fn cli_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    exe.ancestors()
+        .skip(1)
+        .take(2)
+        .map(|d| d.join("volume-migrate"))
+        .find(|p| p.is_file())
+        .expect("volume-migrate built (cargo build --bins --features volume-migrate/cli)")
+}

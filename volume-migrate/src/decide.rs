@@ -49,7 +49,7 @@ use volume::failpoint::failpoint;
 use volume::sys;
 
 use crate::cost::{self, CLONE_ENTRY_US, CUT, CUT_AT_MOST_DIVISOR, CUT_ENTRY_US, Cost};
-use crate::scan::{Counted, Gate, Limits, Status, Weights, scan_within};
+use crate::scan::{self, Counted, Gate, Limits, Status, Weights, scan_within};
 use crate::{Estimate, Method};
 
 /// A package whose clone costs less than this (microseconds, by
@@ -414,22 +414,24 @@ fn try_decide(
                 .zip(&gates)
                 .map(|(c, gate)| {
                     let dir = c.dir.as_fd();
-                    Some(scope.spawn(move || {
-                        let stop = AtomicBool::new(false);
-                        let r = scan_within(
-                            dir,
-                            Limits {
-                                max_work: gate.budget(),
-                                weights: RANK,
-                                gate: Some(gate),
-                                ..Limits::all(&stop)
-                            },
-                        );
-                        gate.finish();
-                        r
-                    }))
+                    scan::walker()
+                        .spawn_scoped(scope, move || {
+                            let stop = AtomicBool::new(false);
+                            let r = scan_within(
+                                dir,
+                                Limits {
+                                    max_work: gate.budget(),
+                                    weights: RANK,
+                                    gate: Some(gate),
+                                    ..Limits::all(&stop)
+                                },
+                            );
+                            gate.finish();
+                            r
+                        })
+                        .map(Some)
                 })
-                .collect(),
+                .collect::<io::Result<_>>()?,
             now: vec![Counted::default(); candidates.len()],
         };
         for i in 0..candidates.len() {

@@ -28,7 +28,7 @@ use crate::decide::CloneReason;
 use crate::migrate::{MetadataRoom, MigrateOptions, Migrator, is_enospc};
 use crate::report::PackageReport;
 use crate::rest::RestRecord;
-use crate::scan::{ExtentsByInode, scan};
+use crate::scan::{self, ExtentsByInode};
 use crate::track::Tracker;
 use crate::{Estimate, Phase};
 
@@ -212,8 +212,11 @@ impl Job<'_, '_> {
             .with_ctx(step(self.pkg, "opening the volume for its scan"))?;
         std::thread::scope(|scope| {
             let stop = &stop_scan;
+            let handle = scan::walker()
+                .spawn_scoped(scope, move || scan::scan(scan_fd.as_fd(), stop))
+                .with_ctx(step(self.pkg, "starting the volume's scan"))?;
             let mut watch = ScanWatch {
-                handle: Some(scope.spawn(move || scan(scan_fd.as_fd(), stop))),
+                handle: Some(handle),
                 failure: None,
             };
             let result = self.clone_with(resume, &mut watch);
@@ -269,6 +272,11 @@ impl Job<'_, '_> {
         .and_then(|stats| watch.take(true, room, tracker, report).map(|()| stats));
         let stats = match (copied, watch.failure.take()) {
             (Err(_), Some(ScanFailure::Space(why))) => return Err(self.abandon(dst, why)),
+            // Final: a partial copy kept would fail the same way each run.
+            (Err(e), _) | (_, Some(ScanFailure::Io(e))) if copy::is_too_deep(&e) => {
+                let why = format!("{} holds {e}", self.live_path().display());
+                return Err(self.abandon(dst, why));
+            }
             (Err(_), Some(ScanFailure::Io(e))) => {
                 return Err(e).with_ctx(step(
                     pkg,

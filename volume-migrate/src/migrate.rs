@@ -426,11 +426,15 @@ impl Migrator {
         for ((p, c), d) in planned.iter_mut().zip(&cands).zip(decided) {
             p.bytes = match d.count {
                 Some(count) if count.complete => count.est.bytes,
-                _ if bytes => {
-                    scan::bytes(c.dir.as_fd())
-                        .with_ctx(step(&p.package, "counting the volume's bytes"))?
-                        .bytes
-                }
+                // For progress only: a tree it cannot count (too deep, say)
+                // is the conversion's to refuse, package by package.
+                _ if bytes => match scan::bytes(c.dir.as_fd()) {
+                    Ok(est) => est.bytes,
+                    Err(e) => {
+                        tracing::warn!(package = %p.package, error = %e, "counting the volume's bytes");
+                        0
+                    }
+                },
                 _ => 0,
             };
             p.decision = Some(d.decision);

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, PoisonError};
 
 use rustix::fs::FileType;
+use volume::copy;
 use volume::sys::{self, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, item};
 
 use crate::Estimate;
@@ -168,6 +169,13 @@ impl Gate {
     }
 }
 
+/// A thread for a walk of a package's tree ([`copy::WALK_STACK_BYTES`]).
+pub(crate) fn walker() -> std::thread::Builder {
+    std::thread::Builder::new()
+        .name("volume-walk".to_owned())
+        .stack_size(copy::WALK_STACK_BYTES)
+}
+
 /// What [`scan_within`] counted.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Counted {
@@ -231,16 +239,22 @@ pub(crate) fn scan_within(dir: BorrowedFd<'_>, limits: Limits<'_>) -> io::Result
 pub(crate) fn bytes(dir: BorrowedFd<'_>) -> io::Result<Estimate> {
     fn walk(
         dir: BorrowedFd<'_>,
+        depth: usize,
         seen: &mut HashSet<(u64, u64)>,
         est: &mut Estimate,
     ) -> io::Result<()> {
+        if depth > copy::MAX_DEPTH {
+            return Err(copy::too_deep());
+        }
         for (name, _, _) in sys::read_dir_names(dir)? {
             let Some(st) = sys::metadata_at_if_exists(dir, &name)? else {
                 continue;
             };
             est.entries += 1;
             match FileType::from_raw_mode(st.st_mode) {
-                FileType::Directory => walk(sys::open_dir_at(dir, &name)?.as_fd(), seen, est)?,
+                FileType::Directory => {
+                    walk(sys::open_dir_at(dir, &name)?.as_fd(), depth + 1, seen, est)?
+                }
                 FileType::RegularFile if seen.insert((st.st_dev, st.st_ino)) => {
                     est.files += 1;
                     est.bytes += st.st_size as u64;
@@ -251,7 +265,7 @@ pub(crate) fn bytes(dir: BorrowedFd<'_>) -> io::Result<Estimate> {
         Ok(())
     }
     let mut est = Estimate::default();
-    walk(dir, &mut HashSet::new(), &mut est)?;
+    walk(dir, 0, &mut HashSet::new(), &mut est)?;
     Ok(est)
 }
 
@@ -261,6 +275,8 @@ struct Scan<'a> {
     files: ExtentsByInode,
     in_place: u64,
     searcher: Searcher,
+    /// Directories open below the top ([`copy::MAX_DEPTH`] at most).
+    depth: usize,
 }
 
 impl<'a> Scan<'a> {
@@ -270,6 +286,7 @@ impl<'a> Scan<'a> {
             est: Estimate::default(),
             files: HashMap::new(),
             in_place: 0,
+            depth: 0,
             searcher: Searcher::default(),
         }
     }
@@ -325,8 +342,14 @@ impl<'a> Scan<'a> {
                     if st.st_ino == sys::SUBVOLUME_ROOT_INO {
                         self.est.nested_subvolumes += 1;
                     }
+                    if self.depth >= copy::MAX_DEPTH {
+                        return Err(copy::too_deep());
+                    }
                     let sub = sys::open_dir_at(dir, &name)?;
-                    if self.dir(sub.as_fd())?.is_break() {
+                    self.depth += 1;
+                    let flow = self.dir(sub.as_fd());
+                    self.depth -= 1;
+                    if flow?.is_break() {
                         return Ok(ControlFlow::Break(()));
                     }
                 }

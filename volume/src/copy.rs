@@ -27,6 +27,47 @@ use rustix::fs::{FileType, IFlags, Timespec, Timestamps};
 
 use crate::sys::{self, Metadata as Stat, inode_flags, set_inode_flags as set_flags};
 
+/// How deep the walks here, and volume-migrate's counts, go below the top
+/// of what they walk before refusing with [`too_deep`]. A package nests its
+/// directories as deep as it likes, and each level of a walk holds an open
+/// directory and a stack frame: a 20,000-deep tree overflowed the stack of
+/// volume-migrate's count threads and aborted the whole process, which
+/// start-core's boot would share. 2,048 is past any real package's tree (a
+/// path of 2,048 one-byte names already fills PATH_MAX), on a thread of
+/// [`WALK_STACK_BYTES`] (tested at this depth).
+pub const MAX_DEPTH: usize = 2048;
+
+/// The stack of a thread that walks a package's tree (copies, removals,
+/// volume-migrate's counts): room for [`MAX_DEPTH`] levels in an
+/// unoptimised build too (the 2 MiB default held about 1,000 there), and
+/// only address space until touched. Callers run such walks on a thread
+/// of this size: `volume-migrate`'s CLI and counts, `startos-core`'s tasks.
+pub const WALK_STACK_BYTES: usize = 64 << 20;
+
+/// Directories nested deeper than [`MAX_DEPTH`] levels: the payload of
+/// [`too_deep`]'s error, which [`is_too_deep`] recognises.
+#[derive(Debug)]
+pub struct TooDeep;
+
+impl std::fmt::Display for TooDeep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "directories nested deeper than {MAX_DEPTH} levels")
+    }
+}
+
+impl std::error::Error for TooDeep {}
+
+/// The error for a tree nested deeper than [`MAX_DEPTH`] levels below the
+/// top of what was walked. It is final: walking again meets it again.
+pub fn too_deep() -> io::Error {
+    io::Error::other(TooDeep)
+}
+
+/// Whether `e` is [`too_deep`]'s.
+pub fn is_too_deep(e: &io::Error) -> bool {
+    e.get_ref().is_some_and(|inner| inner.is::<TooDeep>())
+}
+
 /// What a copy did, for reports and progress.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct CopyStats {
@@ -191,6 +232,9 @@ impl Copier<'_, '_> {
         existing: bool,
         nested: bool,
     ) -> io::Result<()> {
+        if rel.components().count() > MAX_DEPTH {
+            return Err(too_deep());
+        }
         if existing {
             sys::clear_stuck_flags(dst)?;
             if nested && sys::is_read_only(dst)? {
@@ -481,15 +525,19 @@ pub fn remove_tree_at(
     on_entry: &mut dyn FnMut(u64) -> io::Result<()>,
 ) -> io::Result<()> {
     let mut count = 0u64;
-    remove_inner(parent, name, &mut count, on_entry)
+    remove_inner(parent, name, 0, &mut count, on_entry)
 }
 
 fn remove_inner(
     parent: BorrowedFd<'_>,
     name: &OsStr,
+    depth: usize,
     count: &mut u64,
     on_entry: &mut dyn FnMut(u64) -> io::Result<()>,
 ) -> io::Result<()> {
+    if depth > MAX_DEPTH {
+        return Err(too_deep());
+    }
     let Some(st) = sys::metadata_at_if_exists(parent, name)? else {
         return Ok(());
     };
@@ -503,7 +551,7 @@ fn remove_inner(
         } else {
             sys::clear_stuck_flags(dir.as_fd())?;
             for (child, _, _) in sys::read_dir_names(dir.as_fd())? {
-                remove_inner(dir.as_fd(), &child, count, on_entry)?;
+                remove_inner(dir.as_fd(), &child, depth + 1, count, on_entry)?;
             }
             drop(dir);
             sys::rmdir_at(parent, name)?;

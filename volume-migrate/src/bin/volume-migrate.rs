@@ -76,7 +76,20 @@ fn main() -> ExitCode {
     };
     #[cfg(target_os = "linux")]
     {
-        run(cli)
+        // A package's tree may nest volume::copy::MAX_DEPTH levels, more
+        // than the main thread's stack holds in every build.
+        match std::thread::Builder::new()
+            .stack_size(volume::copy::WALK_STACK_BYTES)
+            .spawn(move || run(cli))
+        {
+            Ok(work) => work
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+            Err(e) => {
+                eprintln!("volume-migrate: starting its work thread: {e}");
+                ExitCode::FAILURE
+            }
+        }
     }
     #[cfg(not(target_os = "linux"))]
     {
