@@ -995,10 +995,7 @@ fn snapshot_parent_survives_a_crash_at_every_step() {
 #[test]
 fn a_failed_cut_deletes_the_snapshot() {
     let Some((_fs, root)) = new_fs() else { return };
-    let vol = root.join("db");
-    fs::create_dir_all(vol.join("data/main")).unwrap();
-    integration::make_fragmented_file(&vol.join("data/main/db.mdb"), 8000 * 8192, 8000, 5)
-        .expect("fragmenting");
+    let vol = fragmented_db(&root);
     let before = raw(&vol);
     for (fp, method, converted) in [
         ("migrate.carve-removed@1=eio", "snapshot-parent", false),
@@ -1038,10 +1035,7 @@ fn a_failed_cut_deletes_the_snapshot() {
 #[test]
 fn a_failure_while_deciding_clones() {
     let Some((_fs, root)) = new_fs() else { return };
-    let vol = root.join("db");
-    fs::create_dir_all(vol.join("data/main")).unwrap();
-    integration::make_fragmented_file(&vol.join("data/main/db.mdb"), 8000 * 8192, 8000, 5)
-        .expect("fragmenting");
+    let vol = fragmented_db(&root);
     let before = raw(&vol);
     let m = Migrator::open(&root).unwrap();
     let planned = m.plan().unwrap();
@@ -1058,11 +1052,7 @@ fn a_failure_while_deciding_clones() {
     assert!(out.contains("CHILD-RESULT ok Converted"), "{out}");
     assert!(is_subvolume(&vol));
     assert_same(&expected_after(&before), &raw(&vol), "cloned");
-    assert!(
-        migrate_names(&root).is_empty(),
-        "{:?}",
-        migrate_names(&root)
-    );
+    assert_nothing_left(&root);
 }
 
 /// A volume whose top is immutable cannot be exchanged (the kernel refuses
@@ -1088,11 +1078,7 @@ fn an_immutable_top_is_refused_and_left_untouched() {
     );
     assert!(!is_subvolume(&vol));
     assert_same(&before, &raw(&vol), "untouched");
-    assert!(
-        migrate_names(&root).is_empty(),
-        "{:?}",
-        migrate_names(&root)
-    );
+    assert_nothing_left(&root);
     setflags(&vol, rustix::fs::IFlags::empty());
 }
 
@@ -1103,10 +1089,7 @@ fn an_immutable_top_is_refused_and_left_untouched() {
 #[test]
 fn a_kill_as_the_rest_leaves_loses_nothing() {
     let Some((_fs, root)) = new_fs() else { return };
-    let vol = root.join("db");
-    fs::create_dir_all(vol.join("data/main")).unwrap();
-    integration::make_fragmented_file(&vol.join("data/main/db.mdb"), 8000 * 8192, 8000, 5)
-        .expect("fragmenting");
+    let vol = fragmented_db(&root);
     fs::write(root.join("beside"), b"in the rest").unwrap();
     let before = raw(&vol);
     let flags = flags_and_blocks(&vol);
@@ -1145,11 +1128,7 @@ fn a_kill_as_the_rest_leaves_loses_nothing() {
     assert!(m.remove_old(&pkg("db"), &mut no_progress).unwrap());
     assert_same(&expected_after(&before), &raw(&vol), "after the rerun");
     assert_eq!(flags, flags_and_blocks(&vol), "flags or holes");
-    assert!(
-        migrate_names(&root).is_empty(),
-        "{:?}",
-        migrate_names(&root)
-    );
+    assert_nothing_left(&root);
 }
 
 /// A copy of the volume that an interrupted restore may yet make the volume
@@ -1159,10 +1138,7 @@ fn a_kill_as_the_rest_leaves_loses_nothing() {
 #[test]
 fn a_copy_a_restore_may_bring_back_keeps_the_rests_record() {
     let Some((_fs, root)) = new_fs() else { return };
-    let vol = root.join("db");
-    fs::create_dir_all(vol.join("data/main")).unwrap();
-    integration::make_fragmented_file(&vol.join("data/main/db.mdb"), 8000 * 8192, 8000, 5)
-        .expect("fragmenting");
+    let vol = fragmented_db(&root);
     fs::write(root.join("beside"), b"in the rest").unwrap();
     let m = Migrator::open(&root).unwrap();
     let r = m
@@ -1202,6 +1178,23 @@ fn a_copy_a_restore_may_bring_back_keeps_the_rests_record() {
         fs::symlink_metadata(&record).is_err(),
         "the record goes with the last copy"
     );
+}
+
+/// No name of volume-migrate's is left under `root`.
+#[track_caller]
+fn assert_nothing_left(root: &Path) {
+    let left = migrate_names(root);
+    assert!(left.is_empty(), "left under {}: {left:?}", root.display());
+}
+
+/// `<root>/db`, a plain package directory holding an 8,000-extent
+/// database: enough for Auto to choose the parent snapshot.
+fn fragmented_db(root: &Path) -> PathBuf {
+    let vol = root.join("db");
+    fs::create_dir_all(vol.join("data/main")).unwrap();
+    integration::make_fragmented_file(&vol.join("data/main/db.mdb"), 8000 * 8192, 8000, 5)
+        .expect("fragmenting");
+    vol
 }
 
 /// `depth` directories one in another under `top`, a file at the bottom,
@@ -1304,7 +1297,7 @@ fn trees_deeper_than_the_limit_are_refused_and_the_rest_converts() {
                 boot.failed[0].1.to_string()
             }
             _ => {
-                let out = Command::new(cli_bin())
+                let out = Command::new(volume_migrate_bin())
                     .arg("--root")
                     .arg(&root)
                     .env_remove("RUST_LOG")
@@ -1341,15 +1334,4 @@ fn trees_deeper_than_the_limit_are_refused_and_the_rest_converts() {
             migrate_names(&root)
         );
     }
-}
-
-/// The `volume-migrate` binary next to this test's.
-fn cli_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    exe.ancestors()
-        .skip(1)
-        .take(2)
-        .map(|d| d.join("volume-migrate"))
-        .find(|p| p.is_file())
-        .expect("volume-migrate built (cargo build --bins --features volume-migrate/cli)")
 }

@@ -33,22 +33,6 @@ type Packages = BTreeMap<String, (TreeDigest, Vec<(PathBuf, String, u64)>)>;
 /// The deferred cut's directory at the top of the dominant volume.
 const REST_DIR: &str = ".startos-carve-rest";
 
-/// `volume-migrate` (built beside this test by `make test`).
-fn cli_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    exe.ancestors()
-        .skip(1)
-        .take(2)
-        .map(|d| d.join("volume-migrate"))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| {
-            panic!(
-                "volume-migrate not found near {}; run `make test`",
-                exe.display()
-            )
-        })
-}
-
 fn new_box_fs(shape: &NodeShape) -> Option<LoopFs> {
     Some(fs_or_skip!(LoopFs::btrfs(shape.image_bytes()), None))
 }
@@ -373,7 +357,7 @@ const RUN_STEPS: &[&str] = &[
 /// `volume-migrate --root <root> --json`, with `failpoint` armed; returns
 /// whether it was SIGKILLed, and its output.
 fn cli_run(root: &Path, failpoint: Option<&str>) -> (bool, i32, String) {
-    let mut cmd = Command::new(cli_bin());
+    let mut cmd = Command::new(volume_migrate_bin());
     cmd.arg("--root")
         .arg(root)
         .arg("--json")
