@@ -271,10 +271,61 @@ fn the_box_converts_losslessly_each_package_by_the_rule() {
         fs::symlink_metadata(root.join(format!("{DOMINANT}.migrate-rest"))).is_ok(),
         "the cut's record"
     );
+    // bitcoind's NOCOW files share no extent with an old copy by the time
+    // it is reported done: its old tree and its directory in the rest are
+    // gone (the others' stay for the cleanup), and its first writes are in
+    // place.
+    let bitcoind = reports
+        .iter()
+        .find(|r| r.package.as_str() == NOCOW_PACKAGE)
+        .expect("bitcoind's report");
+    assert_eq!(bitcoind.nocow_files, nocow_files);
+    assert!(bitcoind.old_removed);
+    let in_rest = rest.join("package-data/volumes");
+    assert!(
+        !in_rest.join(NOCOW_PACKAGE).exists(),
+        "bitcoind's old copy in the rest"
+    );
+    assert!(fs::symlink_metadata(root.join(format!("{NOCOW_PACKAGE}.migrate-old"))).is_err());
+    assert!(
+        in_rest.join("electrs").is_dir(),
+        "the others' are the cleanup's"
+    );
+    assert!(root.join("electrs.migrate-old").is_dir());
+    let block = node::block_file(&root, 0);
+    let extents = integration::extent_count(&block).unwrap();
+    // The same bytes written back, the times put back: the box stays as
+    // it was for the lossless check below.
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&block)
+        .unwrap();
+    let meta = f.metadata().unwrap();
+    let blocks = meta.len() / 4096;
+    let mut buf = [0u8; 4096];
+    for i in 0..64u64 {
+        let at = (i * 37 % blocks) * 4096;
+        std::os::unix::fs::FileExt::read_exact_at(&f, &mut buf, at).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&f, &buf, at).unwrap();
+    }
+    f.sync_data().unwrap();
+    f.set_times(
+        fs::FileTimes::new()
+            .set_accessed(meta.accessed().unwrap())
+            .set_modified(meta.modified().unwrap()),
+    )
+    .unwrap();
+    assert_eq!(
+        integration::extent_count(&block).unwrap(),
+        extents,
+        "bitcoind's first writes in place"
+    );
     let cleaned = m
         .remove_all_old(&mut no_progress)
         .expect("removing old trees");
-    assert_eq!(cleaned.len(), all.len(), "{cleaned:?}");
+    assert_eq!(cleaned.len(), all.len() - 1, "{cleaned:?}");
+    assert!(!cleaned.iter().any(|p| p.as_str() == NOCOW_PACKAGE));
     assert_lossless(&root, &shape, &before, "after the old trees went");
     assert!(m.packages().unwrap().is_empty());
 }

@@ -303,6 +303,7 @@ impl Job<'_, '_> {
         };
         self.report.bytes_cloned = stats.bytes_cloned;
         self.report.entries_reused = stats.entries_reused;
+        self.report.nocow_files = stats.nocow_files;
         failpoint("migrate.copied").with_ctx(step(pkg, "failpoint"))?;
         let estimate = self.report.estimate.unwrap_or_default();
         tracing::info!(package = %pkg, bytes = estimate.bytes, extents = estimate.extents, "volume cloned into a subvolume");

@@ -68,7 +68,11 @@ pub struct MigrateOptions {
     /// A cut of the parent's snapshot only sets the rest aside before the
     /// exchange (O(the parent's top entries)), and [`Migrator::remove_old`]
     /// removes it with the old directory, after services start; see the
-    /// `rest` module. Off: the cut removes it before the exchange.
+    /// `rest` module. Off: the cut removes it before the exchange. On, a
+    /// cloned package holding NOCOW files has its old copies (its
+    /// `<pkg>.migrate-old` and its directory in every rest) removed before
+    /// it is reported done: shared, each first write to them would be a
+    /// copy. A crash meanwhile leaves only garbage, for `remove_old`.
     pub defer_cut: bool,
 }
 
@@ -487,6 +491,7 @@ impl Migrator {
                     resumed: false,
                     bytes_cloned: 0,
                     entries_reused: 0,
+                    nocow_files: 0,
                     old_removed: false,
                     elapsed: started.elapsed(),
                     error: Some(ReportError::from(&e)),
@@ -815,6 +820,7 @@ impl Migrator {
             resumed: false,
             bytes_cloned: 0,
             entries_reused: 0,
+            nocow_files: 0,
             old_removed: false,
             elapsed: Duration::ZERO,
             error: None,
@@ -1020,8 +1026,84 @@ impl Migrator {
         job.clone_volume(resume)?;
         job.report.method = Some(Method::Clone);
         job.report.outcome = Outcome::Converted;
+        if opts.defer_cut && job.report.nocow_files > 0 {
+            // Its service must not start while its NOCOW files share their
+            // extents: each first write would be a copy, for good. The
+            // conversion is done either way: a failure here is the
+            // cleanup's to finish.
+            match self.release_in_place(pkg, &names) {
+                Ok(()) => job.report.old_removed = true,
+                Err(e) => {
+                    tracing::warn!(package = %pkg, error = %e, "removing the old copies of its NOCOW files")
+                }
+            }
+        }
         job.report.elapsed = started.elapsed();
         Ok(job.report)
+    }
+
+    /// Removes, for the cloned package `pkg`, every other copy of its old
+    /// files: `<pkg>.migrate-old`, and `pkg`'s old directory inside each
+    /// deferred cut's rest (verified by the rest's record, under the path
+    /// the volumes root has in the parent subvolume). Everything removed is
+    /// garbage already, so a crash part-way leaves only less for
+    /// [`Migrator::remove_old`]. Holds each other package's lock while in
+    /// its volume.
+    fn release_in_place(&self, pkg: &PackageId, names: &Names) -> Result<(), Error> {
+        let root = self.root_fd();
+        if self
+            .kind(&names.migrate_old)
+            .with_ctx(step(pkg, "inspecting the old directory"))?
+            != Kind::Absent
+        {
+            copy::remove_tree_at(root, &names.migrate_old, &mut |_| Ok(()))
+                .and_then(|()| sys::fsync(root))
+                .with_ctx(step(pkg, "removing the old directory"))?;
+        }
+        let Some((_, volumes_path)) =
+            sys::subvolume_root_of(root).with_ctx(step(pkg, "finding the parent subvolume"))?
+        else {
+            return Ok(());
+        };
+        let old: PathBuf = volumes_path.iter().collect();
+        for other in self.packages()? {
+            if &other == pkg {
+                continue;
+            }
+            let theirs = Names::new(&other)?;
+            let Ok(Some(record)) = RestRecord::read(root, &theirs.migrate_rest) else {
+                continue;
+            };
+            let _lock = self.lock(&other)?;
+            if self
+                .kind(&theirs.live)
+                .with_ctx(step(&other, "inspecting the volume"))?
+                != Kind::Subvolume
+            {
+                continue;
+            }
+            let live = sys::open_dir_at(root, &theirs.live)
+                .with_ctx(step(&other, "opening the volume"))?;
+            if !record
+                .is_in(live.as_fd())
+                .with_ctx(step(&other, "looking for the cut's rest"))?
+            {
+                continue;
+            }
+            let in_rest = Path::new(&record.name).join(&old);
+            let dir = match sys::open_beneath(live.as_fd(), &in_rest) {
+                Ok(dir) => dir,
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
+                Err(e) => {
+                    return Err(e).with_ctx(step(pkg, "opening its old copy in a cut's rest"));
+                }
+            };
+            copy::remove_tree_at(dir.as_fd(), &names.live, &mut |_| Ok(()))
+                .and_then(|()| sys::commit(live.as_fd()))
+                .with_ctx(step(pkg, "removing its old copy from a cut's rest"))?;
+            tracing::info!(package = %pkg, rest_of = %other, "old copies of its NOCOW files removed");
+        }
+        Ok(())
     }
 
     /// Checks, just before the cut, what can have changed since the

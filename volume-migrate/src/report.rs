@@ -65,6 +65,10 @@ pub struct PackageReport {
     pub bytes_cloned: u64,
     /// Entries an earlier run had already copied and this one kept.
     pub entries_reused: u64,
+    /// NOCOW files the clone copied; with a deferred cut, their old copies
+    /// were removed before the package was reported done (see
+    /// [`crate::MigrateOptions::defer_cut`]).
+    pub nocow_files: u64,
     /// Whether the old directory is gone (else `<pkg>.migrate-old` remains
     /// for [`crate::Migrator::remove_old`]).
     pub old_removed: bool,

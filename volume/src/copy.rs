@@ -84,6 +84,9 @@ pub struct CopyStats {
     /// Destination entries a resumed copy threw away because their source
     /// changed since, or no longer exists.
     pub entries_discarded: u64,
+    /// Files whose data was cloned NOCOW (once per inode): until the
+    /// source is gone they share extents, so their next writes are copies.
+    pub nocow_files: u64,
 }
 
 /// How [`reflink_into`] copies.
@@ -432,6 +435,9 @@ impl Copier<'_, '_> {
         let size = st.st_size as u64;
         let src_id = (st.st_dev, st.st_ino);
         let want_nocow = src_flags.contains(IFlags::NOCOW);
+        if want_nocow {
+            self.stats.nocow_files += 1;
+        }
         let dst_flags = inode_flags(dst)?;
         let mut start = (dst_st.st_size as u64).min(size);
         if dst_flags.contains(IFlags::NOCOW) != want_nocow {
