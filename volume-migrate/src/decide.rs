@@ -29,14 +29,15 @@
 //! NOCOW and preallocated files: btrfs copies their extents on their next
 //! write once their subvolume has been snapshotted. Those of the packages
 //! the same run converts do not count: each is converted next, into a new
-//! subvolume of its own that was never snapshotted, and its old tree and
-//! the rest of the snapshot are removed after services start. Until then
-//! its files share their extents with those copies, so each first write
-//! to a block is a copy (`bench --only boot` measures it: 4,096 writes,
-//! 8,190 new extents while the cleanup runs, none after); once they are
-//! gone, writes are in place again, as after upstream's conversion. Those
-//! anywhere else in the parent stay in a snapshotted subvolume for good,
-//! and veto the snapshot.
+//! subvolume of its own that was never snapshotted. While its old tree
+//! and its old directory in the snapshot's rest exist, its files share
+//! their extents with them, so each first write to a block would be a copy
+//! (`bench --only boot` measured 8,190 new extents for 4,096 writes); a
+//! clone that copied NOCOW files therefore removes those old copies before
+//! the package is reported done ([`crate::MigrateOptions::defer_cut`]), and
+//! its service's first writes are in place, as after upstream's
+//! conversion. Those anywhere else in the parent stay in a snapshotted
+//! subvolume for good, and veto the snapshot.
 
 use std::collections::HashSet;
 use std::fmt;
