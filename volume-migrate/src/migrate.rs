@@ -361,16 +361,11 @@ impl Migrator {
         for pkg in packages {
             let names = Names::new(pkg)?;
             let state = self.state(pkg, &names)?;
-            let planned = Planned {
-                package: pkg.clone(),
-                decision: None,
-                clone: None,
-                cut: None,
-                estimate: None,
-                bytes: 0,
-                resume: state.live == Kind::Dir && state.tmp == Kind::Subvolume,
-                old_pending: state.old_pending(),
-            };
+            let planned = Planned::undecided(
+                pkg.clone(),
+                state.live == Kind::Dir && state.tmp == Kind::Subvolume,
+                state.old_pending(),
+            );
             if state.live != Kind::Dir {
                 if state.old_pending() || state.tmp != Kind::Absent || state.parent != Kind::Absent
                 {
@@ -788,16 +783,7 @@ impl Migrator {
         let planned = self
             .schedule_for(std::slice::from_ref(pkg), opts, false)?
             .pop()
-            .unwrap_or_else(|| Planned {
-                package: pkg.clone(),
-                decision: None,
-                clone: None,
-                cut: None,
-                estimate: None,
-                bytes: 0,
-                resume: false,
-                old_pending: false,
-            });
+            .unwrap_or_else(|| Planned::undecided(pkg.clone(), false, false));
         self.convert_planned(&planned, opts, sink)
     }
 

@@ -112,6 +112,20 @@ pub struct Planned {
 }
 
 impl Planned {
+    /// `package`, nothing decided or counted yet.
+    pub(crate) fn undecided(package: PackageId, resume: bool, old_pending: bool) -> Planned {
+        Planned {
+            package,
+            decision: None,
+            clone: None,
+            cut: None,
+            estimate: None,
+            bytes: 0,
+            resume,
+            old_pending,
+        }
+    }
+
     /// The method it is to be converted by.
     pub fn method(&self) -> Option<Method> {
         self.decision.as_ref().map(Decision::method)
