@@ -237,7 +237,7 @@ impl LoopFsBuilder {
             .arg(&image))?;
 
         // From here on, Drop of `fs` undoes whatever got done if a later step fails.
-        let mut fs = LoopFs {
+        let fs = LoopFs {
             kind: self.kind,
             dir: Some(dir),
             image,
@@ -247,17 +247,7 @@ impl LoopFsBuilder {
             attached: false,
             mounted: false,
         };
-        let out = run(Command::new(program("losetup")?)
-            .args(["--find", "--show"])
-            .arg(&fs.image))?;
-        let device = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-        if device.is_empty() {
-            return Err(io::Error::other("losetup --find --show printed no device"));
-        }
-        fs.device = PathBuf::from(device);
-        fs.attached = true;
-        fs.mount()?;
-        Ok(fs)
+        fs.attach_and_mount()
     }
 }
 
@@ -344,7 +334,7 @@ impl LoopFs {
             // Another filesystem: copy, then remove the original.
             fs::copy(image, &moved).and_then(|_| fs::remove_file(image))
         })?;
-        let mut fs = LoopFs {
+        let fs = LoopFs {
             kind,
             dir: Some(dir),
             image: moved,
@@ -354,17 +344,23 @@ impl LoopFs {
             attached: false,
             mounted: false,
         };
+        fs.attach_and_mount()
+    }
+
+    /// Attaches the image to a free loop device and mounts it. On an error
+    /// the value is dropped, which undoes whichever of the two was done.
+    fn attach_and_mount(mut self) -> io::Result<LoopFs> {
         let out = run(Command::new(program("losetup")?)
             .args(["--find", "--show"])
-            .arg(&fs.image))?;
+            .arg(&self.image))?;
         let device = String::from_utf8_lossy(&out.stdout).trim().to_owned();
         if device.is_empty() {
             return Err(io::Error::other("losetup --find --show printed no device"));
         }
-        fs.device = PathBuf::from(device);
-        fs.attached = true;
-        fs.mount()?;
-        Ok(fs)
+        self.device = PathBuf::from(device);
+        self.attached = true;
+        self.mount()?;
+        Ok(self)
     }
 
     /// Unmounts the filesystem and detaches its loop device, keeping the

@@ -245,23 +245,8 @@ fn btrfs_prop_ro(path: &Path) {
 }
 
 fn set_mtime(path: &Path, sec: i64) {
-    let t = rustix::fs::Timestamps {
-        last_access: rustix::fs::Timespec {
-            tv_sec: sec,
-            tv_nsec: 0,
-        },
-        last_modification: rustix::fs::Timespec {
-            tv_sec: sec,
-            tv_nsec: 123_456_789,
-        },
-    };
-    rustix::fs::utimensat(
-        rustix::fs::CWD,
-        path,
-        &t,
-        rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
-    )
-    .unwrap_or_else(|e| panic!("utimensat {}: {e}", path.display()));
+    powercut::finalize::set_mtime(path, sec, 123_456_789)
+        .unwrap_or_else(|e| panic!("utimensat {}: {e}", path.display()));
 }
 
 /// A volume with nested subvolumes (one of them read-only), its directory

@@ -23,7 +23,9 @@ pub fn s9pk(pkg: &PackageId, version: &str) -> String {
     format!("/media/startos/data/package-data/archive/{pkg}-{version}.s9pk")
 }
 
-fn set_mtime(path: &Path, sec: i64) -> io::Result<()> {
+/// Sets `path`'s times without following a symlink: access `sec`, modify
+/// `sec` and `nsec` (a nonzero `nsec` shows a copy keeps nanoseconds).
+pub fn set_mtime(path: &Path, sec: i64, nsec: i64) -> io::Result<()> {
     let t = rustix::fs::Timestamps {
         last_access: rustix::fs::Timespec {
             tv_sec: sec,
@@ -31,7 +33,7 @@ fn set_mtime(path: &Path, sec: i64) -> io::Result<()> {
         },
         last_modification: rustix::fs::Timespec {
             tv_sec: sec,
-            tv_nsec: 500,
+            tv_nsec: nsec as _,
         },
     };
     rustix::fs::utimensat(
@@ -52,7 +54,7 @@ pub fn migrate(volume: &Path) -> io::Result<()> {
         let f = fs::File::create(&p)?;
         io::Write::write_all(&mut &f, data)?;
         f.sync_all()?;
-        set_mtime(&p, 1_750_000_000)
+        set_mtime(&p, 1_750_000_000, 500)
     };
     write(main.join("schema"), b"2\n")?;
     write(main.join("config.toml"), b"[server]\nport = 8443\n")?;
@@ -62,7 +64,7 @@ pub fn migrate(volume: &Path) -> io::Result<()> {
         Err(e) => return Err(e),
     }
     for d in ["data/main", "data/other"] {
-        set_mtime(&volume.join(d), 1_750_000_100)?;
+        set_mtime(&volume.join(d), 1_750_000_100, 500)?;
     }
     fs::File::open(&main)?.sync_all()?;
     fs::File::open(volume.join("data/other"))?.sync_all()
