@@ -1335,3 +1335,82 @@ fn trees_deeper_than_the_limit_are_refused_and_the_rest_converts() {
         );
     }
 }
+
+/// What a package's count must find, from a walk of its own: every entry,
+/// each regular file once (hardlinks), its size, and its extent items as a
+/// search of that one inode returns them.
+fn counted_by_hand(top: &Path) -> (u64, u64, u64, u64) {
+    use std::collections::HashSet;
+    use std::os::unix::fs::MetadataExt;
+    let (mut entries, mut files, mut bytes, mut extents) = (0, 0, 0, 0);
+    let mut seen = HashSet::new();
+    let mut dirs = vec![top.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        let fd = fs::File::open(&dir).unwrap();
+        for e in fs::read_dir(&dir).unwrap() {
+            let e = e.unwrap();
+            let m = fs::symlink_metadata(e.path()).unwrap();
+            entries += 1;
+            if m.is_dir() {
+                dirs.push(e.path());
+            } else if m.is_file() && seen.insert(m.ino()) {
+                files += 1;
+                bytes += m.len();
+                let range =
+                    volume::sys::KeyRange::inode_items(m.ino(), volume::sys::EXTENT_DATA_KEY);
+                volume::sys::search(fd.as_fd(), range, |_, _| {
+                    extents += 1;
+                    std::ops::ControlFlow::Continue(())
+                })
+                .unwrap();
+            }
+        }
+    }
+    (entries, files, bytes, extents)
+}
+
+/// The count reads a directory's files in runs of inode numbers: one
+/// package's files created between another's fragmented ones (their inode
+/// numbers interleaved), small inline files, hardlinks, a symlink and a
+/// FIFO are counted exactly as one search per file counts them.
+#[test]
+fn counts_match_each_files_own_items_whatever_the_inode_order() {
+    let Some((_fs, root)) = new_fs() else { return };
+    for p in ["alpha/data", "alpha/data/sub", "beta/data"] {
+        fs::create_dir_all(root.join(p)).unwrap();
+    }
+    for i in 0..300u64 {
+        let len = if i % 3 == 0 { 900 } else { 6000 };
+        fs::write(
+            root.join(format!("alpha/data/f{i}")),
+            vec![i as u8 | 1; len],
+        )
+        .unwrap();
+        integration::make_fragmented_file(
+            &root.join(format!("beta/data/g{i}")),
+            64 * 1024,
+            8,
+            i + 1,
+        )
+        .expect("fragmenting");
+    }
+    fs::hard_link(root.join("alpha/data/f1"), root.join("alpha/data/sub/hard")).unwrap();
+    fs::hard_link(root.join("alpha/data/f2"), root.join("alpha/data/hard2")).unwrap();
+    std::os::unix::fs::symlink("f1", root.join("alpha/data/link")).unwrap();
+    integration::run(Command::new("mkfifo").arg(root.join("alpha/data/sub/fifo"))).unwrap();
+    rustix::fs::sync();
+
+    let m = Migrator::open(&root).unwrap();
+    for e in m.plan().unwrap() {
+        let est = e.estimate.expect("counted");
+        let want = counted_by_hand(&root.join(e.package.as_str()));
+        assert_eq!(
+            (est.entries, est.files, est.bytes, est.extents),
+            want,
+            "{}: entries, files, bytes, extents",
+            e.package
+        );
+        // Interleaved or not, neither package's count holds the other's.
+        assert!(want.3 >= 300, "{}: {} extents", e.package, want.3);
+    }
+}

@@ -9,7 +9,7 @@ use std::sync::{Condvar, Mutex, PoisonError};
 
 use rustix::fs::FileType;
 use volume::copy;
-use volume::sys::{self, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, item};
+use volume::sys::{self, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, Searcher, item};
 
 use crate::Estimate;
 
@@ -218,7 +218,7 @@ pub(crate) fn scan(
     let mut scan = Scan::new(Limits::all(stop));
     // Without a work limit it never breaks off.
     let _ = scan.dir(dir)?;
-    Ok((scan.est, scan.files))
+    Ok((scan.tally.est, scan.tally.files))
 }
 
 /// [`scan`] within `limits`: stops once the work counted passes
@@ -227,9 +227,9 @@ pub(crate) fn scan_within(dir: BorrowedFd<'_>, limits: Limits<'_>) -> io::Result
     let mut scan = Scan::new(limits);
     let complete = scan.dir(dir)?.is_continue();
     Ok(Counted {
-        est: scan.est,
+        est: scan.tally.est,
         complete,
-        in_place: scan.in_place,
+        in_place: scan.tally.in_place,
     })
 }
 
@@ -269,42 +269,55 @@ pub(crate) fn bytes(dir: BorrowedFd<'_>) -> io::Result<Estimate> {
     Ok(est)
 }
 
+/// Regular files of one directory counted by one run of tree searches (at
+/// most this many at a time): a directory's files are usually consecutive
+/// inodes, so their items are consecutive in the subvolume's tree and a
+/// few ioctls return them all. A stat and two searches per file (the
+/// second to learn that the first had everything) made counting the boot
+/// box's electrs, 20,000 small files, take 717 ms from a cold cache, the
+/// longest part of deciding; in runs, 213 ms.
+const FILE_BATCH: usize = 1024;
+
 struct Scan<'a> {
-    limits: Limits<'a>,
-    est: Estimate,
-    files: ExtentsByInode,
-    in_place: u64,
+    tally: Tally<'a>,
     searcher: Searcher,
     /// Directories open below the top ([`copy::MAX_DEPTH`] at most).
     depth: usize,
 }
 
-impl<'a> Scan<'a> {
-    fn new(limits: Limits<'a>) -> Self {
-        Scan {
-            limits,
-            est: Estimate::default(),
-            files: HashMap::new(),
-            in_place: 0,
-            depth: 0,
-            searcher: Searcher::default(),
-        }
-    }
+/// What a scan has counted, and its limits.
+struct Tally<'a> {
+    limits: Limits<'a>,
+    est: Estimate,
+    files: ExtentsByInode,
+    in_place: u64,
+}
 
+impl Tally<'_> {
     fn work(&self) -> u64 {
         self.limits.weights.of(&self.est)
+    }
+
+    /// Whether `entries` and `extents` more stay within the limit as it
+    /// stands.
+    fn fits(&self, entries: u64, extents: u64) -> bool {
+        self.more(entries, extents) <= self.limits.max_work
+    }
+
+    fn more(&self, entries: u64, extents: u64) -> u64 {
+        let more = entries
+            .saturating_mul(self.limits.weights.entry)
+            .saturating_add(extents.saturating_mul(self.limits.weights.extent));
+        self.work().saturating_add(more)
     }
 
     /// Whether the work may grow by `entries` and `extents` more: within
     /// the limit, or once a gate has raised it that far.
     fn allows(&mut self, entries: u64, extents: u64) -> bool {
-        let more = entries
-            .saturating_mul(self.limits.weights.entry)
-            .saturating_add(extents.saturating_mul(self.limits.weights.extent));
-        let work = self.work().saturating_add(more);
-        if work <= self.limits.max_work {
+        if self.fits(entries, extents) {
             return true;
         }
+        let work = self.more(entries, extents);
         match self.limits.gate.and_then(|g| g.pause(self.est, work)) {
             Some(budget) => {
                 self.limits.max_work = budget;
@@ -313,37 +326,98 @@ impl<'a> Scan<'a> {
             None => false,
         }
     }
+}
+
+/// One file of a batch, while its items are read.
+#[derive(Default)]
+struct FileItems {
+    seen: bool,
+    extents: u64,
+    in_place: bool,
+}
+
+impl<'a> Scan<'a> {
+    fn new(limits: Limits<'a>) -> Self {
+        Scan {
+            tally: Tally {
+                limits,
+                est: Estimate::default(),
+                files: HashMap::new(),
+                in_place: 0,
+            },
+            depth: 0,
+            searcher: Searcher::default(),
+        }
+    }
+
+    /// Whether one more entry is allowed; past the limit, the files still
+    /// pending are counted first, so that a pause or a stop reports whole
+    /// files.
+    fn allows_entry(
+        &mut self,
+        dir: BorrowedFd<'_>,
+        dev: u64,
+        pending: &mut Vec<u64>,
+    ) -> io::Result<bool> {
+        if self.tally.fits(1, 0) {
+            return Ok(true);
+        }
+        if self.files(dir, dev, pending)?.is_break() {
+            return Ok(false);
+        }
+        Ok(self.tally.allows(1, 0))
+    }
 
     fn dir(&mut self, dir: BorrowedFd<'_>) -> io::Result<ControlFlow<()>> {
         let dev = sys::stat(dir)?.dev;
-        for (name, _, _) in sys::read_dir_names(dir)? {
-            if self.limits.stop.load(Ordering::Relaxed) {
+        // Regular files go by the inode number and type the directory
+        // itself holds (no stat each): their size and flags are in the
+        // inode item the search returns with their extents.
+        let mut pending: Vec<u64> = Vec::new();
+        for (name, d_type, d_ino) in sys::read_dir_names(dir)? {
+            if self.tally.limits.stop.load(Ordering::Relaxed) {
                 return Err(io::ErrorKind::Interrupted.into());
+            }
+            if d_type == FileType::RegularFile {
+                if !self.allows_entry(dir, dev, &mut pending)? {
+                    return Ok(ControlFlow::Break(()));
+                }
+                self.tally.est.entries += 1;
+                pending.push(d_ino);
+                if pending.len() >= FILE_BATCH && self.files(dir, dev, &mut pending)?.is_break() {
+                    return Ok(ControlFlow::Break(()));
+                }
+                continue;
             }
             let Some(st) = sys::metadata_at_if_exists(dir, &name)? else {
                 continue;
             };
             if self
+                .tally
                 .limits
                 .skip
                 .is_some_and(|s| s.contains(&(st.st_dev, st.st_ino)))
             {
                 continue;
             }
-            if !self.allows(1, 0) {
+            if !self.allows_entry(dir, dev, &mut pending)? {
                 return Ok(ControlFlow::Break(()));
             }
-            self.est.entries += 1;
+            self.tally.est.entries += 1;
             match FileType::from_raw_mode(st.st_mode) {
                 FileType::Directory => {
-                    if self.limits.one_device && st.st_dev != dev {
+                    if self.tally.limits.one_device && st.st_dev != dev {
                         continue;
                     }
                     if st.st_ino == sys::SUBVOLUME_ROOT_INO {
-                        self.est.nested_subvolumes += 1;
+                        self.tally.est.nested_subvolumes += 1;
                     }
                     if self.depth >= copy::MAX_DEPTH {
                         return Err(copy::too_deep());
+                    }
+                    // What a pause below reports includes these files.
+                    if self.files(dir, dev, &mut pending)?.is_break() {
+                        return Ok(ControlFlow::Break(()));
                     }
                     let sub = sys::open_dir_at(dir, &name)?;
                     self.depth += 1;
@@ -356,81 +430,117 @@ impl<'a> Scan<'a> {
                 // A file mounted here: its inode number means nothing in
                 // this directory's subvolume, which the search reads.
                 FileType::RegularFile if st.st_dev != dev => {}
-                FileType::RegularFile => {
-                    let key = (st.st_dev, st.st_ino);
-                    if self.files.contains_key(&key) {
-                        continue;
-                    }
-                    self.est.files += 1;
-                    self.est.bytes += st.st_size as u64;
-                    let mut extents = 0u64;
-                    let mut in_place = false;
-                    let extent_weight = self.limits.weights.extent.max(1);
-                    let mut room = self.limits.max_work.saturating_sub(self.work()) / extent_weight;
-                    let (gate, base, mut stopped) = (self.limits.gate, self.est, false);
-                    let mut range = KeyRange::inode_items(st.st_ino, EXTENT_DATA_KEY);
-                    if self.limits.in_place {
-                        range.min = ItemKey {
-                            objectid: st.st_ino,
-                            item_type: INODE_ITEM_KEY,
-                            offset: 0,
-                        };
-                    }
-                    let weights = self.limits.weights;
-                    let mut raised = None;
-                    // The search runs in the subvolume of `dir`, the file's.
-                    self.searcher.search(dir, range, |key, body| {
-                        if key.objectid != st.st_ino {
-                            return ControlFlow::Continue(());
-                        }
-                        if key.item_type == INODE_ITEM_KEY {
-                            // A body too short for the flags (never from a
-                            // sane kernel) counts as NOCOW: it can veto a
-                            // snapshot, never wrongly allow one.
-                            in_place |= item::le64(body, item::INODE_FLAGS)
-                                .is_none_or(|flags| flags & item::INODE_NODATACOW != 0);
-                        } else if key.item_type == EXTENT_DATA_KEY {
-                            in_place |= body.get(item::TYPE) == Some(&item::TYPE_PREALLOC);
-                            extents += 1;
-                            if extents > room {
-                                // Paused mid-file, the search resumes
-                                // where it stood once the gate opens.
-                                let now = Estimate {
-                                    extents: base.extents + extents,
-                                    ..base
-                                };
-                                let work = weights.of(&now);
-                                match gate.and_then(|g| g.pause(now, work)) {
-                                    Some(budget) => {
-                                        raised = Some(budget);
-                                        room = budget.saturating_sub(weights.of(&base))
-                                            / extent_weight;
-                                    }
-                                    None => {
-                                        stopped = true;
-                                        return ControlFlow::Break(());
-                                    }
-                                }
-                            }
-                        }
-                        ControlFlow::Continue(())
-                    })?;
-                    if let Some(budget) = raised {
-                        self.limits.max_work = budget;
-                    }
-                    self.est.extents += extents;
-                    if in_place {
-                        self.in_place += 1;
-                    }
-                    self.files.insert(key, extents);
-                    if stopped || (gate.is_none() && !self.allows(0, 0)) {
-                        return Ok(ControlFlow::Break(()));
-                    }
-                }
+                // A type the directory did not say (DT_UNKNOWN).
+                FileType::RegularFile => pending.push(st.st_ino),
                 _ => {}
             }
         }
+        self.files(dir, dev, &mut pending)
+    }
+
+    /// Counts the regular files `pending` (inode numbers in the subvolume
+    /// of `dir`, taken from it) and empties it: their inode items (size,
+    /// NOCOW) and extent items, read in inode order. An inode in between
+    /// that is not one of them (another directory's) is skipped by starting
+    /// the next search past it, so it costs at most one buffer. Hardlinks
+    /// count once; a file gone since its directory was read counts as an
+    /// entry only.
+    fn files(
+        &mut self,
+        dir: BorrowedFd<'_>,
+        dev: u64,
+        pending: &mut Vec<u64>,
+    ) -> io::Result<ControlFlow<()>> {
+        let mut wanted = std::mem::take(pending);
+        wanted.sort_unstable();
+        wanted.dedup();
+        wanted.retain(|ino| !self.tally.files.contains_key(&(dev, *ino)));
+        let (Some(&first), Some(&last)) = (wanted.first(), wanted.last()) else {
+            return Ok(ControlFlow::Continue(()));
+        };
+        let t = &mut self.tally;
+        let max = ItemKey {
+            objectid: last,
+            item_type: EXTENT_DATA_KEY,
+            offset: u64::MAX,
+        };
+        let at_inode = |objectid| ItemKey {
+            objectid,
+            item_type: INODE_ITEM_KEY,
+            offset: 0,
+        };
+        let mut i = 0;
+        let mut cur = FileItems::default();
+        let mut from = at_inode(first);
+        let mut stopped = false;
+        'search: loop {
+            // The search runs in the subvolume of `dir`, the files'.
+            let batch = self.searcher.fill(dir, from, max, u32::MAX)?;
+            if batch.is_empty() {
+                break;
+            }
+            let mut next = None;
+            for (key, body) in batch.iter() {
+                while wanted.get(i).is_some_and(|&w| w < key.objectid) {
+                    t.finish_file(dev, wanted[i], std::mem::take(&mut cur));
+                    i += 1;
+                }
+                let Some(&ino) = wanted.get(i) else {
+                    break 'search;
+                };
+                next = key.successor();
+                if key.objectid != ino {
+                    next = Some(at_inode(ino));
+                    break;
+                }
+                if key.item_type == INODE_ITEM_KEY {
+                    cur.seen = true;
+                    t.est.files += 1;
+                    t.est.bytes += item::le64(body, item::INODE_SIZE).unwrap_or(0);
+                    // A body too short for the flags (never from a sane
+                    // kernel) counts as NOCOW: it can veto a snapshot,
+                    // never wrongly allow one.
+                    if t.limits.in_place {
+                        cur.in_place |= item::le64(body, item::INODE_FLAGS)
+                            .is_none_or(|flags| flags & item::INODE_NODATACOW != 0);
+                    }
+                } else if key.item_type == EXTENT_DATA_KEY && cur.seen {
+                    // Paused mid-file, the search resumes where it stood
+                    // once the gate opens.
+                    if !t.allows(0, 1) {
+                        stopped = true;
+                        break 'search;
+                    }
+                    cur.in_place |= body.get(item::TYPE) == Some(&item::TYPE_PREALLOC);
+                    cur.extents += 1;
+                    t.est.extents += 1;
+                }
+            }
+            match next {
+                Some(n) if n <= max => from = n,
+                _ => break,
+            }
+        }
+        if let Some(&ino) = wanted.get(i) {
+            t.finish_file(dev, ino, cur);
+        }
+        if stopped || (t.limits.gate.is_none() && !t.allows(0, 0)) {
+            return Ok(ControlFlow::Break(()));
+        }
         Ok(ControlFlow::Continue(()))
+    }
+}
+
+impl Tally<'_> {
+    /// A file of a batch is counted: its extents, once per inode.
+    fn finish_file(&mut self, dev: u64, ino: u64, file: FileItems) {
+        if !file.seen {
+            return;
+        }
+        if file.in_place {
+            self.in_place += 1;
+        }
+        self.files.insert((dev, ino), file.extents);
     }
 }
 
