@@ -1414,3 +1414,84 @@ fn counts_match_each_files_own_items_whatever_the_inode_order() {
         assert!(want.3 >= 300, "{}: {} extents", e.package, want.3);
     }
 }
+
+/// A clone's small files are shared between the walk and helper threads
+/// (one per core beyond the first): the copy is still whole, every entry
+/// is reported once, in the walk's thread, and a copy stopped by its
+/// progress callback has no helper writing into it once it returned.
+#[test]
+fn a_clone_shares_its_small_files_with_helpers_and_loses_nothing() {
+    use std::collections::HashSet;
+    let Some((_fs, root)) = new_fs() else { return };
+    let src = root.join("src");
+    build_rich_tree(&src, 1 << 20);
+    for d in 0..6 {
+        let dir = src.join(format!("many/{d}"));
+        fs::create_dir_all(&dir).unwrap();
+        for i in 0..250 {
+            let f = dir.join(format!("{i}"));
+            fs::write(&f, vec![(d * 7 + i) as u8; 100 + 37 * i]).unwrap();
+            if i % 5 == 0 {
+                let v = format!("{d}-{i}");
+                rustix::fs::setxattr(&f, "user.k", v.as_bytes(), rustix::fs::XattrFlags::empty())
+                    .unwrap();
+            }
+        }
+    }
+    let before = raw(&src);
+    let flags = flags_and_blocks(&src);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let copy = |dst: &Path, fail_at: Option<usize>| {
+        subvolume_create(dst);
+        let (s, d) = (fs::File::open(&src).unwrap(), fs::File::open(dst).unwrap());
+        let mut entries = Vec::new();
+        let on_walk = std::thread::current().id();
+        let opts = volume::copy::CopyOptions {
+            chunk_bytes: Some(1 << 20),
+            nested_subvolumes: true,
+            ..Default::default()
+        };
+        let r = volume::copy::reflink_into(s.as_fd(), d.as_fd(), &opts, &mut |ev| {
+            assert_eq!(std::thread::current().id(), on_walk, "events on the walk");
+            if let volume::copy::CopyEvent::Entry { rel } = ev {
+                entries.push(rel.to_path_buf());
+                if Some(entries.len()) == fail_at {
+                    return Err(std::io::Error::other("stopped by the test"));
+                }
+            }
+            Ok(())
+        });
+        (r, entries)
+    };
+
+    let whole = root.join("whole");
+    let (r, entries) = copy(&whole, None);
+    let stats = r.expect("copy");
+    assert_same(&expected_after(&before), &raw(&whole), "the copy");
+    assert_eq!(flags, flags_and_blocks(&whole), "flags and blocks");
+    let unique: HashSet<_> = entries.iter().collect();
+    assert_eq!(unique.len(), entries.len(), "each entry reported once");
+    assert_eq!(
+        entries.len() as u64,
+        stats.entries + 1,
+        "every entry and the top"
+    );
+    if cores > 1 {
+        assert!(stats.helped_files > 100, "{stats:?}");
+    } else {
+        assert_eq!(stats.helped_files, 0, "{stats:?}");
+    }
+
+    let stopped = root.join("stopped");
+    let (r, entries) = copy(&stopped, Some(700));
+    let e = r.expect_err("stopped");
+    assert_eq!(e.to_string(), "stopped by the test");
+    assert_eq!(entries.len(), 700);
+    let at_return = raw(&stopped);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert_same(
+        &at_return,
+        &raw(&stopped),
+        "nothing written after the return",
+    );
+}

@@ -27,6 +27,10 @@ use rustix::fs::{FileType, IFlags, Timespec, Timestamps};
 
 use crate::sys::{self, Metadata as Stat, inode_flags, set_inode_flags as set_flags};
 
+mod helpers;
+
+use helpers::{HELPER_MAX_BYTES, Helpers, SharedDirs};
+
 /// How deep the walks here, and volume-migrate's counts, go below the top
 /// of what they walk before refusing with [`too_deep`]. A package nests its
 /// directories as deep as it likes, and each level of a walk holds an open
@@ -87,6 +91,8 @@ pub struct CopyStats {
     /// Files whose data was cloned NOCOW (once per inode): until the
     /// source is gone they share extents, so their next writes are copies.
     pub nocow_files: u64,
+    /// Regular files copied on a helper thread rather than the walk's.
+    pub helped_files: u64,
 }
 
 /// How [`reflink_into`] copies.
@@ -171,16 +177,32 @@ pub fn reflink_into(
 ) -> io::Result<CopyStats> {
     let st = sys::metadata(src)?;
     let block = sys::block_size(dst)?;
-    let mut copier = Copier {
-        root: dst,
-        links: HashMap::new(),
-        stats: CopyStats::default(),
-        opts: *opts,
-        block,
-        progress,
-    };
-    copier.copy_dir(src, dst, &st, Path::new(""), opts.resume, false)?;
-    Ok(copier.stats)
+    helpers::with_helpers(block, opts.chunk_bytes, |helpers| {
+        let mut copier = Copier {
+            root: dst,
+            links: HashMap::new(),
+            stats: CopyStats::default(),
+            opts: *opts,
+            block,
+            progress,
+            helpers,
+        };
+        copier.copy_dir(src, dst, &st, Path::new(""), opts.resume, false)?;
+        Ok(copier.stats)
+    })
+}
+
+impl CopyStats {
+    /// Adds what another part of the same copy did.
+    fn absorb(&mut self, o: &CopyStats) {
+        self.entries += o.entries;
+        self.bytes += o.bytes;
+        self.bytes_cloned += o.bytes_cloned;
+        self.entries_reused += o.entries_reused;
+        self.entries_discarded += o.entries_discarded;
+        self.nocow_files += o.nocow_files;
+        self.helped_files += o.helped_files;
+    }
 }
 
 struct Copier<'a, 'p> {
@@ -193,6 +215,8 @@ struct Copier<'a, 'p> {
     /// Filesystem block size: FICLONERANGE offsets are multiples of it.
     block: u64,
     progress: &'p mut Progress<'p>,
+    /// Threads copying some of the regular files.
+    helpers: Helpers,
 }
 
 /// Where to apply metadata: an open fd (files, directories) or a name in a
@@ -224,6 +248,26 @@ fn ctime(st: &Stat) -> (i64, i64) {
 }
 
 impl Copier<'_, '_> {
+    /// Takes in the files helpers finished: their stats, and their events
+    /// reported. With `all`, waits until none is outstanding.
+    fn collect(&mut self, all: bool) -> io::Result<()> {
+        while let Some(done) = self.helpers.next(all)? {
+            let stats = done.report(&mut *self.progress)?;
+            self.stats.absorb(&stats);
+        }
+        Ok(())
+    }
+
+    /// Whether a file of `size` bytes is cloned in one piece, small enough
+    /// for a helper ([`HELPER_MAX_BYTES`]).
+    fn one_piece(&self, size: u64) -> bool {
+        size <= self
+            .opts
+            .chunk_bytes
+            .unwrap_or(u64::MAX)
+            .min(HELPER_MAX_BYTES)
+    }
+
     /// Copies `src`'s children into `dst`, then `src`'s metadata onto it.
     /// `existing`: `dst` was there before this call (resume).
     fn copy_dir(
@@ -253,9 +297,13 @@ impl Copier<'_, '_> {
             }
         }
         let children = sys::read_dir_names(src)?;
+        let mut shared = None;
         for (name, _, _) in &children {
-            self.copy_entry(src, dst, name, &rel.join(name))?;
+            self.copy_entry(src, dst, name, &rel.join(name), &mut shared)?;
+            self.collect(false)?;
         }
+        // Every child complete before the directory's own metadata.
+        self.collect(true)?;
         if existing {
             let wanted: HashSet<&OsStr> = children.iter().map(|(n, _, _)| n.as_os_str()).collect();
             for (name, _, _) in sys::read_dir_names(dst)? {
@@ -278,6 +326,7 @@ impl Copier<'_, '_> {
         dst_dir: BorrowedFd<'_>,
         name: &OsStr,
         rel: &Path,
+        shared: &mut Option<SharedDirs>,
     ) -> io::Result<()> {
         let st = sys::metadata_at(src_dir, name)?;
         let ty = FileType::from_raw_mode(st.st_mode);
@@ -354,46 +403,30 @@ impl Copier<'_, '_> {
                 )
             }
             FileType::RegularFile => {
-                // O_NONBLOCK: if the entry was swapped for a FIFO since the
-                // stat, opening it must not hang; fstat below then refuses it.
-                let src = sys::open_read_at(src_dir, name)?;
-                let st = sys::metadata(src.as_fd())?;
-                if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        format!("{} changed type during the copy", rel.display()),
-                    ));
-                }
                 let fresh = existing.is_none();
-                let create_mode = if fresh {
-                    // Like cp: when the owner will not change, create the
-                    // file with its final permission bits (never the setuid,
-                    // setgid or sticky bit, nor more than the source allows),
-                    // so the chown and chmod below are usually no-ops and
-                    // skipped; otherwise private until the chown.
-                    let same_owner = (st.st_uid, st.st_gid) == sys::effective_ids();
-                    if same_owner {
-                        st.st_mode & 0o777
-                    } else {
-                        0o600
-                    }
-                } else {
-                    // An immutable or append-only file cannot be opened for
-                    // writing: clear those flags (set again at the end) first.
-                    let ro = sys::open_read_at(dst_dir, name)?;
-                    sys::clear_stuck_flags(ro.as_fd())?;
-                    0o600
+                let file = FileAt {
+                    src_dir,
+                    dst_dir,
+                    name,
+                    rel,
                 };
-                let dst = sys::open_write_at(dst_dir, name, fresh, create_mode)?;
-                let dst_st = sys::metadata(dst.as_fd())?;
-                let src_flags = inode_flags(src.as_fd())?;
-                self.copy_data(src.as_fd(), dst.as_fd(), &st, &dst_st, src_flags, rel)?;
-                // A fresh file has no setuid or setgid bit nor capability for
-                // the clone to clear, so its owner and mode are still those
-                // of `dst_st`; a reused one is set whatever it has.
-                let now = fresh.then_some(&dst_st);
-                finish_file_metadata(&st, dst.as_fd(), src.as_fd(), src_flags, now)?;
-                (self.progress)(CopyEvent::Entry { rel })
+                // A hardlinked file stays on the walk, which links its
+                // other names to its first.
+                if fresh
+                    && st.st_nlink == 1
+                    && self.one_piece(st.st_size as u64)
+                    && self.helpers.any()
+                    && self.helpers.offer(&file, shared)?
+                {
+                    return Ok(());
+                }
+                FileCopier {
+                    block: self.block,
+                    chunk_bytes: self.opts.chunk_bytes,
+                    stats: &mut self.stats,
+                    progress: &mut *self.progress,
+                }
+                .copy_file(&file, fresh)
             }
             FileType::Symlink => {
                 let target = sys::read_link_at(src_dir, name)?
@@ -417,6 +450,74 @@ impl Copier<'_, '_> {
                 format!("{}: unknown file type", rel.display()),
             )),
         }
+    }
+}
+
+/// One regular file to copy: the directories it is in and goes to, its
+/// name, and its path from the top of the copy (for events).
+pub(crate) struct FileAt<'a> {
+    pub src_dir: BorrowedFd<'a>,
+    pub dst_dir: BorrowedFd<'a>,
+    pub name: &'a OsStr,
+    pub rel: &'a Path,
+}
+
+/// Copies one regular file, on the walk's thread or on a helper's: what it
+/// adds goes to `stats` (all but the entry count, the walk's), each step to
+/// `progress`.
+pub(crate) struct FileCopier<'s, 'p> {
+    /// Filesystem block size: FICLONERANGE offsets are multiples of it.
+    pub block: u64,
+    /// [`CopyOptions::chunk_bytes`].
+    pub chunk_bytes: Option<u64>,
+    pub stats: &'s mut CopyStats,
+    pub progress: &'s mut Progress<'p>,
+}
+
+impl FileCopier<'_, '_> {
+    /// Copies the regular file `f` (new in the destination if `fresh`,
+    /// else continued from what an earlier copy left there): data, then
+    /// metadata, then its [`CopyEvent::Entry`].
+    pub fn copy_file(&mut self, f: &FileAt<'_>, fresh: bool) -> io::Result<()> {
+        // O_NONBLOCK: if the entry was swapped for a FIFO since the
+        // stat, opening it must not hang; fstat below then refuses it.
+        let src = sys::open_read_at(f.src_dir, f.name)?;
+        let st = sys::metadata(src.as_fd())?;
+        if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{} changed type during the copy", f.rel.display()),
+            ));
+        }
+        let create_mode = if fresh {
+            // Like cp: when the owner will not change, create the
+            // file with its final permission bits (never the setuid,
+            // setgid or sticky bit, nor more than the source allows),
+            // so the chown and chmod below are usually no-ops and
+            // skipped; otherwise private until the chown.
+            let same_owner = (st.st_uid, st.st_gid) == sys::effective_ids();
+            if same_owner {
+                st.st_mode & 0o777
+            } else {
+                0o600
+            }
+        } else {
+            // An immutable or append-only file cannot be opened for
+            // writing: clear those flags (set again at the end) first.
+            let ro = sys::open_read_at(f.dst_dir, f.name)?;
+            sys::clear_stuck_flags(ro.as_fd())?;
+            0o600
+        };
+        let dst = sys::open_write_at(f.dst_dir, f.name, fresh, create_mode)?;
+        let dst_st = sys::metadata(dst.as_fd())?;
+        let src_flags = inode_flags(src.as_fd())?;
+        self.copy_data(src.as_fd(), dst.as_fd(), &st, &dst_st, src_flags, f.rel)?;
+        // A fresh file has no setuid or setgid bit nor capability for
+        // the clone to clear, so its owner and mode are still those
+        // of `dst_st`; a reused one is set whatever it has.
+        let now = fresh.then_some(&dst_st);
+        finish_file_metadata(&st, dst.as_fd(), src.as_fd(), src_flags, now)?;
+        (self.progress)(CopyEvent::Entry { rel: f.rel })
     }
 
     /// Puts `src`'s data into `dst` by reflink: NOCOW first (the kernel only
@@ -470,7 +571,7 @@ impl Copier<'_, '_> {
                 cloned: 0,
             })?;
         }
-        match self.opts.chunk_bytes {
+        match self.chunk_bytes {
             None => {
                 if size > start {
                     if start == 0 {
