@@ -427,6 +427,8 @@ fn try_decide(
                                     max_work: gate.budget(),
                                     weights: RANK,
                                     gate: Some(gate),
+                                    // For the order: read with the extents.
+                                    in_place: true,
                                     ..Limits::all(&stop)
                                 },
                             );

@@ -422,7 +422,11 @@ impl Migrator {
                 })
                 .collect(),
         };
+        let mut in_place = HashSet::new();
         for ((p, c), d) in planned.iter_mut().zip(&cands).zip(decided) {
+            if d.count.is_some_and(|c| c.in_place > 0) {
+                in_place.insert(p.package.clone());
+            }
             p.bytes = match d.count {
                 Some(count) if count.complete => count.est.bytes,
                 // For progress only: a tree it cannot count (too deep, say)
@@ -441,10 +445,15 @@ impl Migrator {
             p.cut = d.cut;
         }
         // The dominant package first: the others' clones do not change its
-        // parent's cost, but its snapshot would hold their old trees.
+        // parent's cost, but its snapshot would hold their old trees. Those
+        // with NOCOW or preallocated files last: such a clone removes the
+        // old copies of its files before it is done (see `decide`), and
+        // those removals, from the parent's snapshot, leave the next
+        // commits work that slowed the clones after them.
         planned.sort_by_key(|p| {
             (
                 p.decision != Some(Decision::SnapshotParent),
+                in_place.contains(&p.package),
                 p.package.clone(),
             )
         });
