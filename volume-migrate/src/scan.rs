@@ -441,7 +441,8 @@ impl<'a> Scan<'a> {
     /// Counts the regular files `pending` (inode numbers in the subvolume
     /// of `dir`, taken from it) and empties it: their inode items (size,
     /// NOCOW) and extent items, read in inode order. An inode in between
-    /// that is not one of them (another directory's) is skipped by starting
+    /// that is not one of them (another directory's) is skipped: its items
+    /// in a buffer are passed over, and a buffer ending among them starts
     /// the next search past it, so it costs at most one buffer. Hardlinks
     /// count once; a file gone since its directory was read counts as an
     /// entry only.
@@ -488,11 +489,14 @@ impl<'a> Scan<'a> {
                 let Some(&ino) = wanted.get(i) else {
                     break 'search;
                 };
-                next = key.successor();
+                // Another directory's inode: its items in this buffer are
+                // skipped; if the buffer ends among them, the next search
+                // starts at the next wanted inode, past however many it has.
                 if key.objectid != ino {
                     next = Some(at_inode(ino));
-                    break;
+                    continue;
                 }
+                next = key.successor();
                 if key.item_type == INODE_ITEM_KEY {
                     cur.seen = true;
                     t.est.files += 1;

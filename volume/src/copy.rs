@@ -384,6 +384,9 @@ impl Copier<'_, '_> {
         }
         match ty {
             FileType::Directory => {
+                // This level's shared fds stay with its queued files only:
+                // below, each level shares its own.
+                *shared = None;
                 let src = sys::open_dir_at(src_dir, name)?;
                 if existing.is_none() {
                     if nested {

@@ -138,12 +138,21 @@ impl Helpers {
         };
         let dirs = match shared {
             Some(d) => d.clone(),
-            None => shared
-                .insert(SharedDirs {
-                    src: Arc::new(f.src_dir.try_clone_to_owned()?),
-                    dst: Arc::new(f.dst_dir.try_clone_to_owned()?),
-                })
-                .clone(),
+            None => {
+                // Out of fds (a deep tree): the walk copies it itself.
+                let (Ok(src), Ok(dst)) = (
+                    f.src_dir.try_clone_to_owned(),
+                    f.dst_dir.try_clone_to_owned(),
+                ) else {
+                    return Ok(false);
+                };
+                shared
+                    .insert(SharedDirs {
+                        src: Arc::new(src),
+                        dst: Arc::new(dst),
+                    })
+                    .clone()
+            }
         };
         let job = FileJob {
             dirs,
@@ -272,29 +281,41 @@ fn help(
             ..CopyStats::default()
         };
         let mut events = Vec::new();
-        let result = FileCopier {
-            block,
-            chunk_bytes,
-            stats: &mut stats,
-            progress: &mut |ev| {
-                events.push(Recorded::of(&ev));
-                Ok(())
-            },
-        }
-        .copy_file(
-            &FileAt {
-                src_dir: job.dirs.src.as_fd(),
-                dst_dir: job.dirs.dst.as_fd(),
-                name: &job.name,
-                rel: &job.rel,
-            },
-            true,
-        );
+        let copied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            FileCopier {
+                block,
+                chunk_bytes,
+                stats: &mut stats,
+                progress: &mut |ev| {
+                    events.push(Recorded::of(&ev));
+                    Ok(())
+                },
+            }
+            .copy_file(
+                &FileAt {
+                    src_dir: job.dirs.src.as_fd(),
+                    dst_dir: job.dirs.dst.as_fd(),
+                    name: &job.name,
+                    rel: &job.rel,
+                },
+                true,
+            )
+        }));
+        let (result, panic) = match copied {
+            Ok(r) => (r, None),
+            // The walk waits for this file: it hears of the failure, ends,
+            // and the scope raises the panic again.
+            Err(p) => (Err(stopped()), Some(p)),
+        };
         let finished = FileDone {
             rel: job.rel,
             result: result.map(|()| (stats, events)),
         };
-        if done.send(finished).is_err() {
+        let sent = done.send(finished);
+        if let Some(p) = panic {
+            std::panic::resume_unwind(p);
+        }
+        if sent.is_err() {
             return;
         }
     }
