@@ -1,7 +1,22 @@
 //! Running external commands (mkfs, losetup, mount, btrfs, cp, ...) from tests.
 
 use std::io;
+use std::path::PathBuf;
 use std::process::{Command, Output};
+
+/// A binary of the workspace named `name`, beside the running executable
+/// or one directory up (where cargo puts binaries relative to test
+/// executables in `deps/`); the error names where it looked. `make test`
+/// builds every binary first, with the same features.
+pub fn workspace_bin(name: &str) -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+    exe.ancestors()
+        .skip(1)
+        .take(2)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+        .ok_or_else(|| format!("{name} not found near {}", exe.display()))
+}
 
 /// Runs `cmd` to completion, capturing stdout and stderr.
 ///

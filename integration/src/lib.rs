@@ -28,7 +28,7 @@ pub mod services;
 mod tree;
 pub mod upstream;
 
-pub use cmd::{run, sh};
+pub use cmd::{run, sh, workspace_bin};
 pub use fixture::{
     FsKind, LoopFs, LoopFsBuilder, TMPDIR_ENV, check_support, in_ci, is_mounted,
     require_root_and_loop, require_support, skip_or_fail, skip_or_panic,

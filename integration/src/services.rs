@@ -104,22 +104,15 @@ impl ProcessServices {
         if let Some(p) = std::env::var_os("STARTOS_CORE_SERVICE_BIN") {
             return Ok(PathBuf::from(p));
         }
-        let exe = std::env::current_exe().with_kind(ErrorKind::NotFound)?;
-        exe.ancestors()
-            .skip(1)
-            .take(2)
-            .map(|d| d.join("startos-core-service"))
-            .find(|p| p.is_file())
-            .ok_or_else(|| {
-                Error::new(
-                    eyre!(
-                        "startos-core-service not found near {}; build it with \
-                         `cargo build -p startos-core --bins` or set STARTOS_CORE_SERVICE_BIN",
-                        exe.display()
-                    ),
-                    ErrorKind::NotFound,
-                )
-            })
+        crate::workspace_bin("startos-core-service").map_err(|e| {
+            Error::new(
+                eyre!(
+                    "{e}; build it with `cargo build -p startos-core --bins` or set \
+                     STARTOS_CORE_SERVICE_BIN"
+                ),
+                ErrorKind::NotFound,
+            )
+        })
     }
 
     /// Makes `pkg`'s next `phase` fail (after doing its writes). One-shot.

@@ -29,13 +29,7 @@ fn bin(name: &str) -> PathBuf {
     if let Some(dir) = std::env::var_os("HOSTILE_BIN_DIR") {
         return Path::new(&dir).join(name);
     }
-    let exe = std::env::current_exe().expect("current_exe");
-    exe.ancestors()
-        .skip(1)
-        .take(2)
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| panic!("{name} not found near {}; run `make test`", exe.display()))
+    integration::workspace_bin(name).unwrap_or_else(|e| panic!("{e}; run `make test`"))
 }
 
 /// Runs `startos-volume --root <root> <args>` with `env` set.

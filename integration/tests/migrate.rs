@@ -402,6 +402,11 @@ fn child_with(
 }
 
 #[track_caller]
+/// Whether the child's output says its conversion failed with `kind`.
+fn failed_with(out: &str, kind: ErrorKind) -> bool {
+    out.contains(&format!("CHILD-RESULT err {}", kind.code()))
+}
+
 fn crash(root: &Path, package: &str, failpoint: &str, chunk: u64) {
     let (killed, out) = child(root, package, failpoint, chunk);
     assert!(
@@ -554,10 +559,8 @@ fn enospc_mid_copy_removes_the_partial_subvolume() {
     let (killed, out) = child(&root, "full", "migrate.chunk@3=enospc", 1 << 20);
     assert!(!killed, "{out}");
     assert!(
-        out.contains(&format!(
-            "CHILD-RESULT err {}",
-            ErrorKind::MigrationFailed.code()
-        )) && out.contains("package full")
+        failed_with(&out, ErrorKind::MigrationFailed)
+            && out.contains("package full")
             && out.contains("partial subvolume was removed"),
         "failpoints compiled in? child output:\n{out}"
     );
@@ -1018,10 +1021,8 @@ fn a_failed_cut_deletes_the_snapshot() {
             assert_same(&expected_after(&before), &raw(&vol), &when);
         } else {
             assert!(
-                out.contains(&format!(
-                    "CHILD-RESULT err {}",
-                    ErrorKind::MigrationFailed.code()
-                )) && out.contains("is untouched and the snapshot was deleted"),
+                failed_with(&out, ErrorKind::MigrationFailed)
+                    && out.contains("is untouched and the snapshot was deleted"),
                 "failpoints compiled in? {when}:\n{out}"
             );
             assert!(!is_subvolume(&vol), "{when}");
@@ -1070,10 +1071,7 @@ fn an_immutable_top_is_refused_and_left_untouched() {
     let (killed, out) = child(&root, "db", "none", 1 << 20);
     assert!(!killed, "{out}");
     assert!(
-        out.contains(&format!(
-            "CHILD-RESULT err {}",
-            ErrorKind::InvalidRequest.code()
-        )) && out.contains("is immutable or append-only"),
+        failed_with(&out, ErrorKind::InvalidRequest) && out.contains("is immutable or append-only"),
         "{out}"
     );
     assert!(!is_subvolume(&vol));

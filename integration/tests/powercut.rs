@@ -50,18 +50,8 @@ fn cache_dir() -> PathBuf {
 /// A binary of the workspace beside this test's directory (`make test`
 /// builds every binary first, with the same features).
 fn workspace_bin(name: &str) -> Result<PathBuf, String> {
-    let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
-    exe.ancestors()
-        .skip(1)
-        .take(2)
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-        .ok_or_else(|| {
-            format!(
-                "{name} not found near {}; build the workspace's binaries first (`make test` does)",
-                exe.display()
-            )
-        })
+    integration::workspace_bin(name)
+        .map_err(|e| format!("{e}; build the workspace's binaries first (`make test` does)"))
 }
 
 /// The guest, prepared once per test binary. `None` (after skipping, or a

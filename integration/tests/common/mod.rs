@@ -285,16 +285,6 @@ impl Drop for MountGuard {
 /// The `volume-migrate` binary beside this test's (built by
 /// `cargo build --bins --features volume-migrate/cli`, as `make test` does).
 pub fn volume_migrate_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    exe.ancestors()
-        .skip(1)
-        .take(2)
-        .map(|d| d.join("volume-migrate"))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| {
-            panic!(
-                "volume-migrate not built beside {}: run `cargo build --bins --features volume-migrate/cli`",
-                exe.display()
-            )
-        })
+    integration::workspace_bin("volume-migrate")
+        .unwrap_or_else(|e| panic!("{e}: run `cargo build --bins --features volume-migrate/cli`"))
 }
