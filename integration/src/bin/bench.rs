@@ -27,6 +27,8 @@
 //! One more, `finalize`, times a whole update of a running service whose
 //! volume holds the fragmented file, our finalization against upstream's
 //! order, at the same extent counts as the snapshot section ([`finalize`]).
+//! `commits` times starting a btrfs commit, the bare ioctl against ours
+//! ([`commits`]).
 //! `--only` picks sections; each prints its own table and target lines.
 //!
 //! The benchmark reports; it does not assert. It exits 0 whatever the figures,
@@ -34,6 +36,8 @@
 
 #[path = "bench/boot.rs"]
 mod boot;
+#[path = "bench/commits.rs"]
+mod commits;
 mod common;
 #[path = "bench/finalize.rs"]
 mod finalize;
@@ -88,6 +92,8 @@ enum Section {
     /// The per-entry and per-extent costs the conversion's rule uses,
     /// measured again.
     Costs,
+    /// Starting a btrfs commit: the bare ioctl's stalls against ours.
+    Commits,
 }
 
 #[derive(Parser)]
@@ -592,6 +598,8 @@ struct Report {
     boot: Option<boot::Report>,
     #[serde(skip_serializing_if = "Option::is_none")]
     costs: Option<boot::CostReport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    commits: Option<commits::Report>,
     total_seconds: f64,
 }
 
@@ -625,6 +633,9 @@ fn run(args: &Args) -> Result<Report> {
         .then(|| finalize::run(args))
         .transpose()?;
     let costs = wants(Section::Costs).then(boot::run_costs).transpose()?;
+    let commits = wants(Section::Commits)
+        .then(|| commits::run(commits::ROUNDS))
+        .transpose()?;
     let boot = wants(Section::Boot)
         .then(|| boot::run(&args.boot_extents))
         .transpose()?;
@@ -635,6 +646,7 @@ fn run(args: &Args) -> Result<Report> {
         finalize,
         boot,
         costs,
+        commits,
         total_seconds: start.elapsed().as_secs_f64(),
     })
 }
@@ -665,6 +677,10 @@ fn print_text(report: &Report) {
     if let Some(r) = &report.costs {
         gap();
         boot::print_costs(r);
+    }
+    if let Some(r) = &report.commits {
+        gap();
+        commits::print(r);
     }
     if let Some(r) = &report.boot {
         gap();

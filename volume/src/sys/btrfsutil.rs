@@ -160,8 +160,9 @@ pub(super) fn commit(fd: BorrowedFd<'_>) -> io::Result<()> {
     check(unsafe { bu::btrfs_util_sync_fd(fd.as_raw_fd()) })
 }
 
-pub(super) fn start_commit(fd: BorrowedFd<'_>) -> io::Result<()> {
+pub(super) fn start_commit(fd: BorrowedFd<'_>) -> io::Result<u64> {
     let mut transid = 0u64;
     // SAFETY: valid fd and out-pointer.
-    check(unsafe { bu::btrfs_util_start_sync_fd(fd.as_raw_fd(), &mut transid) })
+    check(unsafe { bu::btrfs_util_start_sync_fd(fd.as_raw_fd(), &mut transid) })?;
+    Ok(transid)
 }

@@ -262,11 +262,10 @@ pub(super) fn commit(fd: BorrowedFd<'_>) -> io::Result<()> {
     Ok(())
 }
 
-pub(super) fn start_commit(fd: BorrowedFd<'_>) -> io::Result<()> {
+pub(super) fn start_commit(fd: BorrowedFd<'_>) -> io::Result<u64> {
     ensure_btrfs(fd)?;
     // SAFETY: START_SYNC is _IOR(0x94, 24, __u64) and writes the transid.
-    unsafe { rustix::ioctl::ioctl(fd, Getter::<START_SYNC, u64>::new()) }?;
-    Ok(())
+    Ok(unsafe { rustix::ioctl::ioctl(fd, Getter::<START_SYNC, u64>::new()) }?)
 }
 
 /// INO_LOOKUP of inode `objectid` in tree `treeid` (0: `fd`'s own), as the
