@@ -533,11 +533,13 @@ impl<'a> Scan<'a> {
                     cur.in_place |= body.get(item::TYPE) == Some(&item::TYPE_PREALLOC);
                     cur.extents += 1;
                     t.est.extents += 1;
-                    if cur.extents == SLICE_AFTER {
+                    // (An item at the last offset has nothing after it.)
+                    if let Some(rest) = key.offset.checked_add(1)
+                        && cur.extents == SLICE_AFTER
+                    {
                         // The rest of this file's items, in this buffer
                         // too, go to the slices; the search goes on after
                         // its last one.
-                        let rest = key.offset.saturating_add(1);
                         if extents_sliced(dir, ino, rest, cur.size, t, &mut cur)?.is_break() {
                             stopped = true;
                             break 'search;
@@ -570,8 +572,11 @@ impl<'a> Scan<'a> {
 struct Slicing<'t, 'a> {
     tally: &'t mut Tally<'a>,
     file: &'t mut FileItems,
-    /// The limit was reached: every slice ends.
+    /// The limit was reached, or the gate stopped the count: every slice
+    /// ends.
     stopped: bool,
+    /// A slice failed: the others end too, their count moot.
+    failed: bool,
 }
 
 /// Counts the extent items of the regular file `ino`, in the subvolume of
@@ -607,6 +612,7 @@ fn extents_sliced(
         tally: t,
         file,
         stopped: false,
+        failed: false,
     });
     let last = ranges.len().saturating_sub(1);
     let results: Vec<io::Result<()>> = std::thread::scope(|scope| {
@@ -655,6 +661,21 @@ fn count_slice(
     stop: &AtomicBool,
     shared: &Mutex<Slicing<'_, '_>>,
 ) -> io::Result<()> {
+    let r = count_slice_until_done(dir, ino, lo, hi, stop, shared);
+    if r.is_err() {
+        shared.lock().unwrap_or_else(PoisonError::into_inner).failed = true;
+    }
+    r
+}
+
+fn count_slice_until_done(
+    dir: BorrowedFd<'_>,
+    ino: u64,
+    lo: u64,
+    hi: u64,
+    stop: &AtomicBool,
+    shared: &Mutex<Slicing<'_, '_>>,
+) -> io::Result<()> {
     let at = |offset| ItemKey {
         objectid: ino,
         item_type: EXTENT_DATA_KEY,
@@ -678,7 +699,7 @@ fn count_slice(
         }
         {
             let mut s = shared.lock().unwrap_or_else(PoisonError::into_inner);
-            if s.stopped {
+            if s.stopped || s.failed {
                 return Ok(());
             }
             if !s.tally.allows(0, n) {

@@ -263,41 +263,48 @@ pub fn commit(fd: BorrowedFd<'_>) -> io::Result<()> {
 /// How long BTRFS_IOC_START_SYNC may wait for its commit to start before
 /// the commit is made on another thread instead (BTRFS_IOC_SYNC). The
 /// ioctl only asks btrfs's transaction thread to commit, then waits for it
-/// to start; on this project's 6.18 kernel that thread sometimes misses
-/// the request and sleeps out its commit interval (30 s by default). Seen
-/// here: one call in 400 back to back took 30.7 s, and a boot's clone,
-/// which starts a commit every 250 ms, stalled 30-34 s in 3 runs of 8.
-/// Waits that end well are 2-66 ms (one boot's clones, traced), so half a
-/// second leaves them alone.
-pub const COMMIT_START_PATIENCE: std::time::Duration = std::time::Duration::from_millis(500);
+/// to start; on this project's 6.18 kernel that wait sometimes misses its
+/// wake-up and lasts until some later commit. Seen here: 4 calls in 2,000
+/// back to back took 30-32 s, one waited 100 s on an idle filesystem, and
+/// a boot's clone, which starts a commit every 250 ms, stalled 30-34 s in
+/// 3 runs of 8. Waits that end well were 2-66 ms (one boot's clones,
+/// traced); a start also waits for the commit before it, which slow
+/// storage stretches, so two seconds leave every start that would end
+/// alone and still cut the stall fifteenfold.
+pub const COMMIT_START_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// Commit starts [`start_commit_bounded`] had to force, since the process
-/// started: how often the kernel missed one.
+/// Commit starts [`start_commit_bounded`] forced, since the process
+/// started.
 static FORCED_COMMIT_STARTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// How many commit starts ([`start_commit`], [`commit_metadata`]) waited
-/// [`COMMIT_START_PATIENCE`] and were forced by a commit from another
-/// thread, in this process so far.
+/// past [`COMMIT_START_PATIENCE`] and were forced by a commit from another
+/// thread, in this process so far: missed wake-ups, or starts that were
+/// merely that slow.
 pub fn forced_commit_starts() -> u64 {
     FORCED_COMMIT_STARTS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// BTRFS_IOC_START_SYNC, bounded: once it has waited
-/// [`COMMIT_START_PATIENCE`], a second thread commits the transaction
-/// itself (BTRFS_IOC_SYNC, which also writes out dirty file data), and the
-/// commit starting releases the first. Returns the transaction's id. If
-/// the second thread cannot be started, the ioctl waits unbounded, as it
-/// would anyway.
+/// [`COMMIT_START_PATIENCE`], another thread commits the transaction
+/// itself (BTRFS_IOC_SYNC, which first writes out the filesystem's dirty
+/// file data), and that commit starting releases this one. The other
+/// thread holds its own descriptor and is not waited for: the caller goes
+/// on once its own ioctl returns. Returns the transaction's id. If the
+/// thread or its descriptor cannot be had, the ioctl waits unbounded, as
+/// it would anyway.
 fn start_commit_bounded(fd: BorrowedFd<'_>) -> io::Result<u64> {
-    use std::sync::{Condvar, Mutex, PoisonError};
-    let started = Mutex::new(false);
-    let wake = Condvar::new();
-    std::thread::scope(|scope| {
+    use std::sync::{Arc, Condvar, Mutex, PoisonError};
+    ensure_btrfs(fd)?;
+    let started = Arc::new((Mutex::new(false), Condvar::new()));
+    if let Ok(own) = fd.try_clone_to_owned() {
+        let started = Arc::clone(&started);
         // The kick's own error is not the caller's: the ioctl's is.
-        let _kick = std::thread::Builder::new()
+        let _ = std::thread::Builder::new()
             .name("btrfs-commit-kick".to_owned())
-            .spawn_scoped(scope, || {
-                let done = started.lock().unwrap_or_else(PoisonError::into_inner);
+            .spawn(move || {
+                let (lock, wake) = &*started;
+                let done = lock.lock().unwrap_or_else(PoisonError::into_inner);
                 let (done, waited) = wake
                     .wait_timeout_while(done, COMMIT_START_PATIENCE, |done| !*done)
                     .unwrap_or_else(PoisonError::into_inner);
@@ -307,21 +314,23 @@ fn start_commit_bounded(fd: BorrowedFd<'_>) -> io::Result<u64> {
                     tracing::debug!(
                         "a btrfs commit start waited {COMMIT_START_PATIENCE:?}; committing here"
                     );
-                    let _ = backend::commit(fd);
+                    let _ = backend::commit(own.as_fd());
                 }
             });
-        let transid = backend::start_commit(fd);
-        *started.lock().unwrap_or_else(PoisonError::into_inner) = true;
-        wake.notify_all();
-        transid
-    })
+    }
+    let transid = backend::start_commit(fd);
+    let (lock, wake) = &*started;
+    *lock.lock().unwrap_or_else(PoisonError::into_inner) = true;
+    wake.notify_all();
+    transid
 }
 
 /// Starts committing the current btrfs transaction of the filesystem
 /// holding `fd` (BTRFS_IOC_START_SYNC) and returns once the commit has
-/// started, at most about [`COMMIT_START_PATIENCE`] later: long copies
-/// call it now and then so that the commit they must wait for at the end
-/// has little left to write. ENOTTY off btrfs.
+/// started: long copies call it now and then so that the commit they must
+/// wait for at the end has little left to write. A start past
+/// [`COMMIT_START_PATIENCE`] is forced, and then also waits for the
+/// filesystem's dirty data to be written out. ENOTTY off btrfs.
 pub fn start_commit(fd: BorrowedFd<'_>) -> io::Result<()> {
     start_commit_bounded(fd).map(drop)
 }
@@ -336,7 +345,7 @@ pub fn start_commit(fd: BorrowedFd<'_>) -> io::Result<()> {
 pub fn commit_metadata(fd: BorrowedFd<'_>) -> io::Result<()> {
     use rustix::ioctl::{Setter, opcode};
     const WAIT_SYNC: rustix::ioctl::Opcode = opcode::write::<u64>(BTRFS_IOCTL_MAGIC, 22);
-    ensure_btrfs(fd)?;
+    // Checks that `fd` is on btrfs, as WAIT_SYNC needs.
     let transid = start_commit_bounded(fd)?;
     // SAFETY: WAIT_SYNC is _IOW(0x94, 22, __u64) and reads the transid.
     unsafe { rustix::ioctl::ioctl(fd, Setter::<WAIT_SYNC, u64>::new(transid)) }?;

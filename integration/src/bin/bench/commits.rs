@@ -28,8 +28,8 @@ pub const ROUNDS: u32 = 1500;
 /// Between a round's write and its commit start.
 const DIRTY_FOR: Duration = Duration::from_millis(20);
 /// A wait longer than this counts as a stall.
-/// (Ours waits at most half a second, then a whole commit, which a busy
-/// host has been seen to stretch past a second; the bare stalls last 30 s.)
+/// (Ours waits at most two seconds, then for a commit started on another
+/// thread; the bare stalls last 30 s and more.)
 const STALL: Duration = Duration::from_secs(5);
 /// When a stalled bare ioctl is released: the commit interval, about when
 /// a busy filesystem's next periodic commit would release it.
