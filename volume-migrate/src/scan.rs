@@ -620,7 +620,13 @@ fn extents_sliced(
         let mut handles = Vec::new();
         for (j, &(lo, hi)) in ranges.iter().enumerate() {
             let shared = &shared;
-            let work = move || count_slice(dir, ino, lo, hi, stop, shared);
+            let work = move || {
+                let r = count_slice(dir, ino, lo, hi, stop, shared);
+                if r.is_err() {
+                    shared.lock().unwrap_or_else(PoisonError::into_inner).failed = true;
+                }
+                r
+            };
             if j == last {
                 local.push(work);
                 continue;
@@ -654,21 +660,6 @@ fn extents_sliced(
 /// One slice of [`extents_sliced`]: the items of `ino` at offsets
 /// `lo..=hi`.
 fn count_slice(
-    dir: BorrowedFd<'_>,
-    ino: u64,
-    lo: u64,
-    hi: u64,
-    stop: &AtomicBool,
-    shared: &Mutex<Slicing<'_, '_>>,
-) -> io::Result<()> {
-    let r = count_slice_until_done(dir, ino, lo, hi, stop, shared);
-    if r.is_err() {
-        shared.lock().unwrap_or_else(PoisonError::into_inner).failed = true;
-    }
-    r
-}
-
-fn count_slice_until_done(
     dir: BorrowedFd<'_>,
     ino: u64,
     lo: u64,
