@@ -318,7 +318,7 @@ fn keys_one_pass(dir: &File) -> Vec<ItemKey> {
 
 /// Each range's first key and keys, from a parallel sweep.
 fn keys_swept(dir: &File, threads: usize) -> Vec<(ItemKey, Vec<ItemKey>)> {
-    sweep::sweep(dir.as_fd(), threads, Vec::new, |keys, key, _| {
+    sweep::sweep(dir.as_fd(), 0, threads, Vec::new, |keys, key, _| {
         keys.push(key);
         Ok(())
     })
@@ -463,6 +463,7 @@ fn a_panicking_visitor_stops_the_sweep_and_the_panic_reaches_the_caller() {
     let caller = std::thread::spawn(move || {
         sweep::sweep(
             dir.as_fd(),
+            0,
             2,
             || (),
             |_, key, _| {

@@ -233,8 +233,9 @@ pub(crate) struct Parent {
     pub root: OwnedFd,
     /// The volumes root's path from there.
     pub path: PathBuf,
-    /// Subvolumes nested in it, by path from its root.
-    pub nested: Vec<PathBuf>,
+    /// The entries of the volumes root (by inode number) that hold a
+    /// subvolume somewhere below them: a snapshot would leave it out.
+    holding: HashSet<u64>,
 }
 
 impl Parent {
@@ -254,11 +255,11 @@ impl Parent {
         if !hidden.is_empty() {
             return Ok(Err(CloneReason::MountedInParent { mounts: hidden }));
         }
-        let nested = sys::nested_subvolumes(root.as_fd())?;
+        let holding = entries_holding_subvolumes(root.as_fd(), sys::stat(volumes)?.ino)?;
         Ok(Ok(Parent {
             root,
             path: path.iter().collect(),
-            nested,
+            holding,
         }))
     }
 
@@ -267,10 +268,40 @@ impl Parent {
         self.path.join(name)
     }
 
-    /// Whether the package at `keep` holds nested subvolumes.
-    pub fn holds_nested(&self, keep: &Path) -> bool {
-        self.nested.iter().any(|p| p.starts_with(keep))
+    /// Whether the package directory with inode number `ino` (an entry of
+    /// the volumes root) holds nested subvolumes.
+    pub fn holds_nested(&self, ino: u64) -> bool {
+        self.holding.contains(&ino)
     }
+}
+
+/// The entries of the directory `volumes` (inode number, in the subvolume
+/// whose root is open as `parent`) below which a subvolume is nested, found
+/// by walking up from each subvolume linked into `parent` through the
+/// inodes' reference items: no path is built, so a subvolume under names
+/// far past PATH_MAX, anywhere in the parent, is placed like any other.
+fn entries_holding_subvolumes(parent: BorrowedFd<'_>, volumes: u64) -> io::Result<HashSet<u64>> {
+    let tree = sys::subvolume_info(parent)?.id;
+    let mut holding = HashSet::new();
+    // Those nested deeper sit inside one of these.
+    for n in sys::nested_subvolumes(parent)?
+        .iter()
+        .filter(|n| n.depth == 1)
+    {
+        let (mut below, mut cur) = (None, n.dirid);
+        while cur != volumes {
+            let Some((up, _)) = sys::dir_parent(parent, tree, cur)? else {
+                break;
+            };
+            (below, cur) = (Some(cur), up);
+        }
+        if cur == volumes
+            && let Some(entry) = below
+        {
+            holding.insert(entry);
+        }
+    }
+    Ok(holding)
 }
 
 /// One package to decide for.

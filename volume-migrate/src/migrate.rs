@@ -383,7 +383,7 @@ impl Migrator {
                     why: "on another filesystem than the volumes root".to_owned(),
                 })
             } else if let Some(Ok(p)) = &parent
-                && p.holds_nested(&p.keep(&names.live))
+                && p.holds_nested(st.ino)
             {
                 Some(CloneReason::NestedSubvolumes)
             } else {
@@ -1121,10 +1121,10 @@ impl Migrator {
             Err(reason) => return Ok(Prepared::Clone(reason)),
         };
         let keep = parent.keep(&job.names.live);
-        if parent.holds_nested(&keep) {
+        let st = sys::stat(job.src.as_fd()).with_ctx(step(pkg, "stat of the volume"))?;
+        if parent.holds_nested(st.ino) {
             return Ok(Prepared::Clone(CloneReason::NestedSubvolumes));
         }
-        let st = sys::stat(job.src.as_fd()).with_ctx(step(pkg, "stat of the volume"))?;
         let lifted = sys::read_dir_names(job.src.as_fd())
             .with_ctx(step(pkg, "reading the volume"))?
             .len() as u64;

@@ -3,13 +3,14 @@
 use std::collections::{HashMap, HashSet};
 use std::io;
 use std::ops::ControlFlow;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, PoisonError};
 
 use rustix::fs::FileType;
 use volume::copy;
 use volume::sys::{self, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, Searcher, item};
+use volume::walk::{Step, Walk};
 
 use crate::Estimate;
 
@@ -169,11 +170,11 @@ impl Gate {
     }
 }
 
-/// A thread for a walk of a package's tree ([`copy::WALK_STACK_BYTES`]).
+/// A thread for a count of a package's tree: walks are iterative, with a
+/// bounded number of descriptors ([`volume::walk`]), so the default stack
+/// serves at any depth.
 pub(crate) fn walker() -> std::thread::Builder {
-    std::thread::Builder::new()
-        .name("volume-walk".to_owned())
-        .stack_size(copy::WALK_STACK_BYTES)
+    std::thread::Builder::new().name("volume-walk".to_owned())
 }
 
 /// What [`scan_within`] counted.
@@ -237,35 +238,26 @@ pub(crate) fn scan_within(dir: BorrowedFd<'_>, limits: Limits<'_>) -> io::Result
 /// (no extent search): what a progress bar in bytes needs, at the cost of
 /// a stat per entry whatever the files' fragmentation.
 pub(crate) fn bytes(dir: BorrowedFd<'_>) -> io::Result<Estimate> {
-    fn walk(
-        dir: BorrowedFd<'_>,
-        depth: usize,
-        seen: &mut HashSet<(u64, u64)>,
-        est: &mut Estimate,
-    ) -> io::Result<()> {
-        if depth > copy::MAX_DEPTH {
-            return Err(copy::too_deep());
-        }
-        for (name, _, _) in sys::read_dir_names(dir)? {
-            let Some(st) = sys::metadata_at_if_exists(dir, &name)? else {
-                continue;
-            };
-            est.entries += 1;
-            match FileType::from_raw_mode(st.st_mode) {
-                FileType::Directory => {
-                    walk(sys::open_dir_at(dir, &name)?.as_fd(), depth + 1, seen, est)?
-                }
-                FileType::RegularFile if seen.insert((st.st_dev, st.st_ino)) => {
-                    est.files += 1;
-                    est.bytes += st.st_size as u64;
-                }
-                _ => {}
-            }
-        }
-        Ok(())
-    }
+    let mut seen = HashSet::new();
     let mut est = Estimate::default();
-    walk(dir, 0, &mut HashSet::new(), &mut est)?;
+    let mut walk = Walk::new(dir, Some(copy::MAX_DEPTH))?;
+    while let Some(step) = walk.step()? {
+        let Step::Entry(entry) = step else {
+            continue;
+        };
+        let Some(st) = sys::metadata_at_if_exists(walk.dir(), &entry.name)? else {
+            continue;
+        };
+        est.entries += 1;
+        match FileType::from_raw_mode(st.st_mode) {
+            FileType::Directory => walk.enter(&entry.name)?,
+            FileType::RegularFile if seen.insert((st.st_dev, st.st_ino)) => {
+                est.files += 1;
+                est.bytes += st.st_size as u64;
+            }
+            _ => {}
+        }
+    }
     Ok(est)
 }
 
@@ -293,8 +285,6 @@ const SLICES: u64 = 4;
 struct Scan<'a> {
     tally: Tally<'a>,
     searcher: Searcher,
-    /// Directories open below the top ([`copy::MAX_DEPTH`] at most).
-    depth: usize,
 }
 
 /// What a scan has counted, and its limits.
@@ -359,7 +349,6 @@ impl<'a> Scan<'a> {
                 files: HashMap::new(),
                 in_place: 0,
             },
-            depth: 0,
             searcher: Searcher::default(),
         }
     }
@@ -382,28 +371,47 @@ impl<'a> Scan<'a> {
         Ok(self.tally.allows(1, 0))
     }
 
-    fn dir(&mut self, dir: BorrowedFd<'_>) -> io::Result<ControlFlow<()>> {
-        let dev = sys::stat(dir)?.dev;
-        // Regular files go by the inode number and type the directory
-        // itself holds (no stat each): their size and flags are in the
-        // inode item the search returns with their extents.
-        let mut pending: Vec<u64> = Vec::new();
-        for (name, d_type, d_ino) in sys::read_dir_names(dir)? {
+    /// Counts the tree of the directory open as `top`: one walk
+    /// ([`volume::walk`]), at most [`copy::MAX_DEPTH`] levels deep (as a
+    /// copy goes) and never across a mount, each directory's regular
+    /// files gathered into batches of inode numbers for [`Scan::files`].
+    fn dir(&mut self, top: BorrowedFd<'_>) -> io::Result<ControlFlow<()>> {
+        let mut walk = Walk::new(top, Some(copy::MAX_DEPTH))?;
+        // Per level: the device of its files, their inodes still to count.
+        let mut levels: Vec<(u64, Vec<u64>)> = vec![(sys::stat(top)?.dev, Vec::new())];
+        while let Some(step) = walk.step()? {
+            let Some((dev, pending)) = levels.last_mut() else {
+                break;
+            };
+            let (dev, dir) = (*dev, walk.dir());
+            let entry = match step {
+                Step::Entry(entry) => entry,
+                Step::End => {
+                    if self.files(dir, dev, pending)?.is_break() {
+                        return Ok(ControlFlow::Break(()));
+                    }
+                    levels.pop();
+                    continue;
+                }
+            };
             if self.tally.limits.stop.load(Ordering::Relaxed) {
                 return Err(io::ErrorKind::Interrupted.into());
             }
-            if d_type == FileType::RegularFile {
-                if !self.allows_entry(dir, dev, &mut pending)? {
+            // Regular files go by the inode number and type the directory
+            // itself holds (no stat each): their size and flags are in the
+            // inode item the search returns with their extents.
+            if entry.file_type == FileType::RegularFile {
+                if !self.allows_entry(dir, dev, pending)? {
                     return Ok(ControlFlow::Break(()));
                 }
                 self.tally.est.entries += 1;
-                pending.push(d_ino);
-                if pending.len() >= FILE_BATCH && self.files(dir, dev, &mut pending)?.is_break() {
+                pending.push(entry.ino);
+                if pending.len() >= FILE_BATCH && self.files(dir, dev, pending)?.is_break() {
                     return Ok(ControlFlow::Break(()));
                 }
                 continue;
             }
-            let Some(st) = sys::metadata_at_if_exists(dir, &name)? else {
+            let Some(st) = sys::metadata_at_if_exists(dir, &entry.name)? else {
                 continue;
             };
             if self
@@ -414,7 +422,7 @@ impl<'a> Scan<'a> {
             {
                 continue;
             }
-            if !self.allows_entry(dir, dev, &mut pending)? {
+            if !self.allows_entry(dir, dev, pending)? {
                 return Ok(ControlFlow::Break(()));
             }
             self.tally.est.entries += 1;
@@ -426,20 +434,12 @@ impl<'a> Scan<'a> {
                     if st.st_ino == sys::SUBVOLUME_ROOT_INO {
                         self.tally.est.nested_subvolumes += 1;
                     }
-                    if self.depth >= copy::MAX_DEPTH {
-                        return Err(copy::too_deep());
-                    }
                     // What a pause below reports includes these files.
-                    if self.files(dir, dev, &mut pending)?.is_break() {
+                    if self.files(dir, dev, pending)?.is_break() {
                         return Ok(ControlFlow::Break(()));
                     }
-                    let sub = sys::open_dir_at(dir, &name)?;
-                    self.depth += 1;
-                    let flow = self.dir(sub.as_fd());
-                    self.depth -= 1;
-                    if flow?.is_break() {
-                        return Ok(ControlFlow::Break(()));
-                    }
+                    walk.enter(&entry.name)?;
+                    levels.push((st.st_dev, Vec::new()));
                 }
                 // A file mounted here: its inode number means nothing in
                 // this directory's subvolume, which the search reads.
@@ -449,7 +449,7 @@ impl<'a> Scan<'a> {
                 _ => {}
             }
         }
-        self.files(dir, dev, &mut pending)
+        Ok(ControlFlow::Continue(()))
     }
 
     /// Counts the regular files `pending` (inode numbers in the subvolume

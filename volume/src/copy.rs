@@ -20,57 +20,36 @@
 use std::collections::{HashMap, HashSet};
 use std::ffi::{OsStr, OsString};
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use rustix::fs::{FileType, IFlags, Timespec, Timestamps};
 
 use crate::sys::{self, Metadata as Stat, inode_flags, set_inode_flags as set_flags};
+use crate::walk::{Chain, Step, Walk, crosses_mount};
 
 mod helpers;
+mod remove;
 
 use helpers::{HELPER_MAX_BYTES, Helpers, SharedDirs};
+pub use remove::remove_tree_at;
 
-/// How deep the walks here, and volume-migrate's counts, go below the top
-/// of what they walk before refusing with [`too_deep`]. A package nests its
-/// directories as deep as it likes, and each level of a walk holds an open
-/// directory and a stack frame: a 20,000-deep tree overflowed the stack of
-/// volume-migrate's count threads and aborted the whole process, which
-/// start-core's boot would share. 2,048 is past any real package's tree (a
-/// path of 2,048 one-byte names already fills PATH_MAX), on a thread of
-/// [`WALK_STACK_BYTES`] (tested at this depth).
+/// How deep a copy goes below the top of what it copies before refusing
+/// with [`too_deep`]: volume-migrate's counts keep the same bound, so a
+/// package they count is one a copy takes. A package nests its directories
+/// as deep as it likes; a walk holds a bounded number of descriptors and
+/// no stack at any depth ([`crate::walk`]), so the bound is the copy's
+/// own: 2,048 levels is past any real package's tree (a path of 2,048
+/// one-byte names already fills PATH_MAX), and a copy refuses what lies
+/// beyond rather than spend a boot on it.
 pub const MAX_DEPTH: usize = 2048;
 
-/// The stack of a thread that walks a package's tree (copies, removals,
-/// volume-migrate's counts): room for [`MAX_DEPTH`] levels in an
-/// unoptimised build too (the 2 MiB default held about 1,000 there), and
-/// only address space until touched. Callers run such walks on a thread
-/// of this size: `volume-migrate`'s CLI and counts, `startos-core`'s tasks.
-pub const WALK_STACK_BYTES: usize = 64 << 20;
-
-/// Directories nested deeper than [`MAX_DEPTH`] levels: the payload of
-/// [`too_deep`]'s error, which [`is_too_deep`] recognises.
-#[derive(Debug)]
-pub struct TooDeep;
-
-impl std::fmt::Display for TooDeep {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "directories nested deeper than {MAX_DEPTH} levels")
-    }
-}
-
-impl std::error::Error for TooDeep {}
-
-/// The error for a tree nested deeper than [`MAX_DEPTH`] levels below the
-/// top of what was walked. It is final: walking again meets it again.
+/// The error for a tree nested deeper than [`MAX_DEPTH`] levels.
 pub fn too_deep() -> io::Error {
-    io::Error::other(TooDeep)
+    crate::walk::too_deep(MAX_DEPTH)
 }
 
-/// Whether `e` is [`too_deep`]'s.
-pub fn is_too_deep(e: &io::Error) -> bool {
-    e.get_ref().is_some_and(|inner| inner.is::<TooDeep>())
-}
+pub use crate::walk::is_too_deep;
 
 /// What a copy did, for reports and progress.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -187,7 +166,7 @@ pub fn reflink_into(
             progress,
             helpers,
         };
-        copier.copy_dir(src, dst, &st, Path::new(""), opts.resume, false)?;
+        copier.copy_tree(src, dst, st)?;
         Ok(copier.stats)
     })
 }
@@ -268,20 +247,70 @@ impl Copier<'_, '_> {
             .min(HELPER_MAX_BYTES)
     }
 
-    /// Copies `src`'s children into `dst`, then `src`'s metadata onto it.
+    /// Copies `src`'s tree into `dst`, then `src`'s metadata onto it: one
+    /// walk ([`crate::walk`]) of the source, at most [`MAX_DEPTH`] levels
+    /// deep and never across a mount, beside a [`Chain`] of the
+    /// destination's directories, each side holding a bounded number of
+    /// descriptors whatever the depth.
+    fn copy_tree(&mut self, src: BorrowedFd<'_>, dst: BorrowedFd<'_>, st: Stat) -> io::Result<()> {
+        let mut walk = Walk::new(src, Some(MAX_DEPTH))?;
+        let mut out = Chain::new(dst);
+        let top = self.begin_dir(&walk, dst, st, PathBuf::new(), self.opts.resume, false)?;
+        let mut frames = vec![top];
+        while let Some(step) = walk.step()? {
+            let Some(frame) = frames.last_mut() else {
+                break;
+            };
+            match step {
+                Step::Entry(entry) => {
+                    let rel = frame.rel.join(&entry.name);
+                    let placed =
+                        self.copy_entry(&walk, out.dir(), &entry.name, &rel, &mut frame.shared)?;
+                    let Placed::Dir {
+                        st,
+                        existing,
+                        nested,
+                    } = placed
+                    else {
+                        self.collect(false)?;
+                        continue;
+                    };
+                    // This level's shared fds stay with its queued files
+                    // only: below, each level shares its own.
+                    frame.shared = None;
+                    let made = sys::open_dir_at(out.dir(), &entry.name)?;
+                    walk.enter(&entry.name)?;
+                    out.push(&entry.name, made)?;
+                    let below = self.begin_dir(&walk, out.dir(), st, rel, existing, nested)?;
+                    frames.push(below);
+                }
+                Step::End => {
+                    let Some(frame) = frames.pop() else {
+                        break;
+                    };
+                    self.end_dir(walk.dir(), out.dir(), frame)?;
+                    if walk.leave()?.is_some() {
+                        out.pop()?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A directory of the copy just entered (its source current in `walk`,
+    /// its destination open as `dst`): its flags readied for its entries.
     /// `existing`: `dst` was there before this call (resume).
-    fn copy_dir(
+    fn begin_dir(
         &mut self,
-        src: BorrowedFd<'_>,
+        walk: &Walk<'_>,
         dst: BorrowedFd<'_>,
-        st: &Stat,
-        rel: &Path,
+        st: Stat,
+        rel: PathBuf,
         existing: bool,
         nested: bool,
-    ) -> io::Result<()> {
-        if rel.components().count() > MAX_DEPTH {
-            return Err(too_deep());
-        }
+    ) -> io::Result<DirFrame> {
+        let src = walk.dir();
         if existing {
             sys::clear_stuck_flags(dst)?;
             if nested && sys::is_read_only(dst)? {
@@ -296,38 +325,54 @@ impl Copier<'_, '_> {
                 set_flags(dst, have ^ IFlags::NOCOW)?;
             }
         }
-        let children = sys::read_dir_names(src)?;
-        let mut shared = None;
-        for (name, _, _) in &children {
-            self.copy_entry(src, dst, name, &rel.join(name), &mut shared)?;
-            self.collect(false)?;
-        }
+        let wanted = existing.then(|| walk.remaining().map(|e| e.name.clone()).collect());
+        Ok(DirFrame {
+            st,
+            rel,
+            nested,
+            wanted,
+            shared: None,
+        })
+    }
+
+    /// A directory of the copy whose entries are all done (source open as
+    /// `src`, destination as `dst`): names a resumed copy had that the
+    /// source lacks go, then the directory gets its own metadata.
+    fn end_dir(
+        &mut self,
+        src: BorrowedFd<'_>,
+        dst: BorrowedFd<'_>,
+        frame: DirFrame,
+    ) -> io::Result<()> {
         // Every child complete before the directory's own metadata.
         self.collect(true)?;
-        if existing {
-            let wanted: HashSet<&OsStr> = children.iter().map(|(n, _, _)| n.as_os_str()).collect();
+        if let Some(wanted) = &frame.wanted {
             for (name, _, _) in sys::read_dir_names(dst)? {
-                if !wanted.contains(name.as_os_str()) {
+                if !wanted.contains(&name) {
                     remove_tree_at(dst, &name, &mut |_| Ok(()))?;
                     self.stats.entries_discarded += 1;
                 }
             }
         }
-        finish_metadata(st, Target::Fd(dst), Some(src))?;
-        if nested && sys::is_read_only(src)? {
+        finish_metadata(&frame.st, Target::Fd(dst), Some(src))?;
+        if frame.nested && sys::is_read_only(src)? {
             sys::set_read_only(dst, true)?;
         }
-        (self.progress)(CopyEvent::Entry { rel })
+        (self.progress)(CopyEvent::Entry { rel: &frame.rel })
     }
 
+    /// Copies the entry `name` of the walk's current directory into
+    /// `dst_dir`, but for a directory, which it only creates (or finds, in
+    /// a resumed copy): the caller enters it.
     fn copy_entry(
         &mut self,
-        src_dir: BorrowedFd<'_>,
+        walk: &Walk<'_>,
         dst_dir: BorrowedFd<'_>,
         name: &OsStr,
         rel: &Path,
         shared: &mut Option<SharedDirs>,
-    ) -> io::Result<()> {
+    ) -> io::Result<Placed> {
+        let src_dir = walk.dir();
         let st = sys::metadata_at(src_dir, name)?;
         let ty = FileType::from_raw_mode(st.st_mode);
         let nested = ty == FileType::Directory
@@ -362,19 +407,23 @@ impl Copier<'_, '_> {
         if ty != FileType::Directory && st.st_nlink > 1 {
             let key = (st.st_dev, st.st_ino);
             if let Some(first) = self.links.get(&key) {
+                let (holder, leaf) = parent_in(self.root, first)?;
+                let holder = holder.as_ref().map_or(self.root, |fd| fd.as_fd());
                 if let Some(dst_st) = &existing {
-                    let first_st = sys::metadata_at(self.root, first.as_os_str())?;
+                    let first_st = sys::metadata_at(holder, leaf)?;
                     if (first_st.st_dev, first_st.st_ino) == (dst_st.st_dev, dst_st.st_ino) {
                         self.stats.entries += 1;
                         self.stats.entries_reused += 1;
-                        return (self.progress)(CopyEvent::Entry { rel });
+                        (self.progress)(CopyEvent::Entry { rel })?;
+                        return Ok(Placed::Done);
                     }
                     remove_tree_at(dst_dir, name, &mut |_| Ok(()))?;
                     self.stats.entries_discarded += 1;
                 }
-                link_to(self.root, first, dst_dir, name)?;
+                link_to(holder, leaf, dst_dir, name)?;
                 self.stats.entries += 1;
-                return (self.progress)(CopyEvent::Entry { rel });
+                (self.progress)(CopyEvent::Entry { rel })?;
+                return Ok(Placed::Done);
             }
             self.links.insert(key, rel.to_path_buf());
         }
@@ -384,10 +433,6 @@ impl Copier<'_, '_> {
         }
         match ty {
             FileType::Directory => {
-                // This level's shared fds stay with its queued files only:
-                // below, each level shares its own.
-                *shared = None;
-                let src = sys::open_dir_at(src_dir, name)?;
                 if existing.is_none() {
                     if nested {
                         sys::create_subvolume(dst_dir, name)?;
@@ -395,15 +440,11 @@ impl Copier<'_, '_> {
                         sys::mkdir_at(dst_dir, name, 0o700)?;
                     }
                 }
-                let dst = sys::open_dir_at(dst_dir, name)?;
-                self.copy_dir(
-                    src.as_fd(),
-                    dst.as_fd(),
-                    &st,
-                    rel,
-                    existing.is_some(),
+                Ok(Placed::Dir {
+                    st,
+                    existing: existing.is_some(),
                     nested,
-                )
+                })
             }
             FileType::RegularFile => {
                 let fresh = existing.is_none();
@@ -412,6 +453,7 @@ impl Copier<'_, '_> {
                     dst_dir,
                     name,
                     rel,
+                    mount: walk.mount(),
                 };
                 // A hardlinked file stays on the walk, which links its
                 // other names to its first.
@@ -421,7 +463,7 @@ impl Copier<'_, '_> {
                     && self.helpers.any()
                     && self.helpers.offer(&file, shared)?
                 {
-                    return Ok(());
+                    return Ok(Placed::Done);
                 }
                 FileCopier {
                     block: self.block,
@@ -429,7 +471,8 @@ impl Copier<'_, '_> {
                     stats: &mut self.stats,
                     progress: &mut *self.progress,
                 }
-                .copy_file(&file, fresh)
+                .copy_file(&file, fresh)?;
+                Ok(Placed::Done)
             }
             FileType::Symlink => {
                 let target = sys::read_link_at(src_dir, name)?
@@ -437,16 +480,23 @@ impl Copier<'_, '_> {
                 sys::symlink_at(dst_dir, name, &target)?;
                 finish_metadata(&st, Target::At(dst_dir, name), None)?;
                 copy_xattrs_at(src_dir, name, dst_dir, name)?;
-                (self.progress)(CopyEvent::Entry { rel })
+                (self.progress)(CopyEvent::Entry { rel })?;
+                Ok(Placed::Done)
             }
             FileType::Fifo
             | FileType::Socket
             | FileType::CharacterDevice
             | FileType::BlockDevice => {
+                // A file bind-mounted over it would be what its stat
+                // described: never copied as the volume's own.
+                if sys::mount_id_at(src_dir, name)? != walk.mount() {
+                    return Err(crosses_mount(rel.to_owned()));
+                }
                 sys::mknod_at(dst_dir, name, ty, st.st_mode, st.st_rdev)?;
                 copy_xattrs_at(src_dir, name, dst_dir, name)?;
                 finish_metadata(&st, Target::At(dst_dir, name), None)?;
-                (self.progress)(CopyEvent::Entry { rel })
+                (self.progress)(CopyEvent::Entry { rel })?;
+                Ok(Placed::Done)
             }
             FileType::Unknown => Err(io::Error::new(
                 io::ErrorKind::InvalidData,
@@ -456,13 +506,63 @@ impl Copier<'_, '_> {
     }
 }
 
+/// What [`Copier::copy_entry`] left for the walk.
+enum Placed {
+    /// The entry is copied (or queued for a helper).
+    Done,
+    /// A directory, created in the destination (or found there): the walk
+    /// enters it.
+    Dir {
+        /// The source directory's metadata.
+        st: Stat,
+        /// It was there from an interrupted copy (resume).
+        existing: bool,
+        /// It is a nested subvolume, copied as one.
+        nested: bool,
+    },
+}
+
+/// A directory of the copy whose entries are being copied.
+struct DirFrame {
+    /// The source directory's metadata, applied once its entries are done.
+    st: Stat,
+    /// Its path from the top of the copy.
+    rel: PathBuf,
+    /// It is a nested subvolume, copied as one.
+    nested: bool,
+    /// In a resumed copy, the source's names: the destination's others go.
+    wanted: Option<HashSet<OsString>>,
+    /// This directory's pair of descriptors, shared with the helpers
+    /// copying its files.
+    shared: Option<SharedDirs>,
+}
+
+/// The directory holding `rel`, a path inside the copy rooted at `root`
+/// (which the copy made itself, so nothing else renames in it), opened one
+/// component at a time so that no path length limit applies; `None` for
+/// `root` itself; with the last component.
+fn parent_in<'p>(root: BorrowedFd<'_>, rel: &'p Path) -> io::Result<(Option<OwnedFd>, &'p OsStr)> {
+    let mut parts: Vec<&OsStr> = rel.iter().collect();
+    let leaf = parts
+        .pop()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "an empty path in the copy"))?;
+    let mut dir: Option<OwnedFd> = None;
+    for part in parts {
+        let next = sys::open_dir_at(dir.as_ref().map_or(root, |d| d.as_fd()), part)?;
+        dir = Some(next);
+    }
+    Ok((dir, leaf))
+}
+
 /// One regular file to copy: the directories it is in and goes to, its
-/// name, and its path from the top of the copy (for events).
+/// name, its path from the top of the copy (for events), and the mount the
+/// copy's source is on (the file must be on it too).
 pub(crate) struct FileAt<'a> {
     pub src_dir: BorrowedFd<'a>,
     pub dst_dir: BorrowedFd<'a>,
     pub name: &'a OsStr,
     pub rel: &'a Path,
+    pub mount: Option<u64>,
 }
 
 /// Copies one regular file, on the walk's thread or on a helper's: what it
@@ -485,6 +585,10 @@ impl FileCopier<'_, '_> {
         // O_NONBLOCK: if the entry was swapped for a FIFO since the
         // stat, opening it must not hang; fstat below then refuses it.
         let src = sys::open_read_at(f.src_dir, f.name)?;
+        // A file bind-mounted over this name is no part of the volume.
+        if sys::mount_id(src.as_fd())? != f.mount {
+            return Err(crosses_mount(f.rel.to_owned()));
+        }
         let st = sys::metadata(src.as_fd())?;
         if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
             return Err(io::Error::new(
@@ -619,85 +723,18 @@ impl FileCopier<'_, '_> {
     }
 }
 
-/// Removes the entry `name` of `parent` and everything below it, whatever
-/// its type, never following a symlink and opening nothing but directories
-/// (and a regular file whose immutable or append-only flag forbids the
-/// unlink). A nested btrfs subvolume is deleted whole, O(1) (read-only
-/// flags cleared first); everything else is unlinked one by one, which for a
-/// plain directory costs O(extents). Absent is fine.
-///
-/// `on_entry` is called after each entry removed, with the number removed so
-/// far; an error from it stops the removal there. A crash part-way leaves a
-/// partial tree under `name`, which a second call removes.
-pub fn remove_tree_at(
-    parent: BorrowedFd<'_>,
-    name: &OsStr,
-    on_entry: &mut dyn FnMut(u64) -> io::Result<()>,
-) -> io::Result<()> {
-    let mut count = 0u64;
-    remove_inner(parent, name, 0, &mut count, on_entry)
-}
-
-fn remove_inner(
-    parent: BorrowedFd<'_>,
-    name: &OsStr,
-    depth: usize,
-    count: &mut u64,
-    on_entry: &mut dyn FnMut(u64) -> io::Result<()>,
-) -> io::Result<()> {
-    if depth > MAX_DEPTH {
-        return Err(too_deep());
-    }
-    let Some(st) = sys::metadata_at_if_exists(parent, name)? else {
-        return Ok(());
-    };
-    if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
-        let dir = sys::open_dir_at(parent, name)?;
-        if is_subvolume_root(&st, parent)? && sys::stat(dir.as_fd())?.dev != sys::stat(parent)?.dev
-        {
-            sys::make_tree_writable(dir.as_fd())?;
-            drop(dir);
-            sys::delete_subvolume(parent, name, true)?;
-        } else {
-            sys::clear_stuck_flags(dir.as_fd())?;
-            for (child, _, _) in sys::read_dir_names(dir.as_fd())? {
-                remove_inner(dir.as_fd(), &child, depth + 1, count, on_entry)?;
-            }
-            drop(dir);
-            sys::rmdir_at(parent, name)?;
-        }
-    } else {
-        match sys::unlink_at(parent, name) {
-            Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
-            // Names elsewhere (hardlinks outside the tree) keep the inode,
-            // and so its flags.
-            Err(e)
-                if e.raw_os_error() == Some(libc::EPERM)
-                    && FileType::from_raw_mode(st.st_mode) == FileType::RegularFile =>
-            {
-                sys::with_stuck_flags_lifted(parent, name, || sys::unlink_at(parent, name))?;
-            }
-            Err(e) => return Err(e),
-        }
-    }
-    *count += 1;
-    on_entry(*count)
-}
-
-/// Makes `name` in `dir` another link to `first` (relative to `root`, inside
-/// the copy). The kernel refuses to link an immutable or append-only inode,
+/// Makes `name` in `dir` another link to `first` in `holder` (inside the
+/// copy). The kernel refuses to link an immutable or append-only inode,
 /// and the first copy already carries the source's flags, so they are lifted
 /// for the link ([`sys::with_stuck_flags_lifted`]); a resumed copy applies every
 /// file's metadata again.
 fn link_to(
-    root: BorrowedFd<'_>,
-    first: &Path,
+    holder: BorrowedFd<'_>,
+    first: &OsStr,
     dir: BorrowedFd<'_>,
     name: &OsStr,
 ) -> io::Result<()> {
-    let first = first.as_os_str();
-    sys::with_stuck_flags_lifted(root, first, || sys::link_at(root, first, dir, name))
+    sys::with_stuck_flags_lifted(holder, first, || sys::link_at(holder, first, dir, name))
 }
 
 /// Owner, mode, xattrs (for fds), timestamps and the remaining inode flags,

@@ -6,8 +6,12 @@
 //! unwinding, no flush. Two extensions, for sites that repeat or that
 //! should fail rather than die:
 //! - `name@N` fires on the N-th hit of `name` in this process (1 if absent);
-//! - a trailing `=enospc` or `=eio` makes the site return that error
-//!   instead, so a test can check what a failed step leaves on disk;
+//! - a trailing `=ERRNO` (`enospc`, `eio`, `erofs`, `eperm`, `emfile`)
+//!   makes the site return that error instead, so a test can check what a
+//!   failed step leaves on disk;
+//! - a trailing `=stop` makes the process stop itself there (SIGSTOP), so
+//!   a test can change the world at that step (mount something, say) and
+//!   let it go on with SIGCONT;
 //! - several sites, separated by commas, each act as above (make one step
 //!   fail, then kill the process in what undoes it).
 //!
@@ -19,8 +23,9 @@ use std::io;
 pub const FAILPOINT_ENV: &str = "STARTOS_VOLUME_FAILPOINT";
 
 /// With the `failpoints` feature, SIGKILLs the process (or, for
-/// `...=enospc` and `...=eio`, returns that error) when [`FAILPOINT_ENV`]
-/// names this hit of `name`. Without it, does nothing.
+/// `...=ERRNO`, returns that error; for `...=stop`, stops until continued)
+/// when [`FAILPOINT_ENV`] names this hit of `name`. Without it, does
+/// nothing.
 #[inline]
 pub fn failpoint(name: &str) -> io::Result<()> {
     #[cfg(all(feature = "failpoints", target_os = "linux"))]
@@ -33,14 +38,23 @@ pub fn failpoint(name: &str) -> io::Result<()> {
         };
         let spec = spec.to_string_lossy().into_owned();
         // Several sites, comma-separated: the first that names this one.
-        let Some((site, errno)) = spec.split(',').find_map(|one| {
-            let (site, errno) = match one.rsplit_once('=') {
-                Some((s, "enospc")) => (s, Some(libc::ENOSPC)),
-                Some((s, "eio")) => (s, Some(libc::EIO)),
-                _ => (one, None),
+        /// What a site does when it fires.
+        enum Act {
+            Kill,
+            Fail(i32),
+            Stop,
+        }
+        let Some((site, act)) = spec.split(',').find_map(|one| {
+            let (site, act) = match one.rsplit_once('=') {
+                Some((s, "stop")) => (s, Act::Stop),
+                Some((s, errno)) => match crate::sys::fault::parse_errno(errno) {
+                    Some(e) => (s, Act::Fail(e)),
+                    None => (one, Act::Kill),
+                },
+                None => (one, Act::Kill),
             };
             let bare = site.split_once('@').map_or(site, |(s, _)| s);
-            (bare == name).then_some((site, errno))
+            (bare == name).then_some((site, act))
         }) else {
             return Ok(());
         };
@@ -58,11 +72,17 @@ pub fn failpoint(name: &str) -> io::Result<()> {
         if hit != nth {
             return Ok(());
         }
-        if let Some(errno) = errno {
-            return Err(io::Error::from_raw_os_error(errno));
+        match act {
+            Act::Fail(errno) => Err(io::Error::from_raw_os_error(errno)),
+            Act::Stop => {
+                crate::sys::stop_self();
+                Ok(())
+            }
+            Act::Kill => {
+                crate::sys::kill_self();
+                std::process::abort();
+            }
         }
-        crate::sys::kill_self();
-        std::process::abort();
     }
     #[cfg(not(all(feature = "failpoints", target_os = "linux")))]
     {

@@ -43,7 +43,7 @@ pub mod sys;
 #[cfg(target_os = "linux")]
 pub mod usage;
 #[cfg(target_os = "linux")]
-mod walk;
+pub mod walk;
 
 pub use failpoint::FAILPOINT_ENV;
 pub use layout::INSTALL_BACKUP_SUFFIX;

@@ -907,10 +907,9 @@ impl VolumeStore {
         let Some(ids) = record::read_set(self.root_fd(), &names.backup_ro)? else {
             return Ok(());
         };
-        for rel in sys::nested_subvolumes(backup)? {
-            let id = sys::subvolume_info(sys::open_beneath(backup, &rel)?.as_fd())?.id;
-            if ids.contains(&id) {
-                sys::set_read_only(sys::open_beneath(copy, &rel)?.as_fd(), true)?;
+        for (n, counterpart) in nested_counterparts(backup, copy)? {
+            if ids.contains(&n.id) {
+                sys::set_read_only(sys::open_subvolume(copy, counterpart)?.as_fd(), true)?;
             }
         }
         Ok(())
@@ -1610,10 +1609,43 @@ pub fn delete_tree(path: &Path) -> Result<(), Error> {
 /// counterparts in `source` (the subvolume it was taken of) are read-only.
 fn read_only_nested(source: BorrowedFd<'_>, copy: BorrowedFd<'_>) -> io::Result<BTreeSet<u64>> {
     let mut ids = BTreeSet::new();
-    for rel in sys::nested_subvolumes(source)? {
-        if sys::is_read_only(sys::open_beneath(source, &rel)?.as_fd())? {
-            ids.insert(sys::subvolume_info(sys::open_beneath(copy, &rel)?.as_fd())?.id);
+    for (n, counterpart) in nested_counterparts(source, copy)? {
+        if sys::is_read_only(sys::open_subvolume(source, n.id)?.as_fd())? {
+            ids.insert(counterpart);
         }
     }
     Ok(ids)
+}
+
+/// Each subvolume nested in `source`, with the id of its counterpart in
+/// `copy`, a recursive snapshot of it ([`sys::match_nested`]). A nested
+/// subvolume the copy lacks is an error: the copy is not what it should be.
+fn nested_counterparts(
+    source: BorrowedFd<'_>,
+    copy: BorrowedFd<'_>,
+) -> io::Result<Vec<(sys::Nested, u64)>> {
+    let sources = sys::nested_subvolumes(source)?;
+    if sources.is_empty() {
+        return Ok(Vec::new());
+    }
+    let copies = sys::nested_subvolumes(copy)?;
+    let tops = (
+        sys::subvolume_info(source)?.id,
+        sys::subvolume_info(copy)?.id,
+    );
+    let found = sys::match_nested(&sources, tops.0, &copies, tops.1);
+    sources
+        .into_iter()
+        .zip(found)
+        .map(|(n, j)| match j {
+            Some(j) => Ok((n, copies[j].id)),
+            None => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "the copy lacks the subvolume nested as {:?} in its source",
+                    n.name
+                ),
+            )),
+        })
+        .collect()
 }

@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::io;
 use std::ops::ControlFlow;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::BorrowedFd;
 
 use serde::Serialize;
 
@@ -323,21 +323,24 @@ fn sweep_threads() -> usize {
     std::thread::available_parallelism().map_or(8, |n| n.get().clamp(8, 16))
 }
 
-/// Sweeps the whole tree of the subvolume holding `fd` into `tally`.
-fn sweep(fd: BorrowedFd<'_>, tally: Tally) -> io::Result<Tally> {
-    let ranges = crate::usage::sweep::sweep(fd, sweep_threads(), Tally::new, |t, key, body| {
-        t.item(key, body)
-    })?;
+/// Sweeps the whole tree `tree` (0: that of the subvolume holding `fd`)
+/// into `tally`.
+fn sweep(fd: BorrowedFd<'_>, tree: u64, tally: Tally) -> io::Result<Tally> {
+    let ranges =
+        crate::usage::sweep::sweep(fd, tree, sweep_threads(), Tally::new, |t, key, body| {
+            t.item(key, body)
+        })?;
     Ok(ranges.into_iter().map(|(_, t)| t).fold(tally, Tally::merge))
 }
 
 /// Usage of the subvolume open as `fd` and every subvolume nested in it, as
 /// `compsize` reports for its path, plus the set of extents it references.
+/// Each nested subvolume's tree is swept by its id: no path is taken, so
+/// no depth, name length or mount inside the volume stands in the way.
 pub fn subvolume_usage(fd: BorrowedFd<'_>) -> io::Result<(Usage, ExtentSet)> {
-    let mut tally = sweep(fd, Tally::new())?;
-    for rel in sys::nested_subvolumes(fd)? {
-        let sub = sys::open_beneath(fd, &rel)?;
-        tally = sweep(sub.as_fd(), tally)?;
+    let mut tally = sweep(fd, 0, Tally::new())?;
+    for n in sys::nested_subvolumes(fd)? {
+        tally = sweep(fd, n.id, tally)?;
     }
     Ok(tally.finish())
 }

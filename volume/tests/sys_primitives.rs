@@ -67,6 +67,17 @@ fn paths(v: &[&str]) -> Vec<PathBuf> {
     v.iter().map(PathBuf::from).collect()
 }
 
+/// The paths of the subvolumes nested in the one at `path`, in listing order.
+fn listed(path: &Path) -> Vec<PathBuf> {
+    let fd = open(path);
+    let nested = sys::nested_subvolumes(fd.as_fd()).expect("list");
+    sys::nested_paths(fd.as_fd(), &nested).expect("paths")
+}
+
+fn ino(fd: &OwnedFd) -> u64 {
+    sys::stat(fd.as_fd()).expect("stat").ino
+}
+
 /// `<mnt>/a`, a subvolume holding a file, `n1` (a subvolume holding `n3`,
 /// read-only, two levels down) and `dir/n2` (a subvolume in a plain
 /// directory), each with a file; the directories holding placeholders aged.
@@ -178,18 +189,32 @@ fn snapshots_writable_and_read_only() {
 }
 
 #[test]
-fn nested_listing_is_children_first_relative_to_the_fd() {
+fn nested_listing_is_parents_first_relative_to_the_fd() {
     let fs = fs_or_skip!(LoopFs::btrfs(SIZE));
     let a = build_tree(&fs);
-    let listed = sys::nested_subvolumes(open(&a).as_fd()).expect("list");
-    assert_eq!(listed, paths(&["n1/n3", "n1", "dir/n2"]));
-    let n1 = sys::nested_subvolumes(open(&a.join("n1")).as_fd()).expect("list n1");
-    assert_eq!(n1, paths(&["n3"]));
-    let leaf = sys::nested_subvolumes(open(&a.join("n1/n3")).as_fd()).expect("list n3");
-    assert!(leaf.is_empty());
+    assert_eq!(listed(&a), paths(&["n1", "n1/n3", "dir/n2"]));
+    let nested = sys::nested_subvolumes(open(&a).as_fd()).expect("list");
+    let depths: Vec<usize> = nested.iter().map(|n| n.depth).collect();
+    assert_eq!(depths, [1, 2, 1]);
+    let top = sys::subvolume_info(open(&a).as_fd()).expect("info").id;
+    assert_eq!((nested[0].parent, nested[1].parent), (top, nested[0].id));
+    for (n, rel) in nested.iter().zip(["n1", "n1/n3", "dir/n2"]) {
+        let by_id = sys::open_subvolume(open(&a).as_fd(), n.id).expect("open by id");
+        assert_eq!(ino(&by_id), 256);
+        assert_eq!(
+            sys::subvolume_info(by_id.as_fd()).expect("info").id,
+            sys::subvolume_info(open(&a.join(rel)).as_fd())
+                .expect("info")
+                .id
+        );
+    }
+    assert_eq!(listed(&a.join("n1")), paths(&["n3"]));
+    assert!(listed(&a.join("n1/n3")).is_empty());
     // The top level lists everything, with paths from the mount's root.
-    let all = sys::nested_subvolumes(open(fs.mount_point()).as_fd()).expect("list top");
-    assert_eq!(all, paths(&["a/n1/n3", "a/n1", "a/dir/n2", "a"]));
+    assert_eq!(
+        listed(fs.mount_point()),
+        paths(&["a", "a/n1", "a/n1/n3", "a/dir/n2"])
+    );
     // Only a subvolume root has a listing.
     assert!(sys::nested_subvolumes(open(&a.join("dir")).as_fd()).is_err());
 }
@@ -201,10 +226,8 @@ fn snapshot_tree_copies_every_level_with_its_times() {
     let root = open(fs.mount_point());
     let copy = sys::snapshot_tree(open(&a).as_fd(), root.as_fd(), name("t")).expect("snapshot");
     let t = fs.path("t");
-    assert_eq!(
-        sys::nested_subvolumes(copy.as_fd()).expect("list"),
-        paths(&["n1/n3", "n1", "dir/n2"])
-    );
+    let _ = copy;
+    assert_eq!(listed(&t), paths(&["n1", "n1/n3", "dir/n2"]));
     for (rel, file, data) in [
         ("", "top.txt", "top"),
         ("n1", "one.txt", "one"),

@@ -76,20 +76,7 @@ fn main() -> ExitCode {
     };
     #[cfg(target_os = "linux")]
     {
-        // A package's tree may nest volume::copy::MAX_DEPTH levels, more
-        // than the main thread's stack holds in every build.
-        match std::thread::Builder::new()
-            .stack_size(volume::copy::WALK_STACK_BYTES)
-            .spawn(move || run(cli))
-        {
-            Ok(work) => work
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
-            Err(e) => {
-                eprintln!("volume-migrate: starting its work thread: {e}");
-                ExitCode::FAILURE
-            }
-        }
+        run(cli)
     }
     #[cfg(not(target_os = "linux"))]
     {
@@ -123,7 +110,8 @@ fn run(cli: Cli) -> ExitCode {
         CliMethod::SnapshotParent => Method::SnapshotParent,
     };
 
-    // Deep trees hold two directory fds per level while they are copied.
+    // Each walk holds a bounded number of descriptors at any depth, but the
+    // counts of a run's packages go on at once, each with its own walk.
     match rlimit_nofile() {
         Ok((soft, hard)) if soft < hard => {
             let _ = set_rlimit_nofile(hard);

@@ -44,6 +44,7 @@ struct FileJob {
     dirs: SharedDirs,
     name: OsString,
     rel: PathBuf,
+    mount: Option<u64>,
 }
 
 /// A progress event a helper recorded, for the walk to report.
@@ -158,6 +159,7 @@ impl Helpers {
             dirs,
             name: f.name.to_owned(),
             rel: f.rel.to_owned(),
+            mount: f.mount,
         };
         match jobs.try_send(job) {
             Ok(()) => {
@@ -297,6 +299,7 @@ fn help(
                     dst_dir: job.dirs.dst.as_fd(),
                     name: &job.name,
                     rel: &job.rel,
+                    mount: job.mount,
                 },
                 true,
             )

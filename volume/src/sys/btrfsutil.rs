@@ -5,13 +5,13 @@
 //! kept to cross-check the `native` ioctl backend against a reference
 //! implementation (the primitives tests run against both).
 
+use btrfsutil_sys as bu;
 use std::ffi::{CStr, CString, OsStr, OsString};
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
-use std::path::PathBuf;
 
-use btrfsutil_sys as bu;
+use super::subvolume::Nested;
 
 fn c_name(name: &OsStr) -> io::Result<CString> {
     CString::new(name.as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
@@ -106,23 +106,21 @@ pub(super) fn is_read_only(fd: BorrowedFd<'_>) -> io::Result<bool> {
     Ok(ro)
 }
 
-pub(super) fn nested_subvolumes(fd: BorrowedFd<'_>) -> io::Result<Vec<PathBuf>> {
+/// libbtrfsutil's pre-order iterator, each subvolume with its info
+/// (parent id, directory): the same listing as the native backend's.
+pub(super) fn nested_subvolumes(fd: BorrowedFd<'_>) -> io::Result<Vec<Nested>> {
     let mut iter: *mut bu::btrfs_util_subvolume_iterator = std::ptr::null_mut();
-    // SAFETY: valid fd and out-pointer; top 0 means "the subvolume of fd".
-    check(unsafe {
-        bu::btrfs_util_create_subvolume_iterator_fd(
-            fd.as_raw_fd(),
-            0,
-            bu::BTRFS_UTIL_SUBVOLUME_ITERATOR_POST_ORDER as i32,
-            &mut iter,
-        )
-    })?;
+    // SAFETY: valid fd and out-pointer; top 0 means "the subvolume of fd";
+    // flags 0 asks for pre-order.
+    check(unsafe { bu::btrfs_util_create_subvolume_iterator_fd(fd.as_raw_fd(), 0, 0, &mut iter) })?;
     let mut out = Vec::new();
     let result = loop {
         let mut path: *mut libc::c_char = std::ptr::null_mut();
-        let mut id = 0u64;
+        // SAFETY: plain integers and arrays; the library fills it.
+        let mut info: bu::btrfs_util_subvolume_info = unsafe { std::mem::zeroed() };
         // SAFETY: iter is live until destroyed below; path is malloc'd by the library.
-        let code = unsafe { bu::btrfs_util_subvolume_iterator_next(iter, &mut path, &mut id) };
+        let code =
+            unsafe { bu::btrfs_util_subvolume_iterator_next_info(iter, &mut path, &mut info) };
         if code == bu::btrfs_util_error_BTRFS_UTIL_ERROR_STOP_ITERATION {
             break Ok(());
         }
@@ -133,7 +131,24 @@ pub(super) fn nested_subvolumes(fd: BorrowedFd<'_>) -> io::Result<Vec<PathBuf>> 
         let bytes = unsafe { CStr::from_ptr(path) }.to_bytes().to_vec();
         // SAFETY: allocated by libbtrfsutil with malloc.
         unsafe { libc::free(path.cast()) };
-        out.push(PathBuf::from(OsString::from_vec(bytes)));
+        // Parents come first: one below its parent, or a child of the top.
+        let depth = out
+            .iter()
+            .rev()
+            .find(|n: &&Nested| n.id == info.parent_id)
+            .map_or(1, |p| p.depth + 1);
+        let name = bytes
+            .rsplit(|b| *b == b'/')
+            .next()
+            .unwrap_or_default()
+            .to_vec();
+        out.push(Nested {
+            id: info.id,
+            parent: info.parent_id,
+            dirid: info.dir_id,
+            name: OsString::from_vec(name),
+            depth,
+        });
     };
     // SAFETY: created above, destroyed once.
     unsafe { bu::btrfs_util_destroy_subvolume_iterator(iter) };

@@ -6,6 +6,7 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 
 /// Shares all of `src`'s extents with `dst` (FICLONE), a reflink copy.
 pub fn ficlone(dst: BorrowedFd<'_>, src: BorrowedFd<'_>) -> io::Result<()> {
+    super::fault::check("ioctl_ficlone")?;
     Ok(rustix::fs::ioctl_ficlone(dst, src)?)
 }
 
@@ -37,6 +38,7 @@ pub fn ficlone_range(
         src_length: len,
         dest_offset: offset,
     };
+    super::fault::check("ioctl FICLONERANGE")?;
     // SAFETY: FICLONERANGE is _IOW(0x94, 13, struct file_clone_range) and
     // takes a pointer to that struct, which Setter passes.
     unsafe { rustix::ioctl::ioctl(dst, Setter::<FICLONERANGE, FileCloneRange>::new(arg)) }?;

@@ -17,6 +17,7 @@ const COMPRESSION_XATTR: &str = "btrfs.compression";
 /// The inode flags (chattr) of the file or directory open as `fd`
 /// (FS_IOC_GETFLAGS), or none where the filesystem has no such notion.
 pub fn inode_flags(fd: BorrowedFd<'_>) -> io::Result<IFlags> {
+    super::fault::check("ioctl_getflags")?;
     match rustix::fs::ioctl_getflags(fd) {
         Ok(f) => Ok(f),
         Err(Errno::NOTTY | Errno::OPNOTSUPP | Errno::INVAL) => Ok(IFlags::empty()),
@@ -43,6 +44,7 @@ pub fn set_inode_flags(fd: BorrowedFd<'_>, flags: IFlags) -> io::Result<()> {
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENODATA | libc::EOPNOTSUPP)) => None,
             Err(e) => return Err(e),
         };
+        super::fault::check("ioctl_setflags")?;
         rustix::fs::ioctl_setflags(fd, flags.difference(stuck))?;
         match property {
             Some(v) => set_xattr(fd, OsStr::new(COMPRESSION_XATTR), &v)?,
@@ -128,6 +130,7 @@ pub fn set_immutable_append(fd: BorrowedFd<'_>, immutable: bool, append: bool) -
     const SET: rustix::ioctl::Opcode = opcode::write::<FsXattr>(b'X', 32);
     const IMMUTABLE: u32 = 0x8;
     const APPEND: u32 = 0x10;
+    super::fault::check("ioctl FS_IOC_FSGETXATTR")?;
     // SAFETY: FS_IOC_FSGETXATTR is _IOR('X', 31, struct fsxattr) and fills
     // that struct, which FsXattr matches in size and layout.
     let mut attr = unsafe { rustix::ioctl::ioctl(fd, Getter::<GET, FsXattr>::new()) }?;
@@ -140,6 +143,7 @@ pub fn set_immutable_append(fd: BorrowedFd<'_>, immutable: bool, append: bool) -
     }
     if xflags != attr.xflags {
         attr.xflags = xflags;
+        super::fault::check("ioctl FS_IOC_FSSETXATTR")?;
         // SAFETY: FS_IOC_FSSETXATTR is _IOW('X', 32, struct fsxattr) and reads
         // that struct, as FS_IOC_FSGETXATTR filled it but for the flags.
         unsafe { rustix::ioctl::ioctl(fd, Setter::<SET, FsXattr>::new(attr)) }?;

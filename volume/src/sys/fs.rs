@@ -32,6 +32,7 @@ impl Stat {
 
 /// Opens a directory by absolute or relative path, refusing a final symlink.
 pub fn open_dir_path(path: &Path) -> io::Result<OwnedFd> {
+    super::fault::check("open")?;
     Ok(rustix::fs::open(
         path,
         OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
@@ -41,6 +42,7 @@ pub fn open_dir_path(path: &Path) -> io::Result<OwnedFd> {
 
 /// Opens the directory `name` inside `dir`, never following a symlink.
 pub fn open_dir_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<OwnedFd> {
+    super::fault::check("openat")?;
     Ok(rustix::fs::openat(
         dir,
         name,
@@ -51,6 +53,7 @@ pub fn open_dir_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<OwnedFd> {
 
 /// Opens (creating if needed) a regular file inside `dir` for writing.
 pub fn create_file_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Result<OwnedFd> {
+    super::fault::check("openat")?;
     Ok(rustix::fs::openat(
         dir,
         name,
@@ -62,6 +65,7 @@ pub fn create_file_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Resul
 /// Creates the empty regular file `name` in `dir`, never following a
 /// symlink; already there is fine. Needs no data space.
 pub fn touch_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Result<()> {
+    super::fault::check("openat")?;
     match rustix::fs::openat(
         dir,
         name,
@@ -75,6 +79,7 @@ pub fn touch_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Result<()> 
 
 /// `lstat` of `name` in `dir`; `None` when it does not exist.
 pub fn stat_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Stat>> {
+    super::fault::check("statat")?;
     match rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
         Ok(st) => Ok(Some(Stat {
             file_type: FileType::from_raw_mode(st.st_mode),
@@ -88,6 +93,7 @@ pub fn stat_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Stat>> {
 
 /// `fstat` of an open fd.
 pub fn stat(fd: BorrowedFd<'_>) -> io::Result<Stat> {
+    super::fault::check("fstat")?;
     let st = rustix::fs::fstat(fd)?;
     Ok(Stat {
         file_type: FileType::from_raw_mode(st.st_mode),
@@ -98,6 +104,7 @@ pub fn stat(fd: BorrowedFd<'_>) -> io::Result<Stat> {
 
 /// Access and modification times of `fd`, to the nanosecond.
 pub fn times(fd: BorrowedFd<'_>) -> io::Result<rustix::fs::Timestamps> {
+    super::fault::check("fstat")?;
     let st = rustix::fs::fstat(fd)?;
     #[allow(clippy::unnecessary_cast)] // the field widths differ between targets
     Ok(rustix::fs::Timestamps {
@@ -114,12 +121,14 @@ pub fn times(fd: BorrowedFd<'_>) -> io::Result<rustix::fs::Timestamps> {
 
 /// Sets the access and modification times of `fd`.
 pub fn set_times(fd: BorrowedFd<'_>, times: &rustix::fs::Timestamps) -> io::Result<()> {
+    super::fault::check("futimens")?;
     Ok(rustix::fs::futimens(fd, times)?)
 }
 
 /// Writes all of `data` to `fd`.
 pub fn write_all(fd: BorrowedFd<'_>, mut data: &[u8]) -> io::Result<()> {
     while !data.is_empty() {
+        super::fault::check("write")?;
         match rustix::io::write(fd, data) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => data = &data[n..],
@@ -137,6 +146,7 @@ pub fn read_small_file_at(
     name: &OsStr,
     limit: usize,
 ) -> io::Result<Option<Vec<u8>>> {
+    super::fault::check("openat")?;
     let fd = match rustix::fs::openat(
         dir,
         name,
@@ -153,6 +163,7 @@ pub fn read_small_file_at(
     let mut buf = vec![0u8; limit];
     let mut len = 0;
     while len < limit {
+        super::fault::check("read")?;
         match rustix::io::read(&fd, &mut buf[len..]) {
             Ok(0) => break,
             Ok(n) => len += n,
@@ -166,6 +177,7 @@ pub fn read_small_file_at(
 
 /// Whether `fd` lives on a btrfs filesystem.
 pub fn is_btrfs(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    super::fault::check("fstatfs")?;
     let st = rustix::fs::fstatfs(fd)?;
     #[allow(clippy::unnecessary_cast)] // f_type's width differs between libcs
     Ok(st.f_type as i64 == BTRFS_SUPER_MAGIC)
@@ -176,12 +188,14 @@ pub fn is_btrfs(fd: BorrowedFd<'_>) -> io::Result<bool> {
 /// either absent or holds the whole target. On btrfs the target lives in
 /// the metadata tree, so this needs no data space.
 pub fn symlink_at(dir: BorrowedFd<'_>, name: &OsStr, target: &[u8]) -> io::Result<()> {
+    super::fault::check("symlinkat")?;
     Ok(rustix::fs::symlinkat(OsStr::from_bytes(target), dir, name)?)
 }
 
 /// The target of the symlink `name` in `dir`, never followed; `None` if
 /// `name` does not exist, EINVAL if it is not a symlink.
 pub fn read_link_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Vec<u8>>> {
+    super::fault::check("readlinkat")?;
     match rustix::fs::readlinkat(dir, name, Vec::new()) {
         Ok(target) => Ok(Some(target.into_bytes())),
         Err(Errno::NOENT) => Ok(None),
@@ -193,6 +207,7 @@ pub fn read_link_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Vec<
 /// symlink on the way and any `..` that would leave `dir`.
 pub fn open_beneath(dir: BorrowedFd<'_>, rel: &Path) -> io::Result<OwnedFd> {
     use rustix::fs::ResolveFlags;
+    super::fault::check("openat2")?;
     Ok(rustix::fs::openat2(
         dir,
         rel,
@@ -205,6 +220,7 @@ pub fn open_beneath(dir: BorrowedFd<'_>, rel: &Path) -> io::Result<OwnedFd> {
 /// Atomically swaps the entries `a` and `b` of `dir` (renameat2
 /// RENAME_EXCHANGE). Both must exist and sit in the same subvolume.
 pub fn rename_exchange(dir: BorrowedFd<'_>, a: &OsStr, b: &OsStr) -> io::Result<()> {
+    super::fault::check("renameat_with")?;
     Ok(rustix::fs::renameat_with(
         dir,
         a,
@@ -216,6 +232,7 @@ pub fn rename_exchange(dir: BorrowedFd<'_>, a: &OsStr, b: &OsStr) -> io::Result<
 
 /// Renames `from` to `to` in `dir`, failing with EEXIST rather than replacing.
 pub fn rename_noreplace(dir: BorrowedFd<'_>, from: &OsStr, to: &OsStr) -> io::Result<()> {
+    super::fault::check("renameat_with")?;
     Ok(rustix::fs::renameat_with(
         dir,
         from,
@@ -227,6 +244,7 @@ pub fn rename_noreplace(dir: BorrowedFd<'_>, from: &OsStr, to: &OsStr) -> io::Re
 
 /// Removes the file `name` from `dir`; absent is fine.
 pub fn unlink_if_exists(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+    super::fault::check("unlinkat")?;
     match rustix::fs::unlinkat(dir, name, AtFlags::empty()) {
         Ok(()) | Err(Errno::NOENT) => Ok(()),
         Err(e) => Err(e.into()),
@@ -235,6 +253,7 @@ pub fn unlink_if_exists(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
 
 /// Creates directory `name` in `dir`; already existing is fine.
 pub fn mkdir_if_missing(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Result<()> {
+    super::fault::check("mkdirat")?;
     match rustix::fs::mkdirat(dir, name, Mode::from_raw_mode(mode)) {
         Ok(()) | Err(Errno::EXIST) => Ok(()),
         Err(e) => Err(e.into()),
@@ -244,6 +263,7 @@ pub fn mkdir_if_missing(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Res
 /// Creates the directory at `path` (its parent must exist); already
 /// existing is fine.
 pub fn mkdir_path_if_missing(path: &Path, mode: u32) -> io::Result<()> {
+    super::fault::check("mkdir")?;
     match rustix::fs::mkdir(path, Mode::from_raw_mode(mode)) {
         Ok(()) | Err(Errno::EXIST) => Ok(()),
         Err(e) => Err(e.into()),
@@ -256,12 +276,14 @@ pub fn mkdir_path_if_missing(path: &Path, mode: u32) -> io::Result<()> {
 /// commits the transaction when the rename moved a subvolume root: either way
 /// the rename survives a power cut once this returns.
 pub fn fsync(fd: BorrowedFd<'_>) -> io::Result<()> {
+    super::fault::check("fsync")?;
     Ok(rustix::fs::fsync(fd)?)
 }
 
 /// `syncfs` of the filesystem holding `fd`: every dirty page and inode of
 /// it written and, where the filesystem has one, its journal committed.
 pub fn syncfs(fd: BorrowedFd<'_>) -> io::Result<()> {
+    super::fault::check("syncfs")?;
     Ok(rustix::fs::syncfs(fd)?)
 }
 
@@ -277,12 +299,39 @@ pub fn birth_time(fd: BorrowedFd<'_>) -> io::Result<Option<(i64, i64)>> {
     Ok(Some((st.stx_btime.tv_sec, i64::from(st.stx_btime.tv_nsec))))
 }
 
+/// The id of the mount holding the file open as `fd` (statx's
+/// STATX_MNT_ID): two names in one tree share it unless a mount lies
+/// between them, a bind mount of the same filesystem included, which a
+/// device number does not tell (a btrfs subvolume has a device number of
+/// its own, yet is no mount). `None` before Linux 5.8, which does not say.
+pub fn mount_id(fd: BorrowedFd<'_>) -> io::Result<Option<u64>> {
+    use rustix::fs::{StatxFlags, statx};
+    super::fault::check("statx")?;
+    let st = statx(fd, "", AtFlags::EMPTY_PATH, StatxFlags::MNT_ID)?;
+    Ok(StatxFlags::from_bits_retain(st.stx_mask)
+        .contains(StatxFlags::MNT_ID)
+        .then_some(st.stx_mnt_id))
+}
+
+/// [`mount_id`] of the entry `name` of `dir`, never following a final
+/// symlink: for entries that are never opened (FIFOs, sockets, devices),
+/// over which a file can be bind-mounted all the same.
+pub fn mount_id_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<u64>> {
+    use rustix::fs::{StatxFlags, statx};
+    super::fault::check("statx")?;
+    let st = statx(dir, name, AtFlags::SYMLINK_NOFOLLOW, StatxFlags::MNT_ID)?;
+    Ok(StatxFlags::from_bits_retain(st.stx_mask)
+        .contains(StatxFlags::MNT_ID)
+        .then_some(st.stx_mnt_id))
+}
+
 /// Locks `fd` exclusively (flock), waiting as long as it takes.
 ///
 /// flock locks belong to the open file description, so two threads of one
 /// process that each opened the lock file exclude each other too.
 pub fn lock_exclusive(fd: BorrowedFd<'_>) -> io::Result<()> {
     loop {
+        super::fault::check("flock")?;
         match rustix::fs::flock(fd, rustix::fs::FlockOperation::LockExclusive) {
             Err(Errno::INTR) => continue,
             r => return Ok(r?),
@@ -316,6 +365,7 @@ pub type Metadata = rustix::fs::Stat;
 
 /// `fstat` of an open fd, in full.
 pub fn metadata(fd: BorrowedFd<'_>) -> io::Result<Metadata> {
+    super::fault::check("fstat")?;
     Ok(rustix::fs::fstat(fd)?)
 }
 
@@ -324,11 +374,13 @@ pub fn metadata(fd: BorrowedFd<'_>) -> io::Result<Metadata> {
 /// does); the crate passes more than one only for paths inside a tree it
 /// built itself. ENOENT when absent.
 pub fn metadata_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Metadata> {
+    super::fault::check("statat")?;
     Ok(rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)?)
 }
 
 /// [`metadata_at`], `None` when `name` does not exist.
 pub fn metadata_at_if_exists(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Metadata>> {
+    super::fault::check("statat")?;
     match rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
         Ok(st) => Ok(Some(st)),
         Err(Errno::NOENT) => Ok(None),
@@ -339,6 +391,7 @@ pub fn metadata_at_if_exists(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Op
 /// The block size of the filesystem holding `fd` (statvfs `f_bsize`, at
 /// least 512): the unit FICLONERANGE offsets must be multiples of.
 pub fn block_size(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    super::fault::check("fstatvfs")?;
     Ok(rustix::fs::fstatvfs(fd)?.f_bsize.max(512))
 }
 
@@ -347,6 +400,7 @@ pub fn block_size(fd: BorrowedFd<'_>) -> io::Result<u64> {
 /// caller's stat cannot hang the open (the caller's fstat then tells).
 /// `name` may hold several components, as for [`metadata_at`].
 pub fn open_read_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<OwnedFd> {
+    super::fault::check("openat")?;
     Ok(rustix::fs::openat(
         dir,
         name,
@@ -370,6 +424,7 @@ pub fn open_write_at(
     } else {
         OFlags::empty()
     };
+    super::fault::check("openat")?;
     Ok(rustix::fs::openat(
         dir,
         name,
@@ -381,6 +436,7 @@ pub fn open_write_at(
 /// Creates the directory `name` in `dir` with `mode` (less the umask);
 /// EEXIST if anything is there already.
 pub fn mkdir_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Result<()> {
+    super::fault::check("mkdirat")?;
     Ok(rustix::fs::mkdirat(dir, name, Mode::from_raw_mode(mode))?)
 }
 
@@ -394,6 +450,7 @@ pub fn mknod_at(
     mode: u32,
     rdev: u64,
 ) -> io::Result<()> {
+    super::fault::check("mknodat")?;
     Ok(rustix::fs::mknodat(
         dir,
         name,
@@ -406,11 +463,13 @@ pub fn mknod_at(
 /// Removes the non-directory entry `name` of `dir` (unlinkat); ENOENT if
 /// absent, EPERM if an immutable or append-only flag forbids it.
 pub fn unlink_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+    super::fault::check("unlinkat")?;
     Ok(rustix::fs::unlinkat(dir, name, AtFlags::empty())?)
 }
 
 /// Removes the empty directory `name` of `dir`; ENOTEMPTY otherwise.
 pub fn rmdir_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+    super::fault::check("unlinkat")?;
     Ok(rustix::fs::unlinkat(dir, name, AtFlags::REMOVEDIR)?)
 }
 
@@ -423,6 +482,7 @@ pub fn rename_at(
     to_dir: BorrowedFd<'_>,
     to: &OsStr,
 ) -> io::Result<()> {
+    super::fault::check("renameat")?;
     Ok(rustix::fs::renameat(from_dir, from, to_dir, to)?)
 }
 
@@ -435,6 +495,7 @@ pub fn link_at(
     new_dir: BorrowedFd<'_>,
     new: &OsStr,
 ) -> io::Result<()> {
+    super::fault::check("linkat")?;
     Ok(rustix::fs::linkat(
         old_dir,
         old,
@@ -446,6 +507,7 @@ pub fn link_at(
 
 /// Truncates (or extends with a hole) the file open as `fd` to `len`.
 pub fn truncate(fd: BorrowedFd<'_>, len: u64) -> io::Result<()> {
+    super::fault::check("ftruncate")?;
     Ok(rustix::fs::ftruncate(fd, len)?)
 }
 
@@ -453,6 +515,7 @@ pub fn truncate(fd: BorrowedFd<'_>, len: u64) -> io::Result<()> {
 /// and setgid bits and file capabilities on a chown: callers set the mode
 /// and xattrs after it.
 pub fn chown(fd: BorrowedFd<'_>, uid: u32, gid: u32) -> io::Result<()> {
+    super::fault::check("fchown")?;
     Ok(rustix::fs::fchown(
         fd,
         Some(rustix::fs::Uid::from_raw(uid)),
@@ -462,12 +525,14 @@ pub fn chown(fd: BorrowedFd<'_>, uid: u32, gid: u32) -> io::Result<()> {
 
 /// Sets the permission bits (`mode & 0o7777`) of the inode open as `fd`.
 pub fn chmod(fd: BorrowedFd<'_>, mode: u32) -> io::Result<()> {
+    super::fault::check("fchmod")?;
     Ok(rustix::fs::fchmod(fd, Mode::from_raw_mode(mode & 0o7777))?)
 }
 
 /// Sets the owner of `name` in `dir`, never following a symlink (a
 /// symlink's own owner is set), for entries that are never opened.
 pub fn chown_at(dir: BorrowedFd<'_>, name: &OsStr, uid: u32, gid: u32) -> io::Result<()> {
+    super::fault::check("chownat")?;
     Ok(rustix::fs::chownat(
         dir,
         name,
@@ -482,6 +547,7 @@ pub fn chown_at(dir: BorrowedFd<'_>, name: &OsStr, uid: u32, gid: u32) -> io::Re
 /// follow a symlink (Linux has no AT_SYMLINK_NOFOLLOW for it), so callers
 /// pass only names they created as something else.
 pub fn chmod_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Result<()> {
+    super::fault::check("chmodat")?;
     Ok(rustix::fs::chmodat(
         dir,
         name,
@@ -497,6 +563,7 @@ pub fn set_times_at(
     name: &OsStr,
     times: &rustix::fs::Timestamps,
 ) -> io::Result<()> {
+    super::fault::check("utimensat")?;
     Ok(rustix::fs::utimensat(
         dir,
         name,
@@ -524,12 +591,14 @@ pub fn major_minor(dev: u64) -> (u32, u32) {
 /// what the path names can change after the call.
 pub fn fd_path(fd: BorrowedFd<'_>) -> io::Result<std::path::PathBuf> {
     use std::os::fd::AsRawFd;
+    super::fault::check("readlink")?;
     std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
 }
 
 /// Canonicalizes `path` (realpath), following every symlink: for the
 /// volumes root, a trusted path from the operator's configuration.
 pub fn canonicalize(path: &Path) -> io::Result<std::path::PathBuf> {
+    super::fault::check("realpath")?;
     std::fs::canonicalize(path)
 }
 
@@ -537,6 +606,7 @@ pub fn canonicalize(path: &Path) -> io::Result<std::path::PathBuf> {
 /// 0777 less the umask), following symlinks: for the volumes root, a
 /// trusted path from the operator's configuration.
 pub fn create_dir_all(path: &Path) -> io::Result<()> {
+    super::fault::check("mkdir -p")?;
     std::fs::create_dir_all(path)
 }
 
@@ -554,10 +624,17 @@ pub fn set_nofile_limit(n: u64) -> io::Result<()> {
         current: Some(n),
         maximum: Some(n),
     };
+    super::fault::check("setrlimit")?;
     Ok(rustix::process::setrlimit(
         rustix::process::Resource::Nofile,
         l,
     )?)
+}
+
+/// Stops the calling process with SIGSTOP, until someone sends SIGCONT: a
+/// failpoint's pause, for a test to act at that step.
+pub fn stop_self() {
+    let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::STOP);
 }
 
 /// Kills the calling process with SIGKILL: a failpoint's crash, which no

@@ -22,11 +22,15 @@
 //! `flags` inode flags, `clone` reflinks, `ioctl` argument helpers,
 //! `subvolume` the subvolume API over its backend (`native` ioctls or
 //! `btrfsutil`), `search` the b-tree search engine, `item` on-disk item
-//! layouts, `space` metadata space accounting.
+//! layouts, `space` metadata space accounting, `fault` the injected failures of
+//! the I/O-error sweep: every call that enters the kernel passes through
+//! [`fault::check`] first.
 
 mod clone;
+pub mod fault;
 mod flags;
 mod fs;
+mod inode;
 mod ioctl;
 pub mod item;
 mod search;
@@ -42,6 +46,7 @@ mod native;
 pub use clone::*;
 pub use flags::*;
 pub use fs::*;
+pub use inode::{dir_is_below, dir_parent, open_subvolume, open_tree_dir};
 pub use search::{
     Batch, DEFAULT_BUF_SIZE, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, search,
 };

@@ -8,32 +8,30 @@
 //! filesystem that may read the same ioctl number differently.
 //!
 //! Nested subvolumes are found in the root tree (tree 1) with
-//! TREE_SEARCH_V2 (its ROOT_REF items: child id, directory, name) and
-//! INO_LOOKUP (that directory's path), rather than with the unprivileged
-//! GET_SUBVOL_ROOTREF and INO_LOOKUP_USER: the crate already needs
-//! CAP_SYS_ADMIN for its own tree searches (usage, extents), one search
-//! returns every reference of a subvolume where GET_SUBVOL_ROOTREF pages by
-//! 255, and INO_LOOKUP resolves a directory without the per-directory
-//! permission checks and the reachable-from-this-mount condition of
-//! INO_LOOKUP_USER, which a package's own directory modes or a bind mount
-//! could otherwise make fail.
+//! TREE_SEARCH_V2 (its ROOT_REF items: child id, directory, name), rather
+//! than with the unprivileged GET_SUBVOL_ROOTREF: the crate already needs
+//! CAP_SYS_ADMIN for its own tree searches (usage, extents), and one
+//! search returns every reference of a subvolume where GET_SUBVOL_ROOTREF
+//! pages by 255. They are then reached by number ([`super::inode`]), never
+//! by a path through a package's directories, which may be longer than
+//! INO_LOOKUP's 4,080 bytes, covered by a mount, or renamed meanwhile.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::ffi::{OsStr, OsString};
 use std::io;
 use std::ops::ControlFlow;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
-use std::path::{Path, PathBuf};
 
 use rustix::fs::AtFlags;
 use rustix::io::Errno;
 use rustix::ioctl::{Getter, NoArg, Opcode, Setter, Updater, opcode};
 
-use super::fs::{open_beneath, open_dir_at, stat};
+use super::fs::{open_dir_at, stat};
+use super::inode::{open_subvolume, open_tree_dir};
 use super::ioctl::{BTRFS_IOCTL_MAGIC, ensure_btrfs, malformed};
 use super::search::{ItemKey, KeyRange, Searcher};
-use super::subvolume::SUBVOLUME_ROOT_INO;
+use super::subvolume::{Nested, SUBVOLUME_ROOT_INO};
 
 /// `BTRFS_SUBVOL_NAME_MAX`: the name field of the v2 volume args holds this
 /// many bytes and a NUL.
@@ -121,6 +119,7 @@ impl VolArgsV2 {
 
 /// Issues one of the `_IOW` volume-args ioctls on `fd`.
 fn vol_ioctl<const OPCODE: Opcode>(fd: BorrowedFd<'_>, args: VolArgsV2) -> io::Result<()> {
+    super::fault::check("btrfs volume ioctl")?;
     // SAFETY: every OPCODE passed is an _IOW btrfs ioctl taking a `struct
     // btrfs_ioctl_vol_args_v2`, which VolArgsV2 matches in size and layout
     // (checked above); the kernel only reads it.
@@ -154,6 +153,12 @@ pub(super) fn create_snapshot(
 /// `source`, parents before children, into the empty placeholder directory
 /// the snapshot above it holds for it (removed first). Every snapshot is
 /// writable, so that those nested below it can be placed.
+///
+/// Nothing is reached by path: each nested subvolume is opened by its id,
+/// and the directory of the copy holding its placeholder by its inode
+/// number (a snapshot keeps every inode number), so a package's deep or
+/// long paths, mounts over them, or renames while this runs, change
+/// nothing of what is copied.
 pub(super) fn snapshot_recursive(
     source: BorrowedFd<'_>,
     parent: BorrowedFd<'_>,
@@ -170,34 +175,25 @@ pub(super) fn snapshot_recursive(
     // nested since then has no placeholder in the copy, and its rmdir
     // below fails rather than the copy silently lacking it.
     let nested = nested_pre_order(source)?;
+    if nested.is_empty() {
+        return Ok(());
+    }
     let copy = open_dir_at(parent, name)?;
-    for Nested { id, path: rel, .. } in &nested {
-        let (dir, leaf) = split_last(rel)?;
-        let src = open_beneath(source, rel)?;
-        // A path is no handle: had a package swapped the nested subvolume
-        // for a plain directory since the listing, the snapshot ioctl
-        // would take the subvolume holding that directory instead.
-        if stat(src.as_fd())?.ino != SUBVOLUME_ROOT_INO || subvolume_id(src.as_fd())? != *id {
-            return Err(Errno::AGAIN.into());
-        }
-        let holder = if dir.as_os_str().is_empty() {
-            None
-        } else {
-            Some(open_beneath(copy.as_fd(), dir)?)
+    // Each source subvolume's copy, by tree id.
+    let mut copies = HashMap::from([(subvolume_id(source)?, subvolume_id(copy.as_fd())?)]);
+    for n in &nested {
+        let Some(&holder_tree) = copies.get(&n.parent) else {
+            return Err(malformed("a nested subvolume listed before its parent"));
         };
-        let holder = holder.as_ref().map_or(copy.as_fd(), |fd| fd.as_fd());
-        rustix::fs::unlinkat(holder, leaf, AtFlags::REMOVEDIR)?;
-        create_snapshot(src.as_fd(), holder, leaf, false)?;
+        let holder = open_tree_dir(copy.as_fd(), holder_tree, n.dirid)?;
+        let src = open_subvolume(source, n.id)?;
+        super::fault::check("unlinkat")?;
+        rustix::fs::unlinkat(holder.as_fd(), &n.name, AtFlags::REMOVEDIR)?;
+        create_snapshot(src.as_fd(), holder.as_fd(), &n.name, false)?;
+        let placed = open_dir_at(holder.as_fd(), &n.name)?;
+        copies.insert(n.id, subvolume_id(placed.as_fd())?);
     }
     Ok(())
-}
-
-/// The directory part and last component of a nested subvolume's path.
-fn split_last(rel: &Path) -> io::Result<(&Path, &OsStr)> {
-    match (rel.parent(), rel.file_name()) {
-        (Some(dir), Some(leaf)) => Ok((dir, leaf)),
-        _ => Err(malformed("an empty nested subvolume path")),
-    }
 }
 
 pub(super) fn is_read_only(fd: BorrowedFd<'_>) -> io::Result<bool> {
@@ -206,6 +202,7 @@ pub(super) fn is_read_only(fd: BorrowedFd<'_>) -> io::Result<bool> {
 
 fn subvol_flags(fd: BorrowedFd<'_>) -> io::Result<u64> {
     ensure_btrfs(fd)?;
+    super::fault::check("ioctl SUBVOL_GETFLAGS")?;
     // SAFETY: SUBVOL_GETFLAGS is _IOR(0x94, 25, __u64) and writes one u64.
     Ok(unsafe { rustix::ioctl::ioctl(fd, Getter::<SUBVOL_GETFLAGS, u64>::new()) }?)
 }
@@ -217,13 +214,14 @@ pub(super) fn set_read_only(fd: BorrowedFd<'_>, read_only: bool) -> io::Result<(
     } else {
         flags & !SUBVOL_RDONLY
     };
+    super::fault::check("ioctl SUBVOL_SETFLAGS")?;
     // SAFETY: SUBVOL_SETFLAGS is _IOW(0x94, 26, __u64) and reads one u64.
     unsafe { rustix::ioctl::ioctl(fd, Setter::<SUBVOL_SETFLAGS, u64>::new(flags)) }?;
     Ok(())
 }
 
-pub(super) fn nested_subvolumes(fd: BorrowedFd<'_>) -> io::Result<Vec<PathBuf>> {
-    Ok(nested_with_ids(fd)?.into_iter().map(|(_, p)| p).collect())
+pub(super) fn nested_subvolumes(fd: BorrowedFd<'_>) -> io::Result<Vec<Nested>> {
+    nested_pre_order(fd)
 }
 
 /// Deletes `name` in `parent` and, with `recursive`, the subvolumes nested
@@ -244,7 +242,7 @@ pub(super) fn delete_subvolume(
         // A plain directory has nothing nested; the kernel refuses to
         // delete it below, with its own error.
         if stat(top.as_fd())?.ino == SUBVOLUME_ROOT_INO {
-            for (id, _) in nested_with_ids(top.as_fd())? {
+            for id in nested_pre_order(top.as_fd())?.iter().rev().map(|n| n.id) {
                 let mut by_id = VolArgsV2::zeroed();
                 by_id.flags = SUBVOL_SPEC_BY_ID;
                 by_id.name[..8].copy_from_slice(&id.to_ne_bytes());
@@ -257,6 +255,7 @@ pub(super) fn delete_subvolume(
 
 pub(super) fn commit(fd: BorrowedFd<'_>) -> io::Result<()> {
     ensure_btrfs(fd)?;
+    super::fault::check("ioctl SYNC")?;
     // SAFETY: SYNC is _IO(0x94, 8) and takes no argument.
     unsafe { rustix::ioctl::ioctl(fd, NoArg::<SYNC>::new()) }?;
     Ok(())
@@ -264,6 +263,7 @@ pub(super) fn commit(fd: BorrowedFd<'_>) -> io::Result<()> {
 
 pub(super) fn start_commit(fd: BorrowedFd<'_>) -> io::Result<u64> {
     ensure_btrfs(fd)?;
+    super::fault::check("ioctl START_SYNC")?;
     // SAFETY: START_SYNC is _IOR(0x94, 24, __u64) and writes the transid.
     Ok(unsafe { rustix::ioctl::ioctl(fd, Getter::<START_SYNC, u64>::new()) }?)
 }
@@ -276,6 +276,7 @@ fn ino_lookup(fd: BorrowedFd<'_>, treeid: u64, objectid: u64) -> io::Result<InoL
         objectid,
         name: [0; INO_LOOKUP_PATH_MAX],
     };
+    super::fault::check("ioctl INO_LOOKUP")?;
     // SAFETY: INO_LOOKUP is _IOWR(0x94, 18, struct
     // btrfs_ioctl_ino_lookup_args), which InoLookupArgs matches in size and
     // layout; the kernel reads the two ids and writes the ids and the path.
@@ -287,28 +288,6 @@ fn ino_lookup(fd: BorrowedFd<'_>, treeid: u64, objectid: u64) -> io::Result<InoL
 /// subvolume's root inode only reports the tree id.
 fn subvolume_id(fd: BorrowedFd<'_>) -> io::Result<u64> {
     Ok(ino_lookup(fd, 0, SUBVOLUME_ROOT_INO)?.treeid)
-}
-
-/// The path, relative to the root of tree `treeid`, of its directory
-/// `dirid`: empty for the root itself, else ending in `/` (as the kernel
-/// writes it). Privileged: the lookup reads another tree.
-fn dir_path(fd: BorrowedFd<'_>, treeid: u64, dirid: u64) -> io::Result<Vec<u8>> {
-    let args = ino_lookup(fd, treeid, dirid)?;
-    parse_lookup_path(&args.name).map(<[u8]>::to_vec)
-}
-
-/// The NUL-terminated path INO_LOOKUP wrote, checked to be terminated and
-/// relative.
-fn parse_lookup_path(name: &[u8]) -> io::Result<&[u8]> {
-    let len = name
-        .iter()
-        .position(|b| *b == 0)
-        .ok_or_else(|| malformed("INO_LOOKUP path without its NUL"))?;
-    let path = &name[..len];
-    if path.first() == Some(&b'/') {
-        return Err(malformed("INO_LOOKUP path is absolute"));
-    }
-    Ok(path)
 }
 
 /// One ROOT_REF item of the root tree: child subvolume `child` sits in
@@ -392,23 +371,11 @@ fn root_refs(searcher: &mut Searcher, fd: BorrowedFd<'_>, parent: u64) -> io::Re
 }
 
 /// Every subvolume nested below the subvolume whose root directory is open
-/// as `fd`, with its id and its path relative to `fd`, children before
-/// parents and siblings in id order (libbtrfsutil's post-order).
-fn nested_with_ids(fd: BorrowedFd<'_>) -> io::Result<Vec<(u64, PathBuf)>> {
-    Ok(post_order(nested_pre_order(fd)?))
-}
-
-/// A nested subvolume found by [`nested_pre_order`].
-struct Nested {
-    id: u64,
-    path: PathBuf,
-    /// Levels below the listed subvolume: 1 for its direct children.
-    depth: usize,
-}
-
-/// [`nested_with_ids`] parents first, siblings in id order: the order in
-/// which a recursive snapshot recreates them, so the copies' ids keep
-/// their sources' order (and their listing, the sources').
+/// as `fd`, parents first, siblings in id order: the order in which a
+/// recursive snapshot recreates them, so the copies' ids keep their
+/// sources' order (and their listing, the sources'). From the root tree's
+/// ROOT_REF items alone: no path is built, so a package can nest them as
+/// deep, and under names as long, as it likes.
 fn nested_pre_order(fd: BorrowedFd<'_>) -> io::Result<Vec<Nested>> {
     ensure_btrfs(fd)?;
     let st = stat(fd)?;
@@ -417,78 +384,49 @@ fn nested_pre_order(fd: BorrowedFd<'_>) -> io::Result<Vec<Nested>> {
     }
     let top = subvolume_id(fd)?;
     let mut searcher = Searcher::default();
-    // Depth first with an explicit stack, as a package can nest
-    // subvolumes as deep as it likes; children pushed last first pop in
-    // id order.
-    let mut stack = vec![(top, Vec::<u8>::new(), 0usize)];
     let mut seen = HashSet::from([top]);
+    // Depth first with an explicit stack, as a package can nest
+    // subvolumes as deep as it likes: each is listed when popped, then
+    // its children pushed last first, so they pop next, in id order.
+    let mut stack = Vec::new();
+    push_children(&mut searcher, fd, top, 0, &mut seen, &mut stack)?;
     let mut out = Vec::new();
-    while let Some((id, path, depth)) = stack.pop() {
-        let mut children = Vec::new();
-        for r in root_refs(&mut searcher, fd, id)? {
-            // The subvolumes form a tree; a repeat would loop forever.
-            if !seen.insert(r.child) {
-                return Err(malformed("a subvolume referenced twice"));
-            }
-            let mut child = path.clone();
-            if !child.is_empty() {
-                child.push(b'/');
-            }
-            child.extend_from_slice(&dir_path(fd, id, r.dirid)?);
-            child.extend_from_slice(&r.name);
-            children.push((r.child, child, depth + 1));
-        }
-        stack.extend(children.into_iter().rev());
-        if id != top {
-            out.push(Nested {
-                id,
-                path: PathBuf::from(OsString::from_vec(path)),
-                depth,
-            });
-        }
+    while let Some(n) = stack.pop() {
+        push_children(&mut searcher, fd, n.id, n.depth, &mut seen, &mut stack)?;
+        out.push(n);
     }
     Ok(out)
 }
 
-/// Reorders a pre-order listing children first: a subvolume is emitted
-/// once the listing has left its subtree (reached one no deeper).
-fn post_order(pre: Vec<Nested>) -> Vec<(u64, PathBuf)> {
-    let mut out = Vec::with_capacity(pre.len());
-    let mut open: Vec<Nested> = Vec::new();
-    for n in pre {
-        while open.last().is_some_and(|o| o.depth >= n.depth) {
-            out.extend(open.pop().map(|o| (o.id, o.path)));
+/// Pushes the subvolumes linked into subvolume `parent` (at `depth`) onto
+/// `stack`, highest id first.
+fn push_children(
+    searcher: &mut Searcher,
+    fd: BorrowedFd<'_>,
+    parent: u64,
+    depth: usize,
+    seen: &mut HashSet<u64>,
+    stack: &mut Vec<Nested>,
+) -> io::Result<()> {
+    for r in root_refs(searcher, fd, parent)?.into_iter().rev() {
+        // The subvolumes form a tree; a repeat would loop forever.
+        if !seen.insert(r.child) {
+            return Err(malformed("a subvolume referenced twice"));
         }
-        open.push(n);
+        stack.push(Nested {
+            id: r.child,
+            parent,
+            dirid: r.dirid,
+            name: OsString::from_vec(r.name),
+            depth: depth + 1,
+        });
     }
-    out.extend(open.into_iter().rev().map(|o| (o.id, o.path)));
-    out
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn post_order_puts_children_first() {
-        let pre = [
-            (1, "a", 1),
-            (2, "a/b", 2),
-            (3, "a/b/c", 3),
-            (4, "a/d", 2),
-            (5, "e", 1),
-        ];
-        let pre = pre
-            .iter()
-            .map(|&(id, p, depth)| Nested {
-                id,
-                path: PathBuf::from(p),
-                depth,
-            })
-            .collect();
-        let ids: Vec<u64> = post_order(pre).into_iter().map(|(id, _)| id).collect();
-        assert_eq!(ids, [3, 2, 4, 1, 5]);
-    }
 
     fn root_ref_body(dirid: u64, name: &[u8], claimed_len: u16) -> Vec<u8> {
         let mut v = dirid.to_le_bytes().to_vec();
@@ -523,16 +461,6 @@ mod tests {
             let len = bad.len() as u16;
             assert!(parse_root_ref(300, &root_ref_body(257, bad, len)).is_err());
         }
-    }
-
-    #[test]
-    fn a_lookup_path_needs_its_nul() {
-        let mut name = [b'a'; INO_LOOKUP_PATH_MAX];
-        assert!(parse_lookup_path(&name).is_err());
-        name[3] = 0;
-        assert_eq!(parse_lookup_path(&name).expect("parses"), b"aaa");
-        name[0] = b'/';
-        assert!(parse_lookup_path(&name).is_err());
     }
 
     #[test]

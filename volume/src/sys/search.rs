@@ -297,6 +297,7 @@ impl Searcher {
             ..SearchKey::default()
         };
         args.buf_size = buf_size;
+        super::fault::check("ioctl TREE_SEARCH_V2")?;
         // SAFETY: `mem` holds the header and the `buf_size` bytes it
         // announces.
         unsafe {

@@ -77,6 +77,7 @@ fn space_infos(fd: BorrowedFd<'_>) -> io::Result<Vec<SpaceInfo>> {
     // Asked with no slots, the kernel says how many there are; a block
     // group type may appear in between, so ask for a few more.
     let mut head = [0u64; 2];
+    super::fault::check("ioctl SPACE_INFO")?;
     // SAFETY: zero slots: the kernel only writes the header.
     unsafe {
         rustix::ioctl::ioctl(
@@ -90,6 +91,7 @@ fn space_infos(fd: BorrowedFd<'_>) -> io::Result<Vec<SpaceInfo>> {
     let slots = head[1] as usize + 4;
     let mut mem = vec![0u64; 2 + slots * WORDS];
     mem[0] = slots as u64;
+    super::fault::check("ioctl SPACE_INFO")?;
     // SAFETY: `mem` holds the header and the `slots` entries it announces.
     unsafe {
         rustix::ioctl::ioctl(
@@ -150,6 +152,7 @@ fn fs_info(fd: BorrowedFd<'_>) -> io::Result<FsInfo> {
         nodesize: 0,
         rest: [0; 1024 - 36],
     };
+    super::fault::check("ioctl FS_INFO")?;
     // SAFETY: FS_INFO reads and fills a `struct btrfs_ioctl_fs_info_args`,
     // which FsInfo matches in size and layout; zeroed, as the kernel
     // reads its `flags`.
@@ -175,6 +178,7 @@ fn unallocated(fd: BorrowedFd<'_>, fs: &FsInfo) -> io::Result<(u64, u64)> {
             fsid: [0; 16],
             rest: [0; 4096 - 56],
         };
+        super::fault::check("ioctl DEV_INFO")?;
         // SAFETY: DEV_INFO reads and fills a `struct
         // btrfs_ioctl_dev_info_args`, which DevInfo matches in size and
         // layout.

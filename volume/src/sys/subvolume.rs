@@ -4,16 +4,18 @@
 //! the timestamps of a recursive snapshot, GET_SUBVOL_INFO, the metadata
 //! commit) is written once, here.
 
+use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use rustix::fs::{AtFlags, FileType};
 
 #[cfg(feature = "btrfsutil")]
 use super::btrfsutil as backend;
-use super::fs::{is_btrfs, open_beneath, open_dir_at, read_dir_names, set_times, stat, times};
+use super::fs::{is_btrfs, open_dir_at, read_dir_names, set_times, stat, times};
+use super::inode::{open_subvolume, open_tree_dir};
 use super::ioctl::{BTRFS_IOCTL_MAGIC, ensure_btrfs};
 #[cfg(not(feature = "btrfsutil"))]
 use super::native as backend;
@@ -80,19 +82,90 @@ pub fn snapshot_tree(
 ) -> io::Result<OwnedFd> {
     backend::snapshot_recursive(source, parent, name)?;
     let copy = open_dir_at(parent, name)?;
-    for rel in nested_subvolumes(copy.as_fd())? {
-        let dir = rel.parent().unwrap_or(Path::new(""));
-        let (t, target) = if dir.as_os_str().is_empty() {
-            (times(source)?, None)
-        } else {
-            (
-                times(open_beneath(source, dir)?.as_fd())?,
-                Some(open_beneath(copy.as_fd(), dir)?),
-            )
+    let sources = nested_subvolumes(source)?;
+    if sources.is_empty() {
+        return Ok(copy);
+    }
+    let copies = nested_subvolumes(copy.as_fd())?;
+    let (source_id, copy_id) = (subvolume_info(source)?.id, subvolume_info(copy.as_fd())?.id);
+    for (n, found) in sources
+        .iter()
+        .zip(match_nested(&sources, source_id, &copies, copy_id))
+    {
+        let Some(c) = found.map(|j| &copies[j]) else {
+            continue;
         };
-        set_times(target.as_ref().map_or(copy.as_fd(), |fd| fd.as_fd()), &t)?;
+        let t = times(open_tree_dir(source, n.parent, n.dirid)?.as_fd())?;
+        set_times(open_tree_dir(copy.as_fd(), c.parent, c.dirid)?.as_fd(), &t)?;
     }
     Ok(copy)
+}
+
+/// A subvolume nested below another, located by numbers alone: which
+/// subvolume's directory holds it, and under which name. A package can
+/// nest subvolumes as deep and under names as long as it likes, beyond
+/// any path a system call takes; these numbers reach them all
+/// ([`super::inode::open_subvolume`], [`super::inode::open_tree_dir`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Nested {
+    /// Its tree id.
+    pub id: u64,
+    /// The tree id of the subvolume holding it (the listed one, or another
+    /// nested one).
+    pub parent: u64,
+    /// The inode number, in `parent`, of the directory holding it.
+    pub dirid: u64,
+    /// Its name in that directory: one component, raw bytes.
+    pub name: OsString,
+    /// Levels below the listed subvolume: 1 for its own children.
+    pub depth: usize,
+}
+
+/// The path of each of `nested` (the listing of the subvolume open as
+/// `fd`, parents first) relative to `fd`, for messages and tests: built
+/// from the inodes' reference items ([`super::inode::dir_parent`]), so it
+/// exists however long it is, but, being a path, is never opened.
+pub fn nested_paths(fd: BorrowedFd<'_>, nested: &[Nested]) -> io::Result<Vec<PathBuf>> {
+    let top = subvolume_info(fd)?.id;
+    let mut by_id: HashMap<u64, PathBuf> = HashMap::from([(top, PathBuf::new())]);
+    let mut out = Vec::with_capacity(nested.len());
+    for n in nested {
+        let mut names = vec![n.name.clone()];
+        let mut cur = n.dirid;
+        while let Some((up, name)) = super::inode::dir_parent(fd, n.parent, cur)? {
+            names.push(name);
+            cur = up;
+        }
+        let mut path = by_id.get(&n.parent).cloned().unwrap_or_default();
+        path.extend(names.iter().rev());
+        by_id.insert(n.id, path.clone());
+        out.push(path);
+    }
+    Ok(out)
+}
+
+/// For each of `a` (the nested listing of subvolume `a_top`), the index in
+/// `b` (that of `b_top`) of the subvolume at the same place: held by the
+/// counterpart of its parent, in the directory with the same inode number,
+/// under the same name. A snapshot keeps inode numbers and names, so a
+/// recursive snapshot's nested subvolumes match their sources one to one;
+/// `None` where `b` has nothing there. Both listings parents first, as
+/// [`nested_subvolumes`] gives them.
+pub fn match_nested(a: &[Nested], a_top: u64, b: &[Nested], b_top: u64) -> Vec<Option<usize>> {
+    let by_place: HashMap<(u64, u64, &OsStr), usize> = b
+        .iter()
+        .enumerate()
+        .map(|(j, n)| ((n.parent, n.dirid, n.name.as_os_str()), j))
+        .collect();
+    let mut counterpart = HashMap::from([(a_top, b_top)]);
+    a.iter()
+        .map(|n| {
+            let parent = counterpart.get(&n.parent)?;
+            let j = *by_place.get(&(*parent, n.dirid, n.name.as_os_str()))?;
+            counterpart.insert(n.id, b[j].id);
+            Some(j)
+        })
+        .collect()
 }
 
 /// The root directory of the subvolume holding the directory open as
@@ -198,6 +271,7 @@ pub fn subvolume_info(fd: BorrowedFd<'_>) -> io::Result<SubvolumeInfo> {
     /// `BTRFS_ROOT_SUBVOL_RDONLY` in the root item's flags.
     const ROOT_SUBVOL_RDONLY: u64 = 1;
     ensure_btrfs(fd)?;
+    super::fault::check("ioctl GET_SUBVOL_INFO")?;
     // SAFETY: GET_SUBVOL_INFO is _IOR(0x94, 60, struct
     // btrfs_ioctl_get_subvol_info_args) and fills that struct, which Args
     // matches in size and layout.
@@ -210,11 +284,12 @@ pub fn subvolume_info(fd: BorrowedFd<'_>) -> io::Result<SubvolumeInfo> {
     })
 }
 
-/// Paths (relative to `fd`) of every subvolume nested below the subvolume
-/// open as `fd` (its root directory: EINVAL otherwise), children before
-/// their parents; siblings in the order of their ids. Needs CAP_SYS_ADMIN
-/// (the root tree is searched). ENOTTY off btrfs.
-pub fn nested_subvolumes(fd: BorrowedFd<'_>) -> io::Result<Vec<PathBuf>> {
+/// Every subvolume nested below the subvolume open as `fd` (its root
+/// directory: EINVAL otherwise), parents first (each followed by
+/// everything nested in it), siblings in the order of their ids; walk it
+/// backwards for children before their parents. Needs CAP_SYS_ADMIN (the
+/// root tree is searched). ENOTTY off btrfs.
+pub fn nested_subvolumes(fd: BorrowedFd<'_>) -> io::Result<Vec<Nested>> {
     backend::nested_subvolumes(fd)
 }
 
@@ -234,8 +309,8 @@ pub fn make_tree_writable(fd: BorrowedFd<'_>) -> io::Result<()> {
     if is_read_only(fd)? {
         set_read_only(fd, false)?;
     }
-    for rel in nested_subvolumes(fd)? {
-        let sub = open_beneath(fd, &rel)?;
+    for n in nested_subvolumes(fd)? {
+        let sub = open_subvolume(fd, n.id)?;
         if is_read_only(sub.as_fd())? {
             set_read_only(sub.as_fd(), false)?;
         }
@@ -246,9 +321,8 @@ pub fn make_tree_writable(fd: BorrowedFd<'_>) -> io::Result<()> {
 /// Sets the read-only flag on every subvolume nested in `fd`, children
 /// first, then on `fd` itself: once the top is read-only, the tree is frozen.
 pub fn make_tree_read_only(fd: BorrowedFd<'_>) -> io::Result<()> {
-    for rel in nested_subvolumes(fd)? {
-        let sub = open_beneath(fd, &rel)?;
-        set_read_only(sub.as_fd(), true)?;
+    for n in nested_subvolumes(fd)?.iter().rev() {
+        set_read_only(open_subvolume(fd, n.id)?.as_fd(), true)?;
     }
     set_read_only(fd, true)
 }
@@ -347,6 +421,7 @@ pub fn commit_metadata(fd: BorrowedFd<'_>) -> io::Result<()> {
     const WAIT_SYNC: rustix::ioctl::Opcode = opcode::write::<u64>(BTRFS_IOCTL_MAGIC, 22);
     // Checks that `fd` is on btrfs, as WAIT_SYNC needs.
     let transid = start_commit_bounded(fd)?;
+    super::fault::check("ioctl WAIT_SYNC")?;
     // SAFETY: WAIT_SYNC is _IOW(0x94, 22, __u64) and reads the transid.
     unsafe { rustix::ioctl::ioctl(fd, Setter::<WAIT_SYNC, u64>::new(transid)) }?;
     Ok(())

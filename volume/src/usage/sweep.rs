@@ -202,7 +202,8 @@ impl Plan {
     }
 }
 
-/// Reads every item of the tree of the subvolume holding `fd` exactly once,
+/// Reads every item of the tree `tree` (0: that of the subvolume holding
+/// `fd`) of the filesystem holding `fd` exactly once,
 /// on `threads` threads (at least one). The key space ends up cut into
 /// disjoint ranges, each read in key order into its own state, made by
 /// `init()` and fed each item by `visit`. Returns each range's state with
@@ -214,6 +215,7 @@ impl Plan {
 /// CAP_SYS_ADMIN.
 pub fn sweep<S, I, V>(
     fd: BorrowedFd<'_>,
+    tree: u64,
     threads: usize,
     init: I,
     visit: V,
@@ -235,14 +237,14 @@ where
     }
 
     let threads = threads.max(1);
-    let plan = first_ranges(fd, threads)?;
+    let plan = first_ranges(fd, tree, threads)?;
     let per_thread = std::thread::scope(|scope| {
         let workers: Vec<_> = (0..threads)
             .map(|me| {
                 let (plan, init, visit) = (&plan, &init, &visit);
                 scope.spawn(move || {
                     let _guard = FailOnPanic(plan);
-                    let out = work(fd, plan, me, init, visit);
+                    let out = work(fd, tree, plan, me, init, visit);
                     if out.is_err() {
                         plan.fail();
                     }
@@ -265,7 +267,7 @@ where
 
 /// Equal slices of the inode numbers in use, one per thread; the first
 /// starts at the very first key, the last ends at the very last.
-fn first_ranges(fd: BorrowedFd<'_>, threads: usize) -> io::Result<Plan> {
+fn first_ranges(fd: BorrowedFd<'_>, tree: u64, threads: usize) -> io::Result<Plan> {
     const FIRST: ItemKey = ItemKey {
         objectid: 0,
         item_type: 0,
@@ -276,7 +278,7 @@ fn first_ranges(fd: BorrowedFd<'_>, threads: usize) -> io::Result<Plan> {
         item_type: u8::MAX,
         offset: u64::MAX,
     };
-    let highest = highest_inode(fd)?.unwrap_or(FIRST_INODE);
+    let highest = highest_inode(fd, tree)?.unwrap_or(FIRST_INODE);
     let span = u128::from(highest - FIRST_INODE + 1);
     let mut ranges = Vec::with_capacity(threads);
     let mut start = FIRST;
@@ -309,7 +311,7 @@ fn first_ranges(fd: BorrowedFd<'_>, threads: usize) -> io::Result<Plan> {
 /// The highest inode number with an item in the tree, found with one-item
 /// searches: doubling from the first inode number, then bisecting. About
 /// 2 log2(highest) searches, each a single descent of the tree.
-fn highest_inode(fd: BorrowedFd<'_>) -> io::Result<Option<u64>> {
+fn highest_inode(fd: BorrowedFd<'_>, tree: u64) -> io::Result<Option<u64>> {
     let mut searcher = Searcher::new(BUF_SIZE);
     // The objectid of the first item at or above `at`, up to the last inode.
     let mut first_from = |at: u64| -> io::Result<Option<u64>> {
@@ -323,7 +325,7 @@ fn highest_inode(fd: BorrowedFd<'_>) -> io::Result<Option<u64>> {
             item_type: u8::MAX,
             offset: u64::MAX,
         };
-        let batch = searcher.fill(fd, from, max, 1)?;
+        let batch = searcher.fill_tree(fd, tree, from, max, 1)?;
         Ok(batch.iter().next().map(|(key, _)| key.objectid))
     };
     // `lo` has an item at or above it; `hi` has none.
@@ -353,6 +355,7 @@ fn highest_inode(fd: BorrowedFd<'_>) -> io::Result<Option<u64>> {
 /// with its first key and state.
 fn work<S>(
     fd: BorrowedFd<'_>,
+    tree: u64,
     plan: &Plan,
     me: usize,
     init: &(impl Fn() -> S + Sync),
@@ -370,7 +373,7 @@ fn work<S>(
                 (from, end)
             }
         };
-        let batch = searcher.fill(fd, from, end, u32::MAX)?;
+        let batch = searcher.fill_tree(fd, tree, from, end, u32::MAX)?;
         // Another thread may have taken the top of this range while the
         // ioctl ran: under the lock, keep only the items still ours and move
         // `next` past them, so that no item is read by two threads.
