@@ -77,12 +77,13 @@ fn b_a_killed_restore_or_conversion_never_leaves_the_path_empty_nor_loses_data()
             assert!(!compare::crash::write_lost(k), "{when}: the write was lost");
         }
     }
-    // Once the complete copy is recorded, a crash is finished, never undone.
+    // A crash before the exchange is undone, one after it finished: only
+    // the restore itself ever exchanges.
     for k in &c.ours.restore {
-        let recorded = k.site != "restore.copied";
+        let exchanged = !["restore.copied", "restore.recorded"].contains(&k.site);
         assert_eq!(
             k.state == EndState::After,
-            recorded,
+            exchanged,
             "killed at {}: {:?}",
             k.site,
             k.state

@@ -397,9 +397,10 @@ fn restore_survives_a_crash_at_every_step() {
             },
             Case {
                 failpoint: "restore.recorded",
-                expect: Expect::After,
-                why: "the rollback copy is complete and its identity recorded, so recovery \
-                      exchanges it in",
+                expect: Expect::Before,
+                why: "the rollback copy is complete and recorded, but the exchange never \
+                      happened: only the restore exchanges, so recovery undoes it and keeps \
+                      the current data (and whatever was written since) and the backup",
             },
             Case {
                 failpoint: "restore.exchanged",
@@ -636,8 +637,9 @@ fn restore_from_a_reflink_copy_survives_a_crash_at_every_step() {
             },
             Case {
                 failpoint: "restore.recorded",
-                expect: Expect::After,
-                why: "the recorded backup was moved to .rollback, so recovery exchanges it in",
+                expect: Expect::Before,
+                why: "the recorded backup was moved to .rollback but never exchanged, so \
+                      recovery moves it back: the current data and the backup are kept",
             },
             Case {
                 failpoint: "restore.exchanged",
@@ -724,8 +726,8 @@ fn recovery_survives_crashes_of_its_own() {
             backup: None,
         }
     };
-    crash_at(&root, package, "restore", "restore.recorded");
-    // Recovery exchanges the recorded copy in, moves the replaced volume aside
+    crash_at(&root, package, "restore", "restore.exchanged");
+    // Past the exchange, recovery moves the replaced volume aside
     // (restore.replaced-moved), drops the backup (drop.renamed), removes the
     // record (after restore.backup-dropped), then deletes the dropped backup
     // and the replaced volume (restore.replaced-deleted). Each rerun passes
@@ -752,7 +754,7 @@ fn recovery_survives_crashes_of_its_own() {
         &store,
         package,
         &after,
-        "restore killed at restore.recorded, then its recovery killed four times",
+        "restore killed at restore.exchanged, then its recovery killed four times",
     );
     assert!(store.recover_all().expect("recover_all").is_empty());
     assert!(!store.restore(&pkg(package)).expect("restore"));

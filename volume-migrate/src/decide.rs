@@ -413,7 +413,13 @@ pub(crate) fn decide(
     match try_decide(candidates, parent) {
         Ok(decided) => decided,
         Err(e) => {
-            tracing::warn!(error = %e, "deciding how to convert failed; cloning every package");
+            // A tree a conversion refuses is that package's to report: it
+            // fails on its own, saying why.
+            if volume::walk::is_too_deep(&e) || volume::walk::is_crossing(&e) {
+                tracing::info!(error = %e, "deciding how to convert failed; cloning every package");
+            } else {
+                tracing::warn!(error = %e, "deciding how to convert failed; cloning every package");
+            }
             let why = format!("deciding failed ({e}): a clone still works");
             all_clone(candidates, |_| CloneReason::Failed { why: why.clone() })
         }

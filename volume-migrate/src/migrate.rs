@@ -242,8 +242,18 @@ impl Migrator {
         })?;
         let mut out = Vec::new();
         for (name, _, _) in entries {
-            let Some(pkg) = package_of(&name) else {
-                continue;
+            let pkg = match package_of(&name) {
+                Some(Ok(pkg)) => pkg,
+                // No package's, whatever it holds: reported, left alone,
+                // and no reason to stop the others.
+                Some(Err(e)) => {
+                    tracing::warn!(
+                        "skipped {}: not a package volume: {e}",
+                        self.root.join(&name).display()
+                    );
+                    continue;
+                }
+                None => continue,
             };
             let s = name.to_string_lossy();
             let relevant = if s == pkg.as_str() {
@@ -301,11 +311,16 @@ impl Migrator {
             let pkg = &p.package;
             let fd = sys::open_dir_at(self.root_fd(), OsStr::new(pkg.as_str()))
                 .with_ctx(step(pkg, "opening the volume"))?;
-            p.estimate = Some(
-                scan(fd.as_fd(), &AtomicBool::new(false))
-                    .with_ctx(step(pkg, "scanning the volume"))?
-                    .0,
-            );
+            match scan(fd.as_fd(), &AtomicBool::new(false)) {
+                Ok((est, _)) => p.estimate = Some(est),
+                // A tree a conversion refuses (too deep, a mount inside),
+                // as the run would refuse it.
+                Err(e) if volume::walk::is_too_deep(&e) || volume::walk::is_crossing(&e) => {
+                    p.refused = Some(format!("{}: {e}", self.root.join(pkg.as_str()).display()));
+                    p.decision = None;
+                }
+                Err(e) => return Err(e).with_ctx(step(pkg, "scanning the volume")),
+            }
         }
         Ok(planned)
     }
@@ -348,6 +363,7 @@ impl Migrator {
             )
         })?;
         let mut leftovers = Vec::new();
+        let mut refused = Vec::new();
         let mut candidates = Vec::new();
         let parent = match opts.method {
             Method::Auto => Some(Parent::of(self.root_fd(), &self.root).with_ctx(|_| {
@@ -375,6 +391,15 @@ impl Migrator {
             }
             let dir = sys::open_dir_at(self.root_fd(), &names.live)
                 .with_ctx(step(pkg, "opening the volume"))?;
+            // Refused whatever the method: not counted, decided or part
+            // of the others' decision; the run fails it with the reason.
+            if let Some(why) = self.refusal(pkg, &names, dir.as_fd())? {
+                refused.push(Planned {
+                    refused: Some(why),
+                    ..planned
+                });
+                continue;
+            }
             let st = sys::stat(dir.as_fd()).with_ctx(step(pkg, "stat of the volume"))?;
             let ineligible = if planned.resume {
                 Some(CloneReason::Resume)
@@ -444,6 +469,7 @@ impl Migrator {
             p.clone = d.clone;
             p.cut = d.cut;
         }
+        planned.extend(refused);
         // The dominant package first: the others' clones do not change its
         // parent's cost, but its snapshot would hold their old trees. Those
         // with NOCOW or preallocated files last: such a clone removes the
@@ -879,55 +905,10 @@ impl Migrator {
                 .with_ctx(step(pkg, "removing an interrupted parent snapshot"))?;
         }
         let live_path = self.root.join(&names.live);
-        let busy = volume::mounts::uses_of(&live_path).with_ctx(|_| {
-            (
-                ErrorKind::Filesystem,
-                pkg.context("reading the mount tables of every mount namespace"),
-            )
-        })?;
-        if !busy.is_empty() {
-            return Err(Error::for_package(
-                pkg,
-                ErrorKind::InvalidRequest,
-                format!(
-                    "{} is in use, mounted at {}; unmount it first",
-                    live_path.display(),
-                    volume::mounts::describe(&busy)
-                ),
-            ));
-        }
         let src = sys::open_dir_at(self.root_fd(), &names.live)
             .with_ctx(step(pkg, "opening the volume"))?;
-        let src_st = sys::stat(src.as_fd()).with_ctx(step(pkg, "stat of the volume"))?;
-        if src_st.dev != self.dev
-            || !sys::is_btrfs(src.as_fd()).with_ctx(step(pkg, "statfs of the volume"))?
-        {
-            return Err(Error::for_package(
-                pkg,
-                ErrorKind::InvalidRequest,
-                format!(
-                    "{} is on another filesystem than the volumes root {}",
-                    live_path.display(),
-                    self.root.display()
-                ),
-            ));
-        }
-
-        // The kernel renames no immutable or append-only directory: the
-        // exchange would fail after the whole copy.
-        let stuck = sys::inode_flags(src.as_fd())
-            .with_ctx(step(pkg, "reading the volume's inode flags"))?
-            .intersection(IFlags::IMMUTABLE | IFlags::APPEND);
-        if !stuck.is_empty() {
-            return Err(Error::for_package(
-                pkg,
-                ErrorKind::InvalidRequest,
-                format!(
-                    "{} is immutable or append-only, and the kernel renames no such \
-                     directory; clear the flag (chattr -i -a) and convert again",
-                    live_path.display()
-                ),
-            ));
+        if let Some(why) = self.refusal(pkg, &names, src.as_fd())? {
+            return Err(Error::for_package(pkg, ErrorKind::InvalidRequest, why));
         }
 
         // Scan: data still in the page cache has no extents yet, so flush.
@@ -1099,6 +1080,56 @@ impl Migrator {
             tracing::info!(package = %pkg, rest_of = %other, "old copies of its NOCOW files removed");
         }
         Ok(())
+    }
+
+    /// Why the plain directory `<pkg>` (open as `src`) cannot be converted
+    /// at all, if it cannot: something is mounted from inside it (in any
+    /// mount namespace: the conversion would leave the mount on the old
+    /// tree), it is on another filesystem than the root, or it is
+    /// immutable or append-only (the kernel renames no such directory, so
+    /// the exchange would fail after the whole copy). The same checks for
+    /// a dry run and a real one, so that they agree.
+    fn refusal(
+        &self,
+        pkg: &PackageId,
+        names: &Names,
+        src: BorrowedFd<'_>,
+    ) -> Result<Option<String>, Error> {
+        let live_path = self.root.join(&names.live);
+        let busy = volume::mounts::uses_of(&live_path).with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                pkg.context("reading the mount tables of every mount namespace"),
+            )
+        })?;
+        if !busy.is_empty() {
+            return Ok(Some(format!(
+                "{} is in use, mounted at {}; unmount it first",
+                live_path.display(),
+                volume::mounts::describe(&busy)
+            )));
+        }
+        let src_st = sys::stat(src).with_ctx(step(pkg, "stat of the volume"))?;
+        if src_st.dev != self.dev
+            || !sys::is_btrfs(src).with_ctx(step(pkg, "statfs of the volume"))?
+        {
+            return Ok(Some(format!(
+                "{} is on another filesystem than the volumes root {}",
+                live_path.display(),
+                self.root.display()
+            )));
+        }
+        let stuck = sys::inode_flags(src)
+            .with_ctx(step(pkg, "reading the volume's inode flags"))?
+            .intersection(IFlags::IMMUTABLE | IFlags::APPEND);
+        if !stuck.is_empty() {
+            return Ok(Some(format!(
+                "{} is immutable or append-only, and the kernel renames no such \
+                 directory; clear the flag (chattr -i -a) and convert again",
+                live_path.display()
+            )));
+        }
+        Ok(None)
     }
 
     /// Checks, just before the cut, what can have changed since the

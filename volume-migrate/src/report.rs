@@ -109,6 +109,10 @@ pub struct Planned {
     pub resume: bool,
     /// Whether old trees wait for removal.
     pub old_pending: bool,
+    /// Why the plain directory cannot be converted, if it cannot (see
+    /// [`crate::Migrator::plan`]): a run fails it with this reason, and
+    /// converts the others.
+    pub refused: Option<String>,
 }
 
 impl Planned {
@@ -123,6 +127,7 @@ impl Planned {
             bytes: 0,
             resume,
             old_pending,
+            refused: None,
         }
     }
 

@@ -136,7 +136,7 @@ pub fn check_id_len(pkg: &PackageId) -> Result<(), Error> {
     if pkg.len() > MAX_ID_LEN {
         return Err(Error::new(
             eyre!(
-                "invalid id {pkg:?}: {} characters, at most {MAX_ID_LEN} allowed \
+                "invalid id \"{pkg}\": {} characters, at most {MAX_ID_LEN} allowed \
                  (so that every name derived from it fits NAME_MAX, {NAME_MAX} bytes)",
                 pkg.len()
             ),
@@ -247,14 +247,18 @@ impl Names {
 }
 
 /// The package an entry of the volumes root belongs to, if any: `lnd`,
-/// `lnd.install-backup`, `lnd.rollback`, ... all map to `lnd`.
-pub fn package_of(name: &OsStr) -> Option<PackageId> {
+/// `lnd.install-backup`, `lnd.rollback`, ... all map to `lnd`. A name
+/// whose id is too long for its derived names ([`check_id_len`]) belongs to
+/// no package: it is `Err`, with that error, for the caller to report and
+/// pass over while it handles the others.
+pub fn package_of(name: &OsStr) -> Option<Result<PackageId, Error>> {
     let name = name.to_str()?;
     let stem = SUFFIXES
         .iter()
         .find_map(|s| name.strip_suffix(s))
         .unwrap_or(name);
-    stem.parse().ok()
+    let pkg: PackageId = stem.parse().ok()?;
+    Some(check_id_len(&pkg).map(|()| pkg))
 }
 
 #[cfg(test)]
@@ -267,10 +271,19 @@ mod tests {
         let n = Names::new(&pkg).unwrap();
         assert_eq!(n.all().len(), SUFFIXES.len() + 1, "every suffix has a name");
         for name in n.all() {
-            assert_eq!(package_of(name).as_ref(), Some(&pkg), "{name:?}");
+            assert_eq!(
+                package_of(name).and_then(Result::ok).as_ref(),
+                Some(&pkg),
+                "{name:?}"
+            );
         }
-        assert_eq!(package_of(OsStr::new("lost+found")), None);
-        assert_eq!(package_of(OsStr::new("x.unknown")), None);
+        assert!(package_of(OsStr::new("lost+found")).is_none());
+        assert!(package_of(OsStr::new("x.unknown")).is_none());
+        let long = format!("{}.install-backup", "a".repeat(MAX_ID_LEN + 1));
+        let err = package_of(OsStr::new(&long))
+            .expect("a package name")
+            .unwrap_err();
+        assert_eq!(err.kind, ErrorKind::InvalidId);
     }
 
     #[test]

@@ -11,11 +11,20 @@
 //! Each volumes root has its own directory there, named after the root's
 //! device and inode numbers, which every process sees alike for as long as
 //! the filesystem stays mounted.
+//!
+//! An operation that changes a package waits for its lock as long as it
+//! takes: the other holder is finishing its own change. A command that only
+//! reads (a listing, a usage figure, a recovery pass over every package)
+//! must never hang behind one package: it waits [`LockWait::Within`] a
+//! bounded time, then reports the package busy, naming the holder's pid
+//! from `/proc/locks` ([`Busy`]), and goes on with the others.
 
 use std::ffi::OsStr;
+use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use models::PackageId;
 
@@ -51,10 +60,76 @@ impl LockDir {
     /// Blocks until `pkg` is free, then holds its lock. Different packages
     /// never wait on each other.
     pub fn lock(&self, pkg: &PackageId) -> io::Result<PackageLock> {
-        let file = sys::create_file_at(self.dir.as_fd(), OsStr::new(pkg.as_str()), 0o600)?;
-        sys::lock_exclusive(file.as_fd())?;
-        Ok(PackageLock { _file: file })
+        self.lock_with(pkg, LockWait::Forever)
     }
+
+    /// Takes `pkg`'s lock, waiting as `wait` says: past its patience, a
+    /// [`Busy`] error naming the holder.
+    pub fn lock_with(&self, pkg: &PackageId, wait: LockWait) -> io::Result<PackageLock> {
+        let file = sys::create_file_at(self.dir.as_fd(), OsStr::new(pkg.as_str()), 0o600)?;
+        let patience = match wait {
+            LockWait::Forever => {
+                sys::lock_exclusive(file.as_fd())?;
+                return Ok(PackageLock { _file: file });
+            }
+            LockWait::Within(patience) => patience,
+        };
+        let start = Instant::now();
+        loop {
+            if sys::try_lock_exclusive(file.as_fd())? {
+                return Ok(PackageLock { _file: file });
+            }
+            let waited = start.elapsed();
+            if waited >= patience {
+                let holders = sys::flock_holders(file.as_fd())?;
+                return Err(io::Error::other(Busy {
+                    pid: holders.first().copied(),
+                    waited,
+                }));
+            }
+            std::thread::sleep((patience - waited).min(Duration::from_millis(20)));
+        }
+    }
+}
+
+/// How long an operation waits for a package's lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockWait {
+    /// As long as it takes: for what changes a package.
+    Forever,
+    /// At most this long, then [`Busy`]: for what only reads.
+    Within(Duration),
+}
+
+/// Another process holds a package's lock: the payload of the `io::Error`
+/// [`LockDir::lock_with`] returns once its patience ran out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Busy {
+    /// The process that took the lock, if `/proc/locks` says.
+    pub pid: Option<u32>,
+    /// How long this one waited.
+    pub waited: Duration,
+}
+
+impl fmt::Display for Busy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.pid {
+            Some(pid) => write!(f, "busy: process {pid} holds its lock"),
+            None => f.write_str("busy: another process holds its lock"),
+        }?;
+        write!(
+            f,
+            " (waited {:.1} s); an operation on it is under way, try again once it is done",
+            self.waited.as_secs_f64()
+        )
+    }
+}
+
+impl std::error::Error for Busy {}
+
+/// The [`Busy`] in `e`, if that is what it is.
+pub fn busy(e: &io::Error) -> Option<Busy> {
+    e.get_ref()?.downcast_ref::<Busy>().copied()
 }
 
 /// Held while one operation runs on one package; released on drop (or when

@@ -53,6 +53,11 @@ pub struct VolumeInfo {
     pub volume: Option<VolumeKind>,
     /// How its install backup is stored; `None` if it has none.
     pub backup: Option<VolumeKind>,
+    /// Its other names under the volumes root, whatever they hold: what an
+    /// interrupted operation or a conversion run with `--keep-old` left,
+    /// which an uninstall removes with the rest (the record of a backup's
+    /// read-only nested subvolumes, part of the backup, is not one).
+    pub leftovers: Vec<String>,
 }
 
 /// What `VolumeStore::recover` found and did for one package.
@@ -66,4 +71,8 @@ pub struct Recovery {
     /// `VolumeStore::recover` returns the error).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Whether it failed because another process held the package's lock
+    /// past the store's patience (the error names the holder).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub busy: bool,
 }

@@ -56,7 +56,7 @@ use serde::Serialize;
 
 use crate::failpoint::failpoint;
 use crate::layout::{self, Names};
-use crate::lock::{LockDir, PackageLock};
+use crate::lock::{LockDir, LockWait, PackageLock};
 use crate::mounts::{self, MountUse};
 use crate::outcome::{Recovery, SnapshotOutcome, VolumeInfo, VolumeKind};
 use crate::record::{self, Identity};
@@ -93,6 +93,40 @@ enum Entry {
     Other(FileType),
 }
 
+/// Why making a volume's directories failed.
+enum MakeFailed {
+    /// This path below the volume exists and is no directory (a symlink,
+    /// dangling or not, a file): no volume directory, refused.
+    NotADirectory(String),
+    /// A system call failed.
+    Io(io::Error),
+}
+
+impl From<io::Error> for MakeFailed {
+    fn from(e: io::Error) -> Self {
+        MakeFailed::Io(e)
+    }
+}
+
+/// Makes the directory `name` in `dir` unless it is there, and opens it,
+/// never through a symlink; `rel` names it below the volume for a refusal.
+fn make_dir_at(dir: BorrowedFd<'_>, name: &OsStr, rel: &str) -> Result<OwnedFd, MakeFailed> {
+    sys::mkdir_if_missing(dir, name, 0o755)?;
+    sys::open_dir_at(dir, name).map_err(|e| match e.raw_os_error() {
+        Some(libc::ELOOP | libc::ENOTDIR) => MakeFailed::NotADirectory(rel.to_owned()),
+        _ => MakeFailed::Io(e),
+    })
+}
+
+/// What kind of entry a leftover name of a package is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Leftover {
+    /// A tree: deleted whole.
+    Tree,
+    /// A record (a symlink): unlinked.
+    Record,
+}
+
 /// A file type in words, for messages.
 fn type_name(ty: FileType) -> &'static str {
     match ty {
@@ -119,6 +153,7 @@ pub struct VolumeStore {
     btrfs: bool,
     reflink_extent_limit: u64,
     locks: LockDir,
+    read_wait: LockWait,
 }
 
 /// Canonicalizes the volumes root and opens it, with the errors every
@@ -212,6 +247,7 @@ impl VolumeStore {
             btrfs,
             reflink_extent_limit: DEFAULT_REFLINK_EXTENT_LIMIT,
             locks,
+            read_wait: LockWait::Forever,
         })
     }
 
@@ -219,6 +255,20 @@ impl VolumeStore {
     /// backup (see [`DEFAULT_REFLINK_EXTENT_LIMIT`]).
     pub fn with_reflink_extent_limit(mut self, limit: u64) -> Self {
         self.reflink_extent_limit = limit;
+        self
+    }
+
+    /// Sets how long the commands that only read or recover ([`usage`],
+    /// [`recover`], [`recover_all`]) wait for a package another process
+    /// holds before reporting it busy (`Timeout`, naming the holder's pid):
+    /// [`LockWait::Forever`] by default. Operations that change a package
+    /// always wait their turn.
+    ///
+    /// [`usage`]: VolumeStore::usage
+    /// [`recover`]: VolumeStore::recover
+    /// [`recover_all`]: VolumeStore::recover_all
+    pub fn with_lock_wait(mut self, wait: LockWait) -> Self {
+        self.read_wait = wait;
         self
     }
 
@@ -253,15 +303,29 @@ impl VolumeStore {
     }
 
     fn lock(&self, pkg: &PackageId) -> Result<PackageLock, Error> {
-        self.locks.lock(pkg).with_ctx(|_| {
-            (
-                ErrorKind::Filesystem,
-                pkg.context(format!(
-                    "taking the package lock in {}",
-                    self.locks.path().display()
-                )),
-            )
-        })
+        self.lock_with(pkg, LockWait::Forever)
+    }
+
+    /// The lock of `pkg` for a command that only reads or recovers: waits
+    /// as [`VolumeStore::with_lock_wait`] set, then `Timeout`, naming the
+    /// holder.
+    fn lock_for_read(&self, pkg: &PackageId) -> Result<PackageLock, Error> {
+        self.lock_with(pkg, self.read_wait)
+    }
+
+    fn lock_with(&self, pkg: &PackageId, wait: LockWait) -> Result<PackageLock, Error> {
+        self.locks
+            .lock_with(pkg, wait)
+            .map_err(|e| match crate::lock::busy(&e) {
+                Some(busy) => Error::for_package(pkg, ErrorKind::Timeout, busy),
+                None => Error::new(
+                    eyre!(e).wrap_err(pkg.context(format!(
+                        "taking the package lock in {}",
+                        self.locks.path().display()
+                    ))),
+                    ErrorKind::Filesystem,
+                ),
+            })
     }
 
     fn stat(&self, name: &OsStr) -> io::Result<Option<sys::Stat>> {
@@ -499,16 +563,16 @@ impl VolumeStore {
         let _lock = self.lock(pkg)?;
         self.recover_locked(pkg, &names)?;
         let (kind, created) = self.ensure_locked(pkg, &names)?;
-        let mk = || -> io::Result<()> {
+        let mk = || -> Result<(), MakeFailed> {
             let live = sys::open_dir_at(self.root_fd(), &names.live)?;
-            sys::mkdir_if_missing(live.as_fd(), OsStr::new("data"), 0o755)?;
-            let data = sys::open_dir_at(live.as_fd(), OsStr::new("data"))?;
+            let data = make_dir_at(live.as_fd(), OsStr::new("data"), "data")?;
             for v in volumes {
-                sys::mkdir_if_missing(data.as_fd(), OsStr::new(v.as_str()), 0o755)?;
+                make_dir_at(data.as_fd(), OsStr::new(v.as_str()), &format!("data/{v}"))?;
             }
             sys::fsync(data.as_fd())?;
             sys::fsync(live.as_fd())?;
-            self.fsync_root()
+            self.fsync_root()?;
+            Ok(())
         };
         if let Err(e) = mk() {
             // A volume this call made goes again: nothing half-made stays.
@@ -518,14 +582,24 @@ impl VolumeStore {
                     .delete_entry(&names.live)
                     .and_then(|()| self.fsync_root()),
             };
-            let e = self.failed(
-                pkg,
-                format!(
-                    "creating volume directories in {}",
-                    self.volume_path(pkg).join("data").display()
+            let e = match e {
+                MakeFailed::NotADirectory(rel) => Error::for_package(
+                    pkg,
+                    ErrorKind::InvalidRequest,
+                    format!(
+                        "{} exists and is not a directory; move it away",
+                        self.volume_path(pkg).join(rel).display()
+                    ),
                 ),
-                e,
-            );
+                MakeFailed::Io(e) => self.failed(
+                    pkg,
+                    format!(
+                        "creating volume directories in {}",
+                        self.volume_path(pkg).join("data").display()
+                    ),
+                    e,
+                ),
+            };
             return Err(with_cleanup(e, cleanup, "removing the new volume"));
         }
         tracing::info!(package = %pkg, ?kind, "volume ready");
@@ -667,25 +741,20 @@ impl VolumeStore {
         ("putting in place the snapshot of", publish)
     }
 
-    /// The fallback for a volume that is still a plain directory on btrfs.
+    /// The fallback for a volume that is still a plain directory on btrfs:
+    /// a reflink copy if its extent count is within the bound. Over the
+    /// bound is a designed skip (no backup, with the reason); any failure
+    /// of the count or the copy is an error, the partial copy removed: an
+    /// update must not go on believing there is no rollback point to make.
     fn reflink_backup(&self, pkg: &PackageId, names: &Names) -> Result<SnapshotOutcome, Error> {
         let live = sys::open_dir_at(self.root_fd(), &names.live)
             .with_ctx(|_| (ErrorKind::Filesystem, pkg.context("opening the volume")))?;
         let limit = self.reflink_extent_limit;
         // Data still in the page cache has no extents yet; BTRFS_IOC_SYNC
         // flushes it so the count sees what the copy will have to clone.
-        sys::commit(live.as_fd()).with_ctx(|_| {
-            (
-                ErrorKind::DiskManagement,
-                pkg.context("flushing the volume"),
-            )
-        })?;
-        let extents = crate::extents::count_tree_extents(live.as_fd(), limit).with_ctx(|_| {
-            (
-                ErrorKind::DiskManagement,
-                pkg.context("counting the extents of the volume"),
-            )
-        })?;
+        sys::commit(live.as_fd()).map_err(|e| self.failed(pkg, "flushing the volume", e))?;
+        let extents = crate::extents::count_tree_extents(live.as_fd(), limit)
+            .map_err(|e| self.walk_failed(pkg, "counting the extents of the volume", e))?;
         if extents > limit {
             let reason = format!(
                 "volume is a plain directory with more than {limit} extents \
@@ -702,37 +771,44 @@ impl VolumeStore {
                 ..Default::default()
             };
             crate::copy::reflink_into(live.as_fd(), dst.as_fd(), &opts, &mut |_| Ok(()))?;
-            Ok(())
+            // The copy shares its data with the volume: committing its
+            // metadata makes it durable before its name says "complete".
+            failpoint("snapshot.created")?;
+            sys::commit_metadata(self.root_fd())?;
+            sys::rename_noreplace(self.root_fd(), &names.backup_tmp, &names.backup)?;
+            self.fsync_root()
         };
         if let Err(e) = copy() {
             let cleanup = self
                 .delete_entry(&names.backup_tmp)
                 .and_then(|()| self.fsync_root());
-            let reason = format!("reflink copy failed: {e}");
-            tracing::warn!(package = %pkg, "no install backup: {reason}");
-            cleanup.with_ctx(|_| {
-                (
-                    ErrorKind::Filesystem,
-                    pkg.context("removing the partial reflink copy"),
-                )
-            })?;
-            return Ok(SnapshotOutcome::Skipped { reason });
-        }
-        // The copy shares its data with the volume: committing its metadata
-        // makes it durable before its name says "complete".
-        let publish = failpoint("snapshot.created")
-            .and_then(|()| sys::commit_metadata(self.root_fd()))
-            .and_then(|()| sys::rename_noreplace(self.root_fd(), &names.backup_tmp, &names.backup))
-            .and_then(|()| self.fsync_root());
-        if let Err(e) = publish {
-            let cleanup = self
-                .delete_entry(&names.backup_tmp)
-                .and_then(|()| self.fsync_root());
-            let e = self.failed(pkg, "putting the reflink copy in place", e);
-            return Err(with_cleanup(e, cleanup, "removing the reflink copy"));
+            let e = self.walk_failed(pkg, "making the reflink backup", e);
+            return Err(with_cleanup(
+                e,
+                cleanup,
+                "removing the partial reflink copy",
+            ));
         }
         tracing::info!(package = %pkg, extents, "install backup reflink copy taken");
         Ok(SnapshotOutcome::ReflinkCopy { extents })
+    }
+
+    /// [`VolumeStore::failed`] for a step that walks the volume's tree:
+    /// a mount inside it, or a tree deeper than a copy goes, is the
+    /// package's shape, refused (`InvalidRequest`) with the path named.
+    fn walk_failed(&self, pkg: &PackageId, what: &str, e: io::Error) -> Error {
+        if crate::walk::is_crossing(&e) || crate::walk::is_too_deep(&e) {
+            return Error::for_package(
+                pkg,
+                ErrorKind::InvalidRequest,
+                format!("{what} of {}: {e}", self.volume_path(pkg).display()),
+            );
+        }
+        self.failed(
+            pkg,
+            format!("{what} of {}", self.volume_path(pkg).display()),
+            e,
+        )
     }
 
     /// Rolls `<pkg>` back to its install backup, atomically, and removes the
@@ -831,20 +907,27 @@ impl VolumeStore {
             return Err(with_cleanup(e, cleanup, "undoing the restore"));
         }
         // The exchange is the commit point: from here on, a failure is
-        // finished by recovery, never undone.
-        self.fsync_root().with_ctx(|_| {
-            (
-                ErrorKind::DiskManagement,
-                pkg.context("syncing the volumes root after the exchange"),
-            )
-        })?;
-        failpoint("restore.exchanged").with_ctx(|_| {
-            (
-                ErrorKind::DiskManagement,
-                pkg.context("finishing the restore"),
-            )
-        })?;
-        self.finish_restore(pkg, names)?;
+        // finished by recovery, never undone (but for a mount of the
+        // replaced volume, see `refuse_replacing_in_use`).
+        let finished = self
+            .fsync_root()
+            .and_then(|()| failpoint("restore.exchanged"))
+            .map_err(|e| self.failed(pkg, "syncing the volumes root after the exchange", e))
+            .and_then(|()| self.finish_restore(pkg, names));
+        if let Err(e) = finished {
+            if !self.is_restored(names) {
+                return Err(e);
+            }
+            let kind = e.kind;
+            return Err(Error::new(
+                e.source.wrap_err(format!(
+                    "the volume {} was restored, but cleaning up after it failed; the next \
+                     operation finishes it",
+                    self.volume_path(pkg).display()
+                )),
+                kind,
+            ));
+        }
         tracing::info!(package = %pkg, "volume restored from install backup");
         Ok(true)
     }
@@ -915,6 +998,35 @@ impl VolumeStore {
         Ok(())
     }
 
+    /// Whether `<pkg>` is the volume a restore put in, after its exchange:
+    /// the rollback record names it, or the record is gone and so is the
+    /// backup (the restore finished; undone, the backup would be there). A
+    /// failure to read counts as not restored: the message then claims
+    /// nothing.
+    fn is_restored(&self, names: &Names) -> bool {
+        match record::read(self.root_fd(), &names.rollback_id) {
+            Ok(Some(text)) => {
+                Identity::decode(&text).is_some()
+                    && Identity::of_entry(self.root_fd(), &names.live)
+                        .ok()
+                        .flatten()
+                        == Identity::decode(&text)
+            }
+            Ok(None) => self.exists_at(&names.backup).is_ok_and(|b| !b),
+            Err(_) => false,
+        }
+    }
+
+    /// How the rollback copy of an interrupted restore was made, from what
+    /// is on disk: a snapshot of a backup that is still there, or the
+    /// reflink backup itself, moved (no backup left).
+    fn rollback_source(&self, pkg: &PackageId, names: &Names) -> Result<VolumeKind, Error> {
+        Ok(match self.tree(pkg, &names.backup)? {
+            Some(_) => VolumeKind::Subvolume,
+            None => VolumeKind::Directory,
+        })
+    }
+
     /// Puts back what a failed restore made before its exchange: the record
     /// goes, a snapshot copy is deleted, a reflink backup gets its name back.
     ///
@@ -960,6 +1072,7 @@ impl VolumeStore {
     /// record. Each step is idempotent, and the record goes last so recovery
     /// can redo the rest.
     fn finish_restore(&self, pkg: &PackageId, names: &Names) -> Result<(), Error> {
+        self.refuse_replacing_in_use(pkg, names)?;
         let set_aside = || -> io::Result<()> {
             if !self.exists_at(&names.rollback)? {
                 return Ok(());
@@ -993,6 +1106,44 @@ impl VolumeStore {
             })
     }
 
+    /// After the exchange, before anything of the replaced volume (now
+    /// `<pkg>.rollback`) goes: if a mount of it appeared while the restore
+    /// ran (after the check before the copy), exchange back and undo the
+    /// restore, so the process writing through it keeps writing into the
+    /// volume, and refuse as a restore under a mount is refused. A failure
+    /// of the exchange back leaves the restore for the next operation,
+    /// which checks again.
+    fn refuse_replacing_in_use(&self, pkg: &PackageId, names: &Names) -> Result<(), Error> {
+        if self.tree(pkg, &names.rollback)?.is_none() {
+            return Ok(());
+        }
+        let replaced = self.root.join(&names.rollback);
+        let busy = mounts::uses_of(&replaced).with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                pkg.context("reading the mount tables of every mount namespace"),
+            )
+        })?;
+        if busy.is_empty() {
+            return Ok(());
+        }
+        let kind = self.rollback_source(pkg, names)?;
+        let undone = sys::rename_exchange(self.root_fd(), &names.rollback, &names.live)
+            .and_then(|()| self.fsync_root())
+            .and_then(|()| self.undo_rollback(names, kind));
+        let e = Error::for_package(
+            pkg,
+            ErrorKind::InvalidRequest,
+            format!(
+                "volume {} is in use, mounted at {} while the restore ran; the restore was \
+                 undone: stop the service first, then restore again",
+                self.volume_path(pkg).display(),
+                mounts::describe(&busy)
+            ),
+        );
+        Err(with_cleanup(e, undone, "undoing the restore"))
+    }
+
     /// Drops the install backup after a successful install: O(1), the
     /// kernel frees its extents in the background. Returns `false` if there
     /// was none.
@@ -1005,6 +1156,7 @@ impl VolumeStore {
         if !self.any_name(pkg, &names)? {
             return Ok(false);
         }
+        self.tree(pkg, &names.live)?;
         let _lock = self.lock(pkg)?;
         self.recover_locked(pkg, &names)?;
         self.drop_locked(pkg, &names)
@@ -1070,6 +1222,9 @@ impl VolumeStore {
         let mut deleted = false;
         if self.tree(pkg, &names.live)?.is_some() {
             self.ensure_not_mounted(pkg)?;
+            // A stray under one of its names stops the delete before it
+            // starts, not half-way.
+            self.leftovers(pkg, &names)?;
             match sys::rename_noreplace(self.root_fd(), &names.live, &names.delete) {
                 Ok(()) => {
                     self.fsync_root()
@@ -1119,11 +1274,21 @@ impl VolumeStore {
             )
         };
         failpoint("delete.backup-dropped").with_ctx(io_ctx)?;
-        // What an interrupted restore of upstream's kept for the operator,
-        // and upstream's marker of a fresh install, go with the package.
-        if self.tree(pkg, &names.restore_conflict)?.is_some() {
-            self.delete_entry(&names.restore_conflict)
-                .with_ctx(io_ctx)?;
+        // Every other name of the package goes with it: what an interrupted
+        // restore of upstream's kept for the operator, a conversion's old
+        // trees kept with `--keep-old` or left by a crash, upstream's
+        // marker of a fresh install.
+        let mut removed = false;
+        for (name, kind) in self.leftovers(pkg, names)? {
+            match kind {
+                Leftover::Tree => self.delete_entry(name),
+                Leftover::Record => record::remove(self.root_fd(), name),
+            }
+            .with_ctx(io_ctx)?;
+            removed = true;
+        }
+        if removed {
+            self.fsync_root().with_ctx(io_ctx)?;
         }
         self.mark_fresh_locked(pkg, &names.fresh, false)?;
         let pending = self.tree(pkg, &names.delete)?.is_some();
@@ -1133,6 +1298,39 @@ impl VolumeStore {
                 .with_ctx(io_ctx)?;
         }
         Ok(dropped || pending)
+    }
+
+    /// The names of `pkg` an uninstall removes beside its volume, backup and
+    /// `<pkg>.delete` (which the delete itself takes care of), each with its
+    /// kind; an error naming the first one that is not of its kind (a file
+    /// under a tree's name, say: no state of ours, left alone).
+    fn leftovers<'n>(
+        &self,
+        pkg: &PackageId,
+        names: &'n Names,
+    ) -> Result<Vec<(&'n OsStr, Leftover)>, Error> {
+        let mut out = Vec::new();
+        for name in [
+            &names.restore_conflict,
+            &names.migrate,
+            &names.migrate_parent,
+            &names.migrate_old,
+        ] {
+            if self.tree(pkg, name)?.is_some() {
+                out.push((name.as_os_str(), Leftover::Tree));
+            }
+        }
+        let rest = record::read(self.root_fd(), &names.migrate_rest).map_err(|e| {
+            Error::for_package(
+                pkg,
+                ErrorKind::InvalidRequest,
+                format!("{}: {e}", self.root.join(&names.migrate_rest).display()),
+            )
+        })?;
+        if rest.is_some() {
+            out.push((names.migrate_rest.as_os_str(), Leftover::Record));
+        }
+        Ok(out)
     }
 
     /// Finishes or undoes whatever a crash interrupted for `pkg`, from the
@@ -1145,9 +1343,13 @@ impl VolumeStore {
                 package: pkg.clone(),
                 actions: Vec::new(),
                 error: None,
+                busy: false,
             });
         }
-        let _lock = self.lock(pkg)?;
+        // A file, symlink or FIFO under the package's name is no volume of
+        // ours: refused, as by every other command on the package.
+        self.tree(pkg, &names.live)?;
+        let _lock = self.lock_for_read(pkg)?;
         self.recover_locked(pkg, &names)
     }
 
@@ -1168,6 +1370,11 @@ impl VolumeStore {
     pub fn recover_all(&self) -> Result<Vec<Recovery>, Error> {
         let mut out = Vec::new();
         for pkg in self.packages()? {
+            // Not a volume, whatever its name (`list` says so): nothing to
+            // recover, and no reason to stop the others.
+            if matches!(self.entry(OsStr::new(pkg.as_str())), Ok(Entry::Other(_))) {
+                continue;
+            }
             match self.recover(&pkg) {
                 Ok(r) if r.actions.is_empty() => {}
                 Ok(r) => out.push(r),
@@ -1177,6 +1384,7 @@ impl VolumeStore {
                         package: pkg,
                         actions: Vec::new(),
                         error: Some(e.to_string()),
+                        busy: e.kind == ErrorKind::Timeout,
                     });
                 }
             }
@@ -1221,6 +1429,16 @@ impl VolumeStore {
             self.finish_delete(pkg, names)?;
             actions.push("finished deleting the volume and its backup".to_owned());
         }
+        // A conversion's replaced directory only ever holds data the
+        // converted volume holds too: with no volume left (an uninstall of
+        // an earlier version kept it), it is garbage.
+        if self.tree(pkg, &names.live)?.is_none() && self.tree(pkg, &names.migrate_old)?.is_some() {
+            self.delete_entry(&names.migrate_old)
+                .and_then(|()| self.fsync_root())
+                .with_ctx(io_ctx("deleting the old directory of a conversion"))?;
+            actions
+                .push("deleted the old directory of a conversion whose volume is gone".to_owned());
+        }
         for a in &actions {
             tracing::warn!(package = %pkg, "recovery: {a}");
         }
@@ -1228,6 +1446,7 @@ impl VolumeStore {
             package: pkg.clone(),
             actions,
             error: None,
+            busy: false,
         })
     }
 
@@ -1296,15 +1515,17 @@ impl VolumeStore {
             return Ok(Some("finished an interrupted restore"));
         }
         if identity(&names.rollback)? == Some(recorded) {
-            // The same rule as a restore: never swap a volume out from
-            // under a mount of it.
-            self.ensure_not_mounted(pkg)?;
-            self.swap_in_rollback(names)
-                .map_err(|(_, e)| e)
-                .and_then(|()| self.fsync_root())
-                .with_ctx(io_ctx("swapping in the complete rollback copy"))?;
-            self.finish_restore(pkg, names)?;
-            return Ok(Some("finished an interrupted restore (exchanged)"));
+            // The exchange never happened: `<pkg>` is still the volume the
+            // restore would have replaced, and may hold what was written
+            // since (a restore that failed returned its error, and the
+            // service went on). Only the restore itself exchanges; here it
+            // is undone, the backup kept for a restore to come.
+            self.undo_rollback(names, self.rollback_source(pkg, names)?)
+                .with_ctx(io_ctx("undoing an interrupted restore"))?;
+            return Ok(Some(
+                "undid an interrupted restore (it never exchanged; the volume and its backup \
+                 are as they were)",
+            ));
         }
         if identity(&names.backup)? == Some(recorded) && self.tree(pkg, &names.rollback)?.is_none()
         {
@@ -1410,7 +1631,9 @@ impl VolumeStore {
         Ok(true)
     }
 
-    /// Every package with any entry under the root, sorted.
+    /// Every package with any entry under the root, sorted. A name too
+    /// long to be a package's is reported (a warning naming it) and passed
+    /// over: it blocks no other package.
     fn packages(&self) -> Result<Vec<PackageId>, Error> {
         let entries = sys::read_dir_names(self.root_fd()).with_ctx(|_| {
             (
@@ -1418,11 +1641,17 @@ impl VolumeStore {
                 format!("reading {}", self.root.display()),
             )
         })?;
-        let mut pkgs: Vec<PackageId> = entries
-            .iter()
-            .filter_map(|(name, _, _)| layout::package_of(name))
-            .filter(|pkg| layout::check_id_len(pkg).is_ok())
-            .collect();
+        let mut pkgs = Vec::new();
+        for (name, _, _) in &entries {
+            match layout::package_of(name) {
+                Some(Ok(pkg)) => pkgs.push(pkg),
+                Some(Err(e)) => tracing::warn!(
+                    "skipped {}: not a package volume: {e}",
+                    self.root.join(name).display()
+                ),
+                None => {}
+            }
+        }
         pkgs.sort();
         pkgs.dedup();
         Ok(pkgs)
@@ -1443,7 +1672,7 @@ impl VolumeStore {
         if !self.any_name(pkg, &names)? {
             return Ok(none);
         }
-        let _lock = self.lock(pkg)?;
+        let _lock = self.lock_for_read(pkg)?;
         let measure = |name: &OsStr| -> Result<Option<(Usage, usage::ExtentSet)>, Error> {
             let io_ctx = |_: &io::Error| {
                 (
@@ -1462,7 +1691,20 @@ impl VolumeStore {
                 ));
             }
             let fd = sys::open_dir_at(self.root_fd(), name).with_ctx(io_ctx)?;
-            usage::tree_usage(fd.as_fd()).map(Some).with_ctx(io_ctx)
+            usage::tree_usage(fd.as_fd()).map(Some).map_err(|e| {
+                if crate::walk::is_crossing(&e) {
+                    return Error::for_package(
+                        pkg,
+                        ErrorKind::InvalidRequest,
+                        format!(
+                            "measuring {}: {e}; a plain directory is measured by walking it",
+                            self.root.join(name).display()
+                        ),
+                    );
+                }
+                let (kind, what) = io_ctx(&e);
+                Error::new(eyre!(e).wrap_err(what), kind)
+            })
         };
         let volume = measure(&names.live)?;
         let backup = measure(&names.backup)?;
@@ -1488,7 +1730,27 @@ impl VolumeStore {
             package: pkg.clone(),
             volume: self.tree(pkg, &names.live)?,
             backup: self.tree(pkg, &names.backup)?,
+            leftovers: self.other_names(pkg, &names)?,
         })
+    }
+
+    /// The names of `pkg` present under the root beside its volume and
+    /// backup (and the backup's read-only record), whatever they hold.
+    fn other_names(&self, pkg: &PackageId, names: &Names) -> Result<Vec<String>, Error> {
+        let mut out = Vec::new();
+        let theirs = [&names.live, &names.backup, &names.backup_ro].map(|n| n.as_os_str());
+        for name in names.all() {
+            if theirs.contains(&name) {
+                continue;
+            }
+            if self
+                .exists_at(name)
+                .with_ctx(|_| (ErrorKind::Filesystem, pkg.context("looking for its names")))?
+            {
+                out.push(name.to_string_lossy().into_owned());
+            }
+        }
+        Ok(out)
     }
 
     /// Every package with upstream's fresh-install marker.
@@ -1502,9 +1764,11 @@ impl VolumeStore {
         Ok(out)
     }
 
-    /// Every package that has a volume or a backup, with how each is stored.
-    /// An entry under a package's name that is no directory is no volume:
-    /// it is skipped with a warning, and the listing goes on.
+    /// Every package that has anything under the root, with how its volume
+    /// and backup are stored and what else of it is there. An entry under a
+    /// package's name that is no directory is no volume: it is skipped with
+    /// a warning, and the listing goes on; so is an entry that cannot be
+    /// read, with why.
     pub fn list(&self) -> Result<Vec<VolumeInfo>, Error> {
         let mut out = Vec::new();
         for pkg in self.packages()? {
@@ -1512,20 +1776,24 @@ impl VolumeStore {
                 continue;
             };
             let tree = |name: &OsStr| match self.tree(&pkg, name) {
-                Ok(kind) => Ok(kind),
-                Err(e) if e.kind == ErrorKind::InvalidRequest => {
+                Ok(kind) => kind,
+                Err(e) => {
                     tracing::warn!("skipped: {e}");
-                    Ok(None)
+                    None
                 }
-                Err(e) => Err(e),
             };
-            let volume = tree(&names.live)?;
-            let backup = tree(&names.backup)?;
-            if volume.is_some() || backup.is_some() {
+            let volume = tree(&names.live);
+            let backup = tree(&names.backup);
+            let leftovers = self.other_names(&pkg, &names).unwrap_or_else(|e| {
+                tracing::warn!("{e}");
+                Vec::new()
+            });
+            if volume.is_some() || backup.is_some() || !leftovers.is_empty() {
                 out.push(VolumeInfo {
                     package: pkg,
                     volume,
                     backup,
+                    leftovers,
                 });
             }
         }

@@ -156,9 +156,16 @@ fn every_subcommand_in_text_and_json() {
     assert_eq!(
         lines,
         [
-            vec!["PACKAGE", "VOLUME", "BACKUP", "USAGE", "BACKUP-ONLY"],
-            vec!["app", "subvolume", "subvolume", "2", "B", "0", "B"],
-            vec!["db", "subvolume", "subvolume", "2", "B", "0", "B"],
+            vec![
+                "PACKAGE",
+                "VOLUME",
+                "BACKUP",
+                "USAGE",
+                "BACKUP-ONLY",
+                "OTHER"
+            ],
+            vec!["app", "subvolume", "subvolume", "2", "B", "0", "B", "-"],
+            vec!["db", "subvolume", "subvolume", "2", "B", "0", "B", "-"],
         ],
         "{out}"
     );
@@ -313,9 +320,10 @@ fn snapshot_on_ext4_reports_the_skip() {
     fails(root.as_os_str(), &["usage", "app"], "not on btrfs");
     let out = ok(&root, &["list"]);
     assert!(
-        out.lines().nth(1).is_some_and(
-            |l| l.split_whitespace().collect::<Vec<_>>() == ["app", "directory", "-", "-", "-"]
-        ),
+        out.lines()
+            .nth(1)
+            .is_some_and(|l| l.split_whitespace().collect::<Vec<_>>()
+                == ["app", "directory", "-", "-", "-", "-"]),
         "{out}"
     );
 }

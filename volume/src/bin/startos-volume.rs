@@ -22,6 +22,10 @@ struct Cli {
     /// Print machine-readable JSON on stdout.
     #[arg(long, global = true)]
     json: bool,
+    /// How long `list`, `usage` and `recover` wait for a package another
+    /// process is working on before reporting it busy, in seconds.
+    #[arg(long, global = true, default_value_t = 5.0, value_name = "SECONDS")]
+    lock_wait: f64,
     #[command(subcommand)]
     command: Command,
 }
@@ -74,7 +78,8 @@ mod run {
     use serde_json::json;
     use volume::usage::Usage;
     use volume::{
-        Error, PackageId, SnapshotOutcome, VolumeId, VolumeKind, VolumeStore, VolumeUsage,
+        Error, PackageId, SnapshotOutcome, VolumeId, VolumeInfo, VolumeKind, VolumeStore,
+        VolumeUsage,
     };
 
     use super::*;
@@ -197,6 +202,70 @@ mod run {
         }
     }
 
+    /// The table of `list`: columns as wide as their longest cell.
+    fn print_list(rows: &[(VolumeInfo, Result<Option<VolumeUsage>, volume::ErrorKind>)]) {
+        let cells: Vec<[String; 6]> = rows
+            .iter()
+            .map(|(v, u)| {
+                let (disk, backup_only) = match u {
+                    Ok(u) => (
+                        u.as_ref()
+                            .and_then(|u| u.volume.as_ref())
+                            .map_or("-".to_owned(), |u| human(u.total.disk)),
+                        u.as_ref()
+                            .and_then(|u| u.split)
+                            .map_or("-".to_owned(), |s| human(s.backup_only)),
+                    ),
+                    Err(volume::ErrorKind::Timeout) => ("busy".to_owned(), "busy".to_owned()),
+                    Err(_) => ("?".to_owned(), "?".to_owned()),
+                };
+                let other = match v.leftovers.is_empty() {
+                    true => "-".to_owned(),
+                    false => v.leftovers.join(","),
+                };
+                [
+                    v.package.as_str().to_owned(),
+                    kind(v.volume).to_owned(),
+                    kind(v.backup).to_owned(),
+                    disk,
+                    backup_only,
+                    other,
+                ]
+            })
+            .collect();
+        let header = [
+            "PACKAGE",
+            "VOLUME",
+            "BACKUP",
+            "USAGE",
+            "BACKUP-ONLY",
+            "OTHER",
+        ]
+        .map(String::from);
+        let mut width = header.clone().map(|h| h.len());
+        for row in &cells {
+            for (w, c) in width.iter_mut().zip(row) {
+                *w = (*w).max(c.chars().count());
+            }
+        }
+        for row in std::iter::once(&header).chain(&cells) {
+            println!(
+                "{:<w0$} {:<w1$} {:<w2$} {:>w3$} {:>w4$} {}",
+                row[0],
+                row[1],
+                row[2],
+                row[3],
+                row[4],
+                row[5],
+                w0 = width[0],
+                w1 = width[1],
+                w2 = width[2],
+                w3 = width[3],
+                w4 = width[4],
+            );
+        }
+    }
+
     pub fn run(cli: Cli) -> Result<(), Error> {
         let op = validate(cli.command)?;
         let json = cli.json;
@@ -204,9 +273,24 @@ mod run {
         // on every package's lock; an operation on one package recovers just
         // that package. `recover` must not recover while opening, or it would
         // have nothing left to report.
-        let store = match op {
-            Op::List => VolumeStore::open(&cli.root)?,
-            _ => VolumeStore::open_without_recovery(&cli.root)?,
+        let wait = std::time::Duration::try_from_secs_f64(cli.lock_wait).map_err(|_| {
+            Error::new(
+                color_eyre::eyre::eyre!("--lock-wait {}: not a number of seconds", cli.lock_wait),
+                volume::ErrorKind::InvalidRequest,
+            )
+        })?;
+        let store = VolumeStore::open_without_recovery(&cli.root)?
+            .with_lock_wait(volume::lock::LockWait::Within(wait));
+        // The list's recovery first; a package it could not recover (busy,
+        // say: the library logged why) is listed without its usage.
+        let unrecovered: Vec<(PackageId, bool)> = match op {
+            Op::List => store
+                .recover_all()?
+                .into_iter()
+                .filter(|r| r.error.is_some())
+                .map(|r| (r.package, r.busy))
+                .collect(),
+            _ => Vec::new(),
         };
         match op {
             Op::Create(p, volumes) => {
@@ -275,10 +359,22 @@ mod run {
                 let list = store.list()?;
                 let mut rows = Vec::with_capacity(list.len());
                 for v in list {
-                    let usage = if store.is_btrfs() {
-                        Some(store.usage(&v.package)?)
-                    } else {
-                        None
+                    // One package's usage that cannot be had is said, and
+                    // the listing goes on.
+                    let failed = unrecovered.iter().find(|(p, _)| *p == v.package);
+                    let usage = match store.is_btrfs() && v.volume.or(v.backup).is_some() {
+                        _ if failed.is_some() => Err(match failed {
+                            Some((_, true)) => volume::ErrorKind::Timeout,
+                            _ => volume::ErrorKind::Incoherent,
+                        }),
+                        true => match store.usage(&v.package) {
+                            Ok(u) => Ok(Some(u)),
+                            Err(e) => {
+                                eprintln!("startos-volume: {e}");
+                                Err(e.kind)
+                            }
+                        },
+                        false => Ok(None),
                     };
                     rows.push((v, usage));
                 }
@@ -290,34 +386,15 @@ mod run {
                                 "package": v.package,
                                 "volume": v.volume,
                                 "backup": v.backup,
-                                "usage": u,
+                                "leftovers": v.leftovers,
+                                "usage": u.as_ref().ok(),
+                                "busy": u.as_ref().err() == Some(&volume::ErrorKind::Timeout),
                             })
                         })
                         .collect();
                     println!("{}", json!(out));
                 } else {
-                    println!(
-                        "{:<32} {:<10} {:<10} {:>10} {:>12}",
-                        "PACKAGE", "VOLUME", "BACKUP", "USAGE", "BACKUP-ONLY"
-                    );
-                    for (v, u) in rows {
-                        let disk = u
-                            .as_ref()
-                            .and_then(|u| u.volume.as_ref())
-                            .map_or("-".to_owned(), |u| human(u.total.disk));
-                        let backup_only = u
-                            .as_ref()
-                            .and_then(|u| u.split)
-                            .map_or("-".to_owned(), |s| human(s.backup_only));
-                        println!(
-                            "{:<32} {:<10} {:<10} {:>10} {:>12}",
-                            v.package.as_str(),
-                            kind(v.volume),
-                            kind(v.backup),
-                            disk,
-                            backup_only
-                        );
-                    }
+                    print_list(&rows);
                 }
             }
             Op::Usage(p) => {
@@ -337,6 +414,7 @@ mod run {
                     }
                     None => store.recover_all()?,
                 };
+
                 if json {
                     println!("{}", json!(done));
                 } else {

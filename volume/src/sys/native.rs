@@ -40,8 +40,6 @@ const SUBVOL_NAME_MAX: usize = 4039;
 const NAME_LEN: usize = 255;
 /// `BTRFS_SUBVOL_RDONLY`, in the v2 args' flags and in SUBVOL_GETFLAGS.
 const SUBVOL_RDONLY: u64 = 1 << 1;
-/// `BTRFS_SUBVOL_SPEC_BY_ID`: SNAP_DESTROY_V2 takes `subvolid`, not `name`.
-const SUBVOL_SPEC_BY_ID: u64 = 1 << 4;
 /// `BTRFS_ROOT_TREE_OBJECTID`: the tree of trees.
 const ROOT_TREE: u64 = 1;
 /// `BTRFS_ROOT_REF_KEY`: (parent id, ROOT_REF, child id) in the root tree,
@@ -52,7 +50,7 @@ const INO_LOOKUP_PATH_MAX: usize = 4080;
 
 /// `struct btrfs_ioctl_vol_args_v2`: `fd`, `transid`, `flags`, the
 /// qgroup-inherit union (unused here, left zero), then the union of `name`
-/// (NUL-terminated) and `subvolid` (its first 8 bytes).
+/// (NUL-terminated) and `subvolid` (unused here).
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct VolArgsV2 {
@@ -225,11 +223,13 @@ pub(super) fn nested_subvolumes(fd: BorrowedFd<'_>) -> io::Result<Vec<Nested>> {
 }
 
 /// Deletes `name` in `parent` and, with `recursive`, the subvolumes nested
-/// in it first, children before parents. The nested ones go by id
-/// (BTRFS_SUBVOL_SPEC_BY_ID): the kernel then removes exactly the
-/// subvolume the listing found, wherever in the tree it now is, with no
-/// path to walk through directories a package controls; the top goes by
-/// the name the caller holds.
+/// in it first, children before parents. Each nested one goes by the name
+/// its root reference gives it, in the directory that reference names,
+/// opened by number ([`open_tree_dir`]): the kernel then removes exactly
+/// the subvolume the listing found, with no path walked through
+/// directories a package controls. (Not BTRFS_SUBVOL_SPEC_BY_ID: the
+/// kernel builds the subvolume's full path for it, and fails with
+/// ENAMETOOLONG past PATH_MAX.) The top goes by the name the caller holds.
 pub(super) fn delete_subvolume(
     parent: BorrowedFd<'_>,
     name: &OsStr,
@@ -242,11 +242,9 @@ pub(super) fn delete_subvolume(
         // A plain directory has nothing nested; the kernel refuses to
         // delete it below, with its own error.
         if stat(top.as_fd())?.ino == SUBVOLUME_ROOT_INO {
-            for id in nested_pre_order(top.as_fd())?.iter().rev().map(|n| n.id) {
-                let mut by_id = VolArgsV2::zeroed();
-                by_id.flags = SUBVOL_SPEC_BY_ID;
-                by_id.name[..8].copy_from_slice(&id.to_ne_bytes());
-                vol_ioctl::<SNAP_DESTROY_V2>(top.as_fd(), by_id)?;
+            for n in nested_pre_order(top.as_fd())?.iter().rev() {
+                let holder = open_tree_dir(top.as_fd(), n.parent, n.dirid)?;
+                vol_ioctl::<SNAP_DESTROY_V2>(holder.as_fd(), VolArgsV2::named(&n.name)?)?;
             }
         }
     }
