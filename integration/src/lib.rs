@@ -9,6 +9,8 @@
 //! - [`make_fragmented_file`]: a database-like file with hundreds of thousands of
 //!   extents, built in seconds, and [`extent_count`];
 //! - [`tree_digest`]: a comparable record of a tree's content and metadata;
+//! - [`deep`]: trees deeper than `PATH_MAX`, built, digested and removed
+//!   through directory descriptors;
 //! - [`run`] and [`sh`]: external commands whose failures carry their stderr;
 //! - [`upstream`]: upstream's own volume code, restated as a baseline;
 //! - [`compare`]: scenarios run against that baseline and against ours.
@@ -19,6 +21,7 @@
 
 mod cmd;
 pub mod compare;
+pub mod deep;
 mod fixture;
 pub mod fmt;
 mod frag;
