@@ -1,0 +1,778 @@
+//! `startos-volume` and `volume-migrate` where the earlier suites did not
+//! look: an exchange and its undo that both fail, a mount made while a
+//! restore copies, mounts inside a plain-directory volume, a copy that
+//! runs out of descriptors, trees far deeper than PATH_MAX, ids too long
+//! for the root, read-only commands behind a held lock, names a delete or
+//! a listing must not miss, and non-directories under a package's name.
+//!
+//! Each test states the behaviour after the fix of its item; its first
+//! comment line says how it fails on the code before that fix.
+
+mod common;
+
+use std::ffi::{OsStr, OsString};
+use std::fs;
+use std::io::Read;
+use std::os::fd::AsFd;
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::*;
+use integration::deep::{self, DeepDigest};
+use integration::{LoopFs, TreeDigest, fs_or_skip, run};
+
+/// How long any child command may take before it is killed and the test
+/// fails: a hang must never hang the test run.
+const TIMEOUT: Duration = Duration::from_secs(60);
+/// The same for commands walking 20,000-deep trees in a debug build.
+const DEEP_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// A binary of the workspace, beside this test's own directory (`make test`
+/// builds every binary first, with the same features), or in
+/// `$RELIABILITY_BIN_DIR` (to run these tests against another build).
+fn bin(name: &str) -> PathBuf {
+    if let Some(dir) = std::env::var_os("RELIABILITY_BIN_DIR") {
+        return Path::new(&dir).join(name);
+    }
+    integration::workspace_bin(name).unwrap_or_else(|e| panic!("{e}; run `make test`"))
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Makes `cmd` run with a soft RLIMIT_NOFILE of `soft` (the hard limit as
+/// it is).
+fn limit_nofile(cmd: &mut Command, soft: u64) {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let hard = getrlimit(Resource::Nofile).maximum;
+    // SAFETY: between fork and exec only setrlimit is called, which is
+    // async-signal-safe and allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            setrlimit(
+                Resource::Nofile,
+                Rlimit {
+                    current: Some(soft),
+                    maximum: hard,
+                },
+            )
+            .map_err(std::io::Error::from)
+        });
+    }
+}
+
+/// Kills a child (and its process group, when it leads one) unless it
+/// has been waited for.
+struct ChildGuard {
+    child: Option<Child>,
+    group: bool,
+}
+
+impl ChildGuard {
+    fn new(child: Child, group: bool) -> Self {
+        ChildGuard {
+            child: Some(child),
+            group,
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().expect("a running child").id()
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            if self.group {
+                if let Some(pid) = rustix::process::Pid::from_raw(child.id() as i32) {
+                    let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+                }
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Waits for the child to exit, for at most `timeout`; past that it is
+    /// killed and the test fails, naming `what` and what it printed.
+    #[track_caller]
+    fn wait(mut self, timeout: Duration, what: &str) -> Output {
+        let mut child = self.child.take().expect("a running child");
+        let out_t = read_all(child.stdout.take());
+        let err_t = read_all(child.stderr.take());
+        let deadline = Instant::now() + timeout;
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("waiting for a child") {
+                break Some(status);
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            thread::sleep(Duration::from_millis(20));
+        };
+        let stdout = out_t.join().unwrap_or_default();
+        let stderr = err_t.join().unwrap_or_default();
+        match status {
+            Some(status) => Output {
+                status,
+                stdout,
+                stderr,
+            },
+            None => panic!(
+                "{what} did not finish within {} s (killed); stdout {:?}, stderr {:?}",
+                timeout.as_secs(),
+                text(&stdout),
+                text(&stderr)
+            ),
+        }
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Reads `pipe` to its end on a thread of its own.
+fn read_all<R: Read + Send + 'static>(pipe: Option<R>) -> thread::JoinHandle<Vec<u8>> {
+    thread::spawn(move || {
+        let mut buf = Vec::new();
+        if let Some(mut p) = pipe {
+            let _ = p.read_to_end(&mut buf);
+        }
+        buf
+    })
+}
+
+/// How to run one of the workspace's commands.
+#[derive(Clone, Copy)]
+struct Opts<'a> {
+    env: &'a [(&'a str, &'a str)],
+    nofile: Option<u64>,
+    timeout: Duration,
+}
+
+const PLAIN: Opts<'static> = Opts {
+    env: &[],
+    nofile: None,
+    timeout: TIMEOUT,
+};
+
+fn command(name: &str, root: &Path, args: &[&str], opts: Opts<'_>) -> Command {
+    let mut cmd = Command::new(bin(name));
+    cmd.arg("--root")
+        .arg(root)
+        .args(args)
+        .env_remove("RUST_LOG")
+        .env_remove(volume::FAILPOINT_ENV);
+    for (k, v) in opts.env {
+        cmd.env(k, v);
+    }
+    if let Some(n) = opts.nofile {
+        limit_nofile(&mut cmd, n);
+    }
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+fn spawn(name: &str, root: &Path, args: &[&str], opts: Opts<'_>) -> ChildGuard {
+    let child = command(name, root, args, opts)
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {name}: {e}"));
+    ChildGuard::new(child, false)
+}
+
+#[track_caller]
+fn run_with(name: &str, root: &Path, args: &[&str], opts: Opts<'_>) -> Output {
+    spawn(name, root, args, opts).wait(opts.timeout, &format!("{name} {}", args.join(" ")))
+}
+
+/// `startos-volume --root <root> <args>`, with `env` set.
+#[track_caller]
+fn volume_cli(root: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    run_with("startos-volume", root, args, Opts { env, ..PLAIN })
+}
+
+/// `startos-volume` with a soft RLIMIT_NOFILE of `nofile`.
+#[track_caller]
+fn volume_limited(root: &Path, args: &[&str], nofile: u64) -> Output {
+    run_with(
+        "startos-volume",
+        root,
+        args,
+        Opts {
+            nofile: Some(nofile),
+            timeout: DEEP_TIMEOUT,
+            ..PLAIN
+        },
+    )
+}
+
+#[track_caller]
+fn migrate_cli(root: &Path, args: &[&str]) -> Output {
+    run_with("volume-migrate", root, args, PLAIN)
+}
+
+/// Whether the command succeeded; if not, it must have said why on exactly
+/// one line of stderr.
+#[track_caller]
+fn succeeded_or_one_line(out: &Output, what: &str) -> bool {
+    if out.status.success() {
+        return true;
+    }
+    let err = text(&out.stderr);
+    assert_eq!(
+        err.lines().count(),
+        1,
+        "{what} failed ({}) with other than one line on stderr: {err:?}",
+        out.status
+    );
+    false
+}
+
+#[track_caller]
+fn must_succeed(out: &Output, what: &str) -> String {
+    assert!(
+        out.status.success(),
+        "{what} must succeed ({}): {}",
+        out.status,
+        text(&out.stderr)
+    );
+    text(&out.stdout)
+}
+
+#[track_caller]
+fn must_fail(out: &Output, what: &str, needle: &str) -> String {
+    assert!(
+        !out.status.success(),
+        "{what} must fail; stdout {}",
+        text(&out.stdout)
+    );
+    let err = text(&out.stderr);
+    assert_eq!(
+        err.lines().count(),
+        1,
+        "{what}: one line on stderr: {err:?}"
+    );
+    assert!(
+        err.contains(needle),
+        "{what}: stderr must say {needle:?}: {err:?}"
+    );
+    err
+}
+
+/// The exit code, which must be `code`, and one line on stderr holding
+/// every one of `needles`.
+#[track_caller]
+fn must_exit_with(out: &Output, code: i32, what: &str, needles: &[&str]) -> String {
+    let err = text(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "{what}: exit status; stdout {:?}, stderr {err:?}",
+        text(&out.stdout)
+    );
+    assert_eq!(
+        err.lines().count(),
+        1,
+        "{what}: one line on stderr: {err:?}"
+    );
+    for needle in needles {
+        assert!(
+            err.contains(needle),
+            "{what}: stderr must say {needle:?}: {err:?}"
+        );
+    }
+    err
+}
+
+/// The names under `root` that belong to `pkg` (itself, its backup, any
+/// transient name or record).
+fn package_names(root: &Path, pkg: &str) -> Vec<String> {
+    root_names(root)
+        .into_iter()
+        .filter(|n| n == pkg || n.starts_with(&format!("{pkg}.")))
+        .collect()
+}
+
+/// What a package must look like: its live volume and its backup.
+#[derive(Clone)]
+struct Expect {
+    live: Option<TreeDigest>,
+    backup: Option<TreeDigest>,
+}
+
+impl Expect {
+    fn of(root: &Path, pkg: &str) -> Expect {
+        let (live, backup) = (root.join(pkg), root.join(format!("{pkg}.install-backup")));
+        Expect {
+            live: live.exists().then(|| digest(&live)),
+            backup: backup.exists().then(|| digest(&backup)),
+        }
+    }
+
+    /// Checks `pkg` against this, and that nothing but its volume and
+    /// backup is left under its names.
+    #[track_caller]
+    fn check(&self, root: &Path, pkg: &str, when: &str) {
+        let now = Expect::of(root, pkg);
+        for (what, want, got) in [
+            ("volume", &self.live, &now.live),
+            ("backup", &self.backup, &now.backup),
+        ] {
+            match (want, got) {
+                (Some(w), Some(g)) => assert_same(w, g, &format!("{when}: {pkg}'s {what}")),
+                (None, None) => {}
+                (w, g) => panic!(
+                    "{when}: {pkg}'s {what} should {}exist, but {}",
+                    if w.is_some() { "" } else { "not " },
+                    if g.is_some() { "it does" } else { "it is gone" }
+                ),
+            }
+        }
+        let mut allowed = vec![pkg.to_owned(), format!("{pkg}.install-backup")];
+        if self.backup.is_some() {
+            allowed.push(format!("{pkg}.install-backup.ro"));
+        }
+        let left: Vec<String> = package_names(root, pkg)
+            .into_iter()
+            .filter(|n| !allowed.contains(n))
+            .collect();
+        assert!(left.is_empty(), "{when}: {pkg} left {left:?}");
+    }
+}
+
+#[track_caller]
+fn deep_of(path: &Path) -> DeepDigest {
+    deep::deep_digest(path).unwrap_or_else(|e| panic!("deep digest of {}: {e}", path.display()))
+}
+
+#[track_caller]
+fn assert_deep_same(expected: &DeepDigest, actual: &DeepDigest, what: &str) {
+    let diff = expected.diff(actual);
+    assert!(
+        diff.is_empty(),
+        "{what}: trees differ (left = expected, right = actual):\n  {}",
+        diff.join("\n  ")
+    );
+}
+
+fn is_subvolume_root(path: &Path) -> bool {
+    fs::symlink_metadata(path)
+        .unwrap_or_else(|e| panic!("stat {}: {e}", path.display()))
+        .ino()
+        == 256
+}
+
+fn chattr(flag: &str, path: &Path) {
+    run(Command::new("chattr").arg(flag).arg(path))
+        .unwrap_or_else(|e| panic!("chattr {flag} {}: {e}", path.display()));
+}
+
+/// `chattr +a` on a directory, taken off again when dropped.
+struct AppendOnly(PathBuf);
+
+impl AppendOnly {
+    fn set(path: &Path) -> Self {
+        chattr("+a", path);
+        AppendOnly(path.to_path_buf())
+    }
+
+    fn clear(self) {
+        chattr("-a", &self.0);
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for AppendOnly {
+    fn drop(&mut self) {
+        let _ = Command::new("chattr").arg("-a").arg(&self.0).output();
+    }
+}
+
+// ---------------------------------------------------------------- the harness itself
+
+// Harness checks, not an item: these pass on the code before the fix too.
+#[test]
+fn deep_digest_reads_a_5000_deep_chain_and_sees_a_changed_byte_at_the_bottom() {
+    let dir = tempfile::tempdir().unwrap();
+    let top = dir.path().join("t");
+    fs::create_dir(&top).unwrap();
+    let d = OsStr::new("d");
+    deep::make_chain(&top, d, 5000, Some((OsStr::new("leaf"), b"bottom"))).unwrap();
+    let a = deep_of(&top);
+    assert_eq!(a.len(), 5002, "the top, 5000 directories and the leaf");
+    assert_deep_same(&a, &deep_of(&top), "the same tree twice");
+    let bottom = deep::open_chain(&top, d, 5000).unwrap();
+    deep::write_at(bottom.as_fd(), OsStr::new("leaf"), b"bottoM").unwrap();
+    let b = deep_of(&top);
+    let diff = a.diff(&b);
+    assert_eq!(diff.len(), 1, "{diff:?}");
+    assert!(diff[0].contains("leaf"), "{diff:?}");
+    assert!(diff[0].len() < 600, "paths are shown cut: {}", diff[0]);
+    // A FIFO and a symlink at the bottom are recorded, never opened nor
+    // followed.
+    rustix::fs::mknodat(
+        &bottom,
+        "pipe",
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o644),
+        0,
+    )
+    .unwrap();
+    rustix::fs::symlinkat("/etc", &bottom, "link").unwrap();
+    let c = deep_of(&top);
+    assert_eq!(c.len(), 5004);
+    drop(bottom);
+    deep::remove_all(&top).unwrap();
+    assert!(!top.exists());
+}
+
+#[test]
+fn make_long_path_goes_beyond_path_max() {
+    let dir = tempfile::tempdir().unwrap();
+    let names: Vec<OsString> = (0..20)
+        .map(|i| OsString::from(format!("{i:02}{}", "x".repeat(248))))
+        .collect();
+    let fd = deep::make_long_path(dir.path(), &names).unwrap();
+    deep::write_at(fd.as_fd(), OsStr::new("f"), b"far down").unwrap();
+    drop(fd);
+    let d = deep_of(dir.path());
+    assert_eq!(d.len(), 22);
+    let fd = deep::open_long_path(dir.path(), &names).unwrap();
+    assert_eq!(
+        deep::read_at(fd.as_fd(), OsStr::new("f")).unwrap(),
+        b"far down"
+    );
+    drop(fd);
+    deep::remove_all(&dir.path().join(&names[0])).unwrap();
+}
+
+// ---------------------------------------------------------------- 1. exchange and undo both fail
+
+/// A subvolume volume `app` with state "v1" and two nested subvolumes,
+/// its backup taken, then state "v2". Returns the backup's digest.
+fn app_v1_backup_v2(root: &Path) -> TreeDigest {
+    must_succeed(&volume_cli(root, &["create", "app", "main"], &[]), "create");
+    let main = root.join("app/data/main");
+    fs::write(main.join("state"), b"v1").unwrap();
+    for (sub, data) in [("one", "first nested"), ("two", "second nested")] {
+        subvolume_create(&main.join(sub));
+        fs::write(main.join(sub).join("f"), data).unwrap();
+    }
+    must_succeed(&volume_cli(root, &["snapshot", "app"], &[]), "snapshot");
+    let backup = digest(&root.join("app.install-backup"));
+    fs::write(main.join("state"), b"v2").unwrap();
+    backup
+}
+
+// Today: each of list, drop and recover logs "finished an interrupted restore (exchanged)" and the live state reads "v1", not "v2".
+#[test]
+fn a_restore_whose_exchange_and_undo_both_fail_is_undone_not_rolled_forward() {
+    for next in [&["list"][..], &["drop", "app"], &["recover"]] {
+        let when = format!("next = {next:?}");
+        let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+        let root = volumes_root(&fs);
+        let backup = app_v1_backup_v2(&root);
+        // Append-only: renames and unlinks in the root fail, creates work,
+        // so the exchange fails and so does removing the rollback record.
+        let guard = AppendOnly::set(&root);
+        let out = volume_cli(&root, &["restore", "app"], &[]);
+        assert!(
+            !succeeded_or_one_line(&out, "restore in an append-only root"),
+            "{when}: the restore cannot have succeeded: {}",
+            text(&out.stdout)
+        );
+        guard.clear();
+        let main = root.join("app/data/main");
+        fs::write(main.join("after"), b"written after the failure").unwrap();
+        let out = volume_cli(&root, next, &[]);
+        let said = must_succeed(&out, &format!("{next:?} after the failed restore"));
+        let check_live = |after: &str| {
+            assert_eq!(
+                fs::read(main.join("state")).ok().as_deref(),
+                Some(&b"v2"[..]),
+                "{when}, {after}: the live state must still be v2 (stdout {said:?}, stderr {:?})",
+                text(&out.stderr)
+            );
+            assert_eq!(
+                fs::read(main.join("after")).ok().as_deref(),
+                Some(&b"written after the failure"[..]),
+                "{when}, {after}: what the service wrote after the failure must be kept"
+            );
+        };
+        check_live(&format!("after {next:?}"));
+        must_succeed(&volume_cli(&root, &["recover"], &[]), "a final recover");
+        check_live("after a final recover");
+        let names = package_names(&root, "app");
+        let allowed = ["app", "app.install-backup", "app.install-backup.ro"];
+        assert!(
+            names.iter().all(|n| allowed.contains(&n.as_str())),
+            "{when}: left {names:?}"
+        );
+        if next == ["list"] {
+            must_succeed(
+                &volume_cli(&root, &["restore", "app"], &[]),
+                "the restore, once the root is writable",
+            );
+            assert_same(&backup, &digest(&root.join("app")), "the restored volume");
+            Expect {
+                live: Some(backup.clone()),
+                backup: None,
+            }
+            .check(&root, "app", "after the restore");
+        }
+    }
+}
+
+// ---------------------------------------------------------------- 2. a mount made during a restore
+
+/// The state of process `pid` (field 3 of /proc/<pid>/stat), if it exists.
+fn proc_state(pid: u32) -> Option<char> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.trim_start().chars().next()
+}
+
+// Today: the `=stop` failpoint mode is unknown, so the restore runs to the end: "restore never stopped at restore.copied".
+#[test]
+fn a_mount_made_while_a_restore_copies_is_refused_and_nothing_is_lost() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    must_succeed(
+        &volume_cli(&root, &["create", "app", "main"], &[]),
+        "create",
+    );
+    let main = root.join("app/data/main");
+    fs::write(main.join("state"), b"before").unwrap();
+    for (i, sub) in ["one", "two", "one/three"].iter().enumerate() {
+        subvolume_create(&main.join(sub));
+        fs::write(main.join(sub).join("f"), bytes(i as u64, 5000)).unwrap();
+    }
+    must_succeed(&volume_cli(&root, &["snapshot", "app"], &[]), "snapshot");
+    let backup = digest(&root.join("app.install-backup"));
+    fs::write(main.join("state"), b"modified").unwrap();
+    fs::write(main.join("one/three/f"), b"modified too").unwrap();
+    let live = digest(&root.join("app"));
+
+    let restore = spawn(
+        "startos-volume",
+        &root,
+        &["restore", "app"],
+        Opts {
+            env: &[(volume::FAILPOINT_ENV, "restore.copied=stop")],
+            ..PLAIN
+        },
+    );
+    let pid = restore.pid();
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        match proc_state(pid) {
+            Some('T') => break,
+            // Exited (a zombie until waited for, or gone).
+            Some('Z') | Some('X') | None => {
+                let out = restore.wait(TIMEOUT, "restore");
+                panic!(
+                    "restore never stopped at restore.copied: it exited ({}) with stdout {:?}, \
+                     stderr {:?}",
+                    out.status,
+                    text(&out.stdout),
+                    text(&out.stderr)
+                );
+            }
+            Some(_) if Instant::now() >= deadline => {
+                panic!("restore never stopped at restore.copied within 60 s")
+            }
+            Some(_) => thread::sleep(Duration::from_millis(10)),
+        }
+    }
+    let bind = MountGuard::bind(&main, &fs.path("bindmnt"));
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid as i32).unwrap(),
+        rustix::process::Signal::CONT,
+    )
+    .unwrap();
+    let out = restore.wait(TIMEOUT, "the continued restore");
+    must_fail(
+        &out,
+        "a restore with a mount made while it copied",
+        "in use",
+    );
+    assert_same(
+        &live,
+        &digest(&root.join("app")),
+        "the live volume after the refused restore",
+    );
+    assert_same(
+        &backup,
+        &digest(&root.join("app.install-backup")),
+        "the backup after the refused restore",
+    );
+    fs::write(bind.target().join("through-the-mount"), b"still the volume").unwrap();
+    assert_eq!(
+        fs::read(main.join("through-the-mount")).ok().as_deref(),
+        Some(&b"still the volume"[..]),
+        "the mount must still show the live volume"
+    );
+    fs::remove_file(main.join("through-the-mount")).unwrap();
+    bind.unmount();
+    must_succeed(
+        &volume_cli(&root, &["restore", "app"], &[]),
+        "the restore once unmounted",
+    );
+    Expect {
+        live: Some(backup),
+        backup: None,
+    }
+    .check(&root, "app", "after the restore");
+}
+
+// ---------------------------------------------------------------- 3. mounts inside a plain-directory volume
+
+// Today: `snapshot app` exits 0 with "reflink copy <root>/app.install-backup (1 extents)": it copied through the mount.
+#[test]
+fn a_mount_inside_a_plain_directory_volume_is_never_crossed() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let sub = root.join("app/data/main/sub");
+    fs::create_dir_all(&sub).unwrap();
+    fs::write(sub.join("own"), b"volume's own").unwrap();
+    let foreign = fs.path("foreign");
+    fs::create_dir_all(&foreign).unwrap();
+    fs::write(foreign.join("f"), b"foreign").unwrap();
+    let mount = MountGuard::bind(&foreign, &sub);
+
+    let out = volume_cli(&root, &["snapshot", "app"], &[]);
+    must_exit_with(
+        &out,
+        1,
+        "snapshot of a plain volume with a mount inside",
+        &["mount", "data/main/sub"],
+    );
+    assert_eq!(
+        package_names(&root, "app"),
+        ["app"],
+        "no backup, whole or partial"
+    );
+    assert_eq!(fs::read(foreign.join("f")).unwrap(), b"foreign");
+
+    let out = migrate_cli(&root, &["--dry-run"]);
+    let said = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(
+        !said.contains("would convert app"),
+        "the dry run must not plan to convert app: {said}"
+    );
+    assert!(
+        said.lines()
+            .any(|l| l.contains("app") && l.contains("mount")),
+        "the dry run must say app has a mount inside: {said}"
+    );
+    let out = migrate_cli(&root, &[]);
+    let err = text(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "volume-migrate with a mount inside app: stdout {:?}, stderr {err:?}",
+        text(&out.stdout)
+    );
+    assert!(
+        err.lines()
+            .any(|l| l.contains("app") && l.contains("mount")),
+        "volume-migrate must name app and the mount: {err}"
+    );
+    assert!(
+        !is_subvolume_root(&root.join("app")),
+        "app must still be a plain directory"
+    );
+    assert_eq!(fs::read(sub.join("f")).unwrap(), b"foreign");
+    mount.unmount();
+    assert_eq!(fs::read(sub.join("own")).unwrap(), b"volume's own");
+    assert_eq!(fs::read(foreign.join("f")).unwrap(), b"foreign");
+}
+
+// Today: `list` exits 1: "measuring <root>/plain: Inappropriate ioctl for device" (the walk measures the tmpfs).
+#[test]
+fn a_tmpfs_inside_a_volume_blocks_neither_list_nor_usage() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    for p in ["sv", "third"] {
+        must_succeed(&volume_cli(&root, &["create", p, "main"], &[]), "create");
+        fs::write(root.join(p).join("data/main/f"), b"data").unwrap();
+    }
+    fs::create_dir_all(root.join("plain/data/main")).unwrap();
+    fs::write(root.join("plain/data/main/f"), b"data").unwrap();
+    let _sv_tmp = MountGuard::tmpfs(&root.join("sv/data/main/tmp"));
+    let _plain_tmp = MountGuard::tmpfs(&root.join("plain/data/main/tmp"));
+    for m in ["sv", "plain"] {
+        fs::write(root.join(m).join("data/main/tmp/scratch"), b"on tmpfs").unwrap();
+    }
+
+    let listed = must_succeed(&volume_cli(&root, &["list"], &[]), "list");
+    for p in ["sv", "plain", "third"] {
+        assert!(
+            listed
+                .lines()
+                .any(|l| l.split_whitespace().next() == Some(p)),
+            "list must show {p}: {listed}"
+        );
+    }
+    must_succeed(&volume_cli(&root, &["usage", "sv"], &[]), "usage sv");
+    must_exit_with(
+        &volume_cli(&root, &["usage", "plain"], &[]),
+        1,
+        "usage plain",
+        &["mount"],
+    );
+    must_succeed(&volume_cli(&root, &["snapshot", "sv"], &[]), "snapshot sv");
+}
+
+// ---------------------------------------------------------------- 4. a reflink copy out of descriptors
+
+// Today: with 12 descriptors the extent count fails first (an accepted error), but with 52 `snapshot app` exits 0 with "no backup for app: reflink copy failed: Too many open files".
+#[test]
+fn a_failed_reflink_backup_copy_is_an_error_never_no_backup() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let mut dir = root.join("app/data/main");
+    fs::create_dir_all(&dir).unwrap();
+    for i in 0..40 {
+        dir.push("d");
+        fs::create_dir(&dir).unwrap();
+        fs::write(dir.join("f"), format!("level {i}")).unwrap();
+    }
+    let before = deep_of(&root.join("app"));
+    // 12, as the item asks; but there the count of extents runs out first
+    // (an accepted error), so the limits at which the count gets through
+    // and the copy may not are tried too.
+    for nofile in (12..=100).step_by(4) {
+        let what = format!("snapshot with {nofile} descriptors");
+        let out = volume_limited(&root, &["snapshot", "app"], nofile);
+        let said = text(&out.stdout);
+        if succeeded_or_one_line(&out, &what) {
+            assert!(
+                said.starts_with("reflink copy"),
+                "{what}: a snapshot that exits 0 must have made its copy: {said:?}"
+            );
+            let backup = root.join("app.install-backup");
+            assert!(backup.is_dir(), "{what}: {said:?}: no {}", backup.display());
+            assert_deep_same(&before, &deep_of(&backup), &format!("{what}: the copy"));
+            must_succeed(&volume_cli(&root, &["drop", "app"], &[]), "drop");
+        } else {
+            assert_eq!(
+                package_names(&root, "app"),
+                ["app"],
+                "{what}: a failed snapshot leaves no backup, whole or partial"
+            );
+        }
+        assert_deep_same(&before, &deep_of(&root.join("app")), &what);
+    }
+}
