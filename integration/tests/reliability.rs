@@ -14,7 +14,7 @@ use std::ffi::{OsStr, OsString};
 use std::fs;
 use std::io::Read;
 use std::os::fd::AsFd;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, symlink};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -775,4 +775,229 @@ fn a_failed_reflink_backup_copy_is_an_error_never_no_backup() {
         }
         assert_deep_same(&before, &deep_of(&root.join("app")), &what);
     }
+}
+
+// ---------------------------------------------------------------- 5. deep trees, few descriptors
+
+/// The soft RLIMIT_NOFILE every command of item 5 runs with.
+const FEW_FDS: u64 = 64;
+
+/// `<root>/<pkg>/data/main` as a plain directory with a chain of `depth`
+/// directories named `d` and a file `bottom` at its end.
+fn plain_chain(root: &Path, pkg: &str, depth: usize) -> PathBuf {
+    let main = root.join(pkg).join("data/main");
+    fs::create_dir_all(&main).unwrap();
+    deep::make_chain(
+        &main,
+        OsStr::new("d"),
+        depth,
+        Some((OsStr::new("bottom"), b"at the bottom")),
+    )
+    .unwrap();
+    main
+}
+
+#[track_caller]
+fn few(root: &Path, args: &[&str]) -> Output {
+    volume_limited(root, args, FEW_FDS)
+}
+
+// Today: `snapshot deep` exits 1 with "counting the extents of the volume: Too many open files", not "deeper than 2048".
+#[test]
+fn deep_trees_work_at_any_depth_with_few_descriptors_a_plain_beyond_the_copy_limit() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    plain_chain(&root, "deep", 20_000);
+    let out = few(&root, &["snapshot", "deep"]);
+    must_fail(&out, "snapshot deep", "deeper than 2048");
+    assert_eq!(package_names(&root, "deep"), ["deep"], "no backup left");
+    let listed = must_succeed(&few(&root, &["list"]), "list");
+    assert!(
+        listed
+            .lines()
+            .any(|l| l.split_whitespace().next() == Some("deep")),
+        "list must show deep: {listed}"
+    );
+    must_succeed(&few(&root, &["usage", "deep"]), "usage deep");
+    must_succeed(&few(&root, &["recover"]), "recover");
+    must_succeed(&few(&root, &["delete", "deep"]), "delete deep");
+    assert_eq!(package_names(&root, "deep"), Vec::<String>::new());
+}
+
+// Today: `snapshot mid` exits 1: "counting the extents of the volume: Too many open files".
+#[test]
+fn deep_trees_work_at_any_depth_with_few_descriptors_b_plain_within_the_copy_limit() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let main = plain_chain(&root, "mid", 1500);
+    let before = deep_of(&root.join("mid"));
+    let said = must_succeed(&few(&root, &["snapshot", "mid"]), "snapshot mid");
+    assert!(said.starts_with("reflink copy"), "{said}");
+    let backup = deep_of(&root.join("mid.install-backup"));
+    assert_deep_same(&before, &backup, "the reflink copy");
+    let bottom = deep::open_chain(&main, OsStr::new("d"), 1500).unwrap();
+    deep::write_at(bottom.as_fd(), OsStr::new("bottom"), b"changed").unwrap();
+    drop(bottom);
+    must_succeed(&few(&root, &["restore", "mid"]), "restore mid");
+    assert_deep_same(&backup, &deep_of(&root.join("mid")), "the restored volume");
+    must_succeed(&few(&root, &["delete", "mid"]), "delete mid");
+    assert_eq!(package_names(&root, "mid"), Vec::<String>::new());
+}
+
+// Today: passes (noted): a subvolume volume works at any depth with 64 descriptors already; kept as a guard for the fix.
+#[test]
+fn deep_trees_work_at_any_depth_with_few_descriptors_c_subvolume() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    must_succeed(&few(&root, &["create", "sv", "main"]), "create sv");
+    let main = root.join("sv/data/main");
+    deep::make_chain(
+        &main,
+        OsStr::new("d"),
+        20_000,
+        Some((OsStr::new("bottom"), b"at the bottom")),
+    )
+    .unwrap();
+    must_succeed(&few(&root, &["snapshot", "sv"]), "snapshot sv");
+    must_succeed(&few(&root, &["usage", "sv"]), "usage sv");
+    let listed = must_succeed(&few(&root, &["list"]), "list");
+    assert!(
+        listed
+            .lines()
+            .any(|l| l.split_whitespace().next() == Some("sv")),
+        "list must show sv: {listed}"
+    );
+    let bottom = deep::open_chain(&main, OsStr::new("d"), 20_000).unwrap();
+    deep::write_at(bottom.as_fd(), OsStr::new("bottom"), b"changed").unwrap();
+    drop(bottom);
+    must_succeed(&few(&root, &["restore", "sv"]), "restore sv");
+    let bottom = deep::open_chain(&main, OsStr::new("d"), 20_000).unwrap();
+    assert_eq!(
+        deep::read_at(bottom.as_fd(), OsStr::new("bottom")).unwrap(),
+        b"at the bottom",
+        "the restore puts back the bottom file"
+    );
+    drop(bottom);
+    must_succeed(&few(&root, &["delete", "sv"]), "delete sv");
+    assert_eq!(package_names(&root, "sv"), Vec::<String>::new());
+    assert_eq!(package_subvolumes(&fs, "sv"), Vec::<String>::new());
+}
+
+// ---------------------------------------------------------------- 6. paths beyond PATH_MAX
+
+/// 20 names of 250 characters: over 5,000 bytes of path.
+fn long_names() -> Vec<OsString> {
+    (0..20)
+        .map(|i| OsString::from(format!("{i:02}{}", "L".repeat(248))))
+        .collect()
+}
+
+/// Below `top`, the [`long_names`] directories, and at their end a nested
+/// subvolume `nested` holding `file`, and, with `frozen`, a read-only one.
+fn long_path_with_nested(top: &Path, frozen: bool) {
+    let deepest = deep::make_long_path(top, &long_names()).unwrap();
+    volume::sys::create_subvolume(deepest.as_fd(), OsStr::new("nested")).unwrap();
+    let nested = volume::sys::open_dir_at(deepest.as_fd(), OsStr::new("nested")).unwrap();
+    deep::write_at(nested.as_fd(), OsStr::new("file"), b"nested, far down").unwrap();
+    if frozen {
+        volume::sys::create_subvolume(deepest.as_fd(), OsStr::new("frozen")).unwrap();
+        let f = volume::sys::open_dir_at(deepest.as_fd(), OsStr::new("frozen")).unwrap();
+        deep::write_at(f.as_fd(), OsStr::new("sealed"), b"read-only").unwrap();
+        volume::sys::set_read_only(f.as_fd(), true).unwrap();
+    }
+}
+
+/// The deepest of the [`long_names`] directories below `top`, open.
+fn long_path_end(top: &Path) -> std::os::fd::OwnedFd {
+    deep::open_long_path(top, &long_names())
+        .unwrap_or_else(|e| panic!("opening the long path below {}: {e}", top.display()))
+}
+
+/// Item 6 for one package, a subvolume volume or a plain directory.
+fn long_paths_in(fs: &LoopFs, root: &Path, pkg: &str, plain: bool) {
+    if plain {
+        fs::create_dir_all(root.join(pkg).join("data/main")).unwrap();
+    } else {
+        must_succeed(&volume_cli(root, &["create", pkg, "main"], &[]), "create");
+    }
+    let main = root.join(pkg).join("data/main");
+    long_path_with_nested(&main, true);
+    let before = deep_of(&root.join(pkg));
+    let said = must_succeed(&volume_cli(root, &["snapshot", pkg], &[]), "snapshot");
+    assert!(
+        said.starts_with(if plain { "reflink copy" } else { "snapshot" }),
+        "{pkg}: {said}"
+    );
+    must_succeed(&volume_cli(root, &["usage", pkg], &[]), "usage");
+    must_succeed(&volume_cli(root, &["list"], &[]), "list");
+    let backup = deep_of(&root.join(format!("{pkg}.install-backup")));
+    assert_deep_same(&before, &backup, &format!("{pkg}: the backup"));
+    let end = long_path_end(&main);
+    let nested = volume::sys::open_dir_at(end.as_fd(), OsStr::new("nested")).unwrap();
+    deep::write_at(nested.as_fd(), OsStr::new("file"), b"changed").unwrap();
+    drop((nested, end));
+    must_succeed(&volume_cli(root, &["restore", pkg], &[]), "restore");
+    let end = long_path_end(&main);
+    let nested = volume::sys::open_dir_at(end.as_fd(), OsStr::new("nested")).unwrap();
+    assert_eq!(
+        deep::read_at(nested.as_fd(), OsStr::new("file")).unwrap(),
+        b"nested, far down",
+        "{pkg}: the restore puts back the nested file"
+    );
+    let frozen = volume::sys::open_dir_at(end.as_fd(), OsStr::new("frozen")).unwrap();
+    assert!(
+        volume::sys::is_read_only(frozen.as_fd()).unwrap(),
+        "{pkg}: the read-only nested subvolume must come back read-only"
+    );
+    drop((nested, frozen, end));
+    assert_deep_same(&backup, &deep_of(&root.join(pkg)), "the restored volume");
+    must_succeed(&volume_cli(root, &["delete", pkg], &[]), "delete");
+    assert_eq!(package_names(root, pkg), Vec::<String>::new());
+    assert_eq!(package_subvolumes(fs, pkg), Vec::<String>::new());
+}
+
+// Today: `snapshot lp` exits 1: "snapshotting <root>/lp: File name too long (os error 36)".
+#[test]
+fn long_paths_beyond_path_max_work_a_subvolume_volume() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    long_paths_in(&fs, &root, "lp", false);
+}
+
+// Today: passes (noted): a plain directory's reflink copy, restore and delete already go by descriptors; kept as a guard for the fix.
+#[test]
+fn long_paths_beyond_path_max_work_b_plain_directory_volume() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    long_paths_in(&fs, &root, "pd", true);
+}
+
+// Today: `volume-migrate --dry-run` exits 1: "inspecting the subvolume holding <root>: File name too long (os error 36)".
+#[test]
+fn long_paths_beyond_path_max_work_c_volume_migrate_beside_one() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let main = root.join("p1/data/main");
+    fs::create_dir_all(main.join("sub")).unwrap();
+    fs::write(main.join("a"), b"first").unwrap();
+    fs::write(main.join("sub/b"), bytes(7, 20_000)).unwrap();
+    symlink("sub/b", main.join("link")).unwrap();
+    let elsewhere = fs.path("elsewhere");
+    fs::create_dir_all(&elsewhere).unwrap();
+    long_path_with_nested(&elsewhere, false);
+    let before = deep_of(&root.join("p1"));
+    let out = migrate_cli(&root, &["--dry-run"]);
+    let said = must_succeed(&out, "volume-migrate --dry-run");
+    assert!(said.contains("would convert p1"), "{said}");
+    must_succeed(&migrate_cli(&root, &[]), "volume-migrate");
+    assert!(
+        is_subvolume_root(&root.join("p1")),
+        "p1 must be a subvolume now"
+    );
+    let mut after = deep_of(&root.join("p1"));
+    // The top is a subvolume now: that is the conversion.
+    if let Some(top) = after.entries_mut().get_mut(&Vec::new()) {
+        top.kind = deep::DeepKind::Dir { subvolume: false };
+    }
+    assert_deep_same(&before, &after, "p1 converted");
 }
