@@ -1001,3 +1001,150 @@ fn long_paths_beyond_path_max_work_c_volume_migrate_beside_one() {
     }
     assert_deep_same(&before, &after, "p1 converted");
 }
+
+// ---------------------------------------------------------------- 7. an overlong id in the root
+
+// Today: `volume-migrate` exits 1: "Invalid ID: invalid id PackageId(\"aaa…\"): 240 characters, at most 235 allowed", nothing converted.
+#[test]
+fn an_overlong_id_in_the_root_blocks_nothing() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let odd = "a".repeat(240);
+    fs::create_dir(root.join(&odd)).unwrap();
+    fs::write(root.join(&odd).join("f"), b"not a package of ours").unwrap();
+    for p in ["p1", "p2"] {
+        fs::create_dir_all(root.join(p).join("data/main")).unwrap();
+        fs::write(root.join(p).join("data/main/f"), p).unwrap();
+    }
+    let odd_before = digest(&root.join(&odd));
+    let out = migrate_cli(&root, &[]);
+    let err = text(&out.stderr);
+    must_succeed(&out, "volume-migrate beside an overlong id");
+    for p in ["p1", "p2"] {
+        assert!(is_subvolume_root(&root.join(p)), "{p} must be converted");
+    }
+    assert!(
+        err.contains(&odd),
+        "volume-migrate must name the entry it left alone: {err}"
+    );
+    assert_same(&odd_before, &digest(&root.join(&odd)), "the odd directory");
+    assert!(!is_subvolume_root(&root.join(&odd)), "left as it was");
+    let listed = must_succeed(&volume_cli(&root, &["list"], &[]), "list");
+    for p in ["p1", "p2"] {
+        assert!(
+            listed
+                .lines()
+                .any(|l| l.split_whitespace().next() == Some(p)),
+            "list must show {p}: {listed}"
+        );
+    }
+}
+
+// ---------------------------------------------------------------- 8. read-only commands and a held lock
+
+/// Whether /proc/locks shows a lock held by `pid`.
+fn holds_a_lock(pid: u32) -> bool {
+    fs::read_to_string("/proc/locks")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.get(1) == Some(&"FLOCK") && f.get(4) == Some(&pid.to_string().as_str())
+        })
+}
+
+/// How long each command of item 8 may take.
+const LOCK_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[track_caller]
+fn lock_wait_cli(root: &Path, args: &[&str]) -> Output {
+    let mut all = vec!["--lock-wait", "1"];
+    all.extend_from_slice(args);
+    run_with(
+        "startos-volume",
+        root,
+        &all,
+        Opts {
+            timeout: LOCK_TIMEOUT,
+            ..PLAIN
+        },
+    )
+}
+
+// Today: `list` exits 2: "unexpected argument '--lock-wait' found"; without the option it hangs until killed at 30 s.
+#[test]
+fn read_only_commands_never_hang_behind_a_lock() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    for p in ["busy", "free"] {
+        must_succeed(&volume_cli(&root, &["create", p, "main"], &[]), "create");
+    }
+    fs::create_dir(root.join("free.install-backup.tmp")).unwrap();
+    let lock = lock_path(&root, "busy");
+    let holder = Command::new("flock")
+        .arg("-x")
+        .arg(&lock)
+        .args(["-c", "sleep 300"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0)
+        .spawn()
+        .expect("flock (util-linux)");
+    let mut holder = ChildGuard::new(holder, true);
+    let pid = holder.pid();
+    let deadline = Instant::now() + TIMEOUT;
+    while !holds_a_lock(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "flock {} never took the lock",
+            lock.display()
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+    let pid_s = pid.to_string();
+
+    let out = lock_wait_cli(&root, &["list"]);
+    let listed = must_succeed(&out, "list");
+    for p in ["busy", "free"] {
+        assert!(
+            listed
+                .lines()
+                .any(|l| l.split_whitespace().next() == Some(p)),
+            "list must show {p}: {listed}"
+        );
+    }
+    let err = text(&out.stderr);
+    assert!(
+        err.lines()
+            .any(|l| l.contains("busy") && l.contains(&pid_s)),
+        "list must say busy is held, by pid {pid}: {err:?}"
+    );
+    must_exit_with(
+        &lock_wait_cli(&root, &["usage", "busy"]),
+        1,
+        "usage busy",
+        &["busy", &pid_s],
+    );
+    let out = lock_wait_cli(&root, &["recover"]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "recover: {err:?}");
+    assert!(
+        err.lines()
+            .any(|l| l.contains("busy") && l.contains(&pid_s)),
+        "recover must say busy is held, by pid {pid}: {err:?}"
+    );
+    assert!(
+        !root.join("free.install-backup.tmp").exists(),
+        "recover must still recover free"
+    );
+    let out = lock_wait_cli(&root, &["recover", "busy"]);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "recover busy: {:?}",
+        text(&out.stderr)
+    );
+    must_succeed(&lock_wait_cli(&root, &["usage", "free"]), "usage free");
+    holder.kill();
+}
