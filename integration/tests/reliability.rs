@@ -14,7 +14,7 @@ use std::ffi::{OsStr, OsString};
 use std::fs;
 use std::io::Read;
 use std::os::fd::AsFd;
-use std::os::unix::fs::{MetadataExt, symlink};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, symlink};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -1147,4 +1147,92 @@ fn read_only_commands_never_hang_behind_a_lock() {
     );
     must_succeed(&lock_wait_cli(&root, &["usage", "free"]), "usage free");
     holder.kill();
+}
+
+// ---------------------------------------------------------------- 9. leftovers
+
+// Today: `list` does not mention "app.migrate-old" (only "app  subvolume  -  4 B  -").
+#[test]
+fn delete_removes_every_name_and_list_shows_leftovers() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    fs::create_dir_all(root.join("app/data/main")).unwrap();
+    fs::write(root.join("app/data/main/f"), b"data").unwrap();
+    must_succeed(
+        &migrate_cli(&root, &["--keep-old"]),
+        "volume-migrate --keep-old",
+    );
+    assert!(
+        root.join("app.migrate-old").is_dir(),
+        "{:?}",
+        root_names(&root)
+    );
+    let listed = must_succeed(&volume_cli(&root, &["list"], &[]), "list");
+    assert!(listed.contains("app.migrate-old"), "{listed}");
+    let json = must_succeed(&volume_cli(&root, &["--json", "list"], &[]), "list --json");
+    let rows: serde_json::Value = serde_json::from_str(&json).expect("list --json");
+    let app = rows
+        .as_array()
+        .expect("an array")
+        .iter()
+        .find(|r| r["package"] == "app")
+        .unwrap_or_else(|| panic!("no app in {json}"));
+    assert!(
+        app["leftovers"].to_string().contains("app.migrate-old"),
+        "app's leftovers: {app}"
+    );
+    must_succeed(&volume_cli(&root, &["delete", "app"], &[]), "delete app");
+    assert_eq!(package_names(&root, "app"), Vec::<String>::new());
+
+    let orphan = root.join("orphan.migrate-old");
+    fs::create_dir_all(orphan.join("data/main")).unwrap();
+    fs::write(orphan.join("data/main/f"), b"old data").unwrap();
+    let listed = must_succeed(&volume_cli(&root, &["list"], &[]), "list");
+    assert!(listed.contains("orphan.migrate-old"), "{listed}");
+    must_succeed(&volume_cli(&root, &["recover"], &[]), "recover");
+    assert_eq!(package_names(&root, "orphan"), Vec::<String>::new());
+}
+
+// ---------------------------------------------------------------- 10. non-directories under the name
+
+// Today: `drop app` and `recover app` exit 0 ("no install backup for app") for a file, a symlink and a FIFO alike.
+#[test]
+fn drop_and_recover_refuse_a_non_directory_under_the_package_name() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let path = root.join("app");
+    let shown = path.display().to_string();
+    for kind in ["a regular file", "a symlink", "a FIFO"] {
+        match kind {
+            "a regular file" => fs::write(&path, b"the operator's").unwrap(),
+            "a symlink" => symlink("/etc", &path).unwrap(),
+            _ => mkfifo(&path),
+        }
+        let check = |when: &str| {
+            let md = fs::symlink_metadata(&path).unwrap_or_else(|e| panic!("{when}: {e}"));
+            match kind {
+                "a regular file" => {
+                    assert_eq!(fs::read(&path).unwrap(), b"the operator's", "{when}")
+                }
+                "a symlink" => assert_eq!(fs::read_link(&path).unwrap(), Path::new("/etc")),
+                _ => assert!(md.file_type().is_fifo(), "{when}"),
+            }
+        };
+        for op in ["drop", "recover"] {
+            let what = format!("{op} app, app being {kind}");
+            must_exit_with(&volume_cli(&root, &[op, "app"], &[]), 1, &what, &[&shown]);
+            check(&what);
+        }
+        fs::remove_file(&path).unwrap();
+    }
+}
+fn mkfifo(path: &Path) {
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        path,
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o644),
+        0,
+    )
+    .unwrap_or_else(|e| panic!("mkfifo {}: {e}", path.display()));
 }
