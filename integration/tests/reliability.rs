@@ -1236,3 +1236,83 @@ fn mkfifo(path: &Path) {
     )
     .unwrap_or_else(|e| panic!("mkfifo {}: {e}", path.display()));
 }
+
+// ---------------------------------------------------------------- 11. smaller items
+
+// Today: `create <236 a's> main` says "invalid id PackageId(\"aaa…\"): 236 characters, …" (Bad_Id is already fine).
+#[test]
+fn a_bad_id_is_refused_in_one_line_without_debug_formatting() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let long = "a".repeat(236);
+    for id in ["Bad_Id", long.as_str()] {
+        let out = volume_cli(&root, &["create", id, "main"], &[]);
+        let err = must_fail(&out, &format!("create {id}"), "");
+        assert!(!err.contains("PackageId("), "create {id}: {err}");
+    }
+    assert!(root_names(&root).is_empty(), "{:?}", root_names(&root));
+}
+
+// Today: `create app main` exits 0 with "created <root>/app (directory)", the dangling data/main left as it was.
+#[test]
+fn create_over_a_dangling_symlink_names_it() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    fs::create_dir_all(root.join("app/data")).unwrap();
+    symlink("/nonexistent/target", root.join("app/data/main")).unwrap();
+    must_exit_with(
+        &volume_cli(&root, &["create", "app", "main"], &[]),
+        1,
+        "create over a dangling data/main",
+        &["data/main"],
+    );
+    assert_eq!(
+        fs::read_link(root.join("app/data/main")).unwrap(),
+        Path::new("/nonexistent/target"),
+        "the symlink is left as it was"
+    );
+}
+
+// Today: the 235-character row pushes its VOLUME column to byte 236, the header's is at byte 33.
+#[test]
+fn list_columns_line_up_with_the_longest_id() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let long = "b".repeat(235);
+    for p in [long.as_str(), "app"] {
+        must_succeed(&volume_cli(&root, &["create", p, "main"], &[]), "create");
+    }
+    let listed = must_succeed(&volume_cli(&root, &["list"], &[]), "list");
+    let lines: Vec<&str> = listed.lines().collect();
+    assert_eq!(lines.len(), 3, "a header and two rows: {listed}");
+    let header = lines[0].find("VOLUME").expect("a VOLUME column");
+    for row in &lines[1..] {
+        let at = row.find("subvolume").expect("the volume's kind");
+        assert_eq!(
+            at, header,
+            "the VOLUME column must start at byte {header} in every row:\n{listed}"
+        );
+    }
+}
+
+// Today: `restore app` exits 1 with "finishing the restore: Input/output error (os error 5)": no word that it was restored.
+#[test]
+fn a_restore_failing_after_its_exchange_says_the_volume_was_restored() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let backup = app_v1_backup_v2(&root);
+    let out = volume_cli(
+        &root,
+        &["restore", "app"],
+        &[(volume::FAILPOINT_ENV, "restore.exchanged=eio")],
+    );
+    must_exit_with(&out, 1, "restore failing after the exchange", &["restored"]);
+    assert_same(&backup, &digest(&root.join("app")), "the live volume");
+    must_succeed(&volume_cli(&root, &["recover"], &[]), "recover");
+    assert_no_transient_names(&root, "after the recovery");
+    Expect {
+        live: Some(backup),
+        backup: None,
+    }
+    .check(&root, "app", "after the recovery");
+}
