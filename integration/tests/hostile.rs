@@ -112,15 +112,6 @@ fn must_fail(out: &Output, what: &str, needle: &str) -> String {
     err
 }
 
-/// The names under `root` that belong to `pkg` (itself, its backup, any
-/// transient name or record).
-fn package_names(root: &Path, pkg: &str) -> Vec<String> {
-    root_names(root)
-        .into_iter()
-        .filter(|n| n == pkg || n.starts_with(&format!("{pkg}.")))
-        .collect()
-}
-
 /// What a package must look like: its live volume and its backup.
 #[derive(Clone)]
 struct Expect {

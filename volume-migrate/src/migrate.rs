@@ -158,13 +158,13 @@ impl Migrator {
         let st = sys::stat(dir.as_fd()).with_ctx(|_| {
             (
                 ErrorKind::Filesystem,
-                format!("stat {}", canonical.display()),
+                format!("stat of the volumes root {}", canonical.display()),
             )
         })?;
         let btrfs = sys::is_btrfs(dir.as_fd()).with_ctx(|_| {
             (
                 ErrorKind::Filesystem,
-                format!("statfs {}", canonical.display()),
+                format!("statfs of the volumes root {}", canonical.display()),
             )
         })?;
         Ok(Migrator {

@@ -23,6 +23,9 @@ use models::{Error, ErrorKind, PackageId};
 
 /// Suffix of the read-only snapshot taken before an install (upstream's name).
 pub const INSTALL_BACKUP_SUFFIX: &str = ".install-backup";
+/// A new volume being made: renamed to `<pkg>` only once complete, with
+/// its volume directories; whatever is left under this name is garbage.
+pub const CREATE_SUFFIX: &str = ".create";
 /// A backup being built; only renamed to the backup name once complete.
 pub const BACKUP_TMP_SUFFIX: &str = ".install-backup.tmp";
 /// A backup being dropped; whatever is left of it is garbage.
@@ -90,6 +93,7 @@ pub const RESTORE_CONFLICT_SUFFIX: &str = ".restore-conflict";
 /// Every suffix the crates give a package's names, longest first where one
 /// ends another, so [`package_of`] strips the right one.
 pub const SUFFIXES: &[&str] = &[
+    CREATE_SUFFIX,
     BACKUP_TMP_SUFFIX,
     BACKUP_DROP_SUFFIX,
     BACKUP_RO_SUFFIX,
@@ -153,6 +157,8 @@ pub fn check_id_len(pkg: &PackageId) -> Result<(), Error> {
 pub struct Names {
     /// `<pkg>`, the volume.
     pub live: OsString,
+    /// A new volume being made ([`CREATE_SUFFIX`]).
+    pub create: OsString,
     /// The install backup ([`INSTALL_BACKUP_SUFFIX`]).
     pub backup: OsString,
     /// A backup being made ([`BACKUP_TMP_SUFFIX`]).
@@ -199,6 +205,7 @@ impl Names {
         let with = |suffix: &str| OsString::from(format!("{pkg}{suffix}"));
         Ok(Names {
             live: OsString::from(pkg.as_str()),
+            create: with(CREATE_SUFFIX),
             backup: with(INSTALL_BACKUP_SUFFIX),
             backup_tmp: with(BACKUP_TMP_SUFFIX),
             backup_drop: with(BACKUP_DROP_SUFFIX),
@@ -221,9 +228,10 @@ impl Names {
     }
 
     /// Every name, the live volume first.
-    pub fn all(&self) -> [&OsStr; 19] {
+    pub fn all(&self) -> [&OsStr; 20] {
         [
             &self.live,
+            &self.create,
             &self.backup,
             &self.backup_tmp,
             &self.backup_drop,

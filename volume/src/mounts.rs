@@ -7,13 +7,13 @@
 //! own, invisible in `/proc/self/mountinfo`; so every namespace on the
 //! machine is read, through the mountinfo of one process in it.
 
-use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::fmt;
 use std::io;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+
+use crate::sys;
 
 /// One line of mountinfo, the fields we use.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -142,77 +142,6 @@ impl fmt::Display for MountUse {
     }
 }
 
-/// Whether `e` says the process can be passed over: it went away while
-/// being read (a process that has just exited, a zombie, answers EINVAL
-/// for its mountinfo), or even root may not inspect it (a process of a
-/// user namespace above ours, such as a sandbox's own init; on a StartOS
-/// box root may inspect every process).
-fn passed_over(e: &io::Error) -> bool {
-    e.kind() == io::ErrorKind::NotFound
-        || matches!(
-            e.raw_os_error(),
-            Some(libc::ESRCH | libc::EINVAL | libc::EACCES | libc::EPERM)
-        )
-}
-
-/// One mount namespace: the processes in it and its mount table.
-struct Namespace {
-    pids: Vec<u32>,
-    entries: Vec<MountEntry>,
-}
-
-/// Every mount namespace on the machine that has a process in it, by
-/// inode, each with its processes and its mount table (read through its
-/// lowest pid's mountinfo). A process that exits while being read, or that
-/// root may not inspect, is passed over ([`passed_over`]); anything else
-/// that cannot be read is an error, never a namespace quietly left out. A namespace kept alive with no process in it
-/// (by a bind-mounted or open `nsfs` file) is not seen: nothing in it can
-/// write either.
-fn namespaces() -> io::Result<BTreeMap<u64, Namespace>> {
-    let mut pids_by_ns: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
-    for entry in std::fs::read_dir("/proc")? {
-        let entry = entry?;
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        // stat follows the ns link to the namespace's own inode.
-        match std::fs::metadata(entry.path().join("ns/mnt")) {
-            Ok(m) => pids_by_ns.entry(m.ino()).or_default().push(pid),
-            Err(e) if passed_over(&e) => {}
-            Err(e) => return Err(e),
-        }
-    }
-    let mut out = BTreeMap::new();
-    for (ns, mut pids) in pids_by_ns {
-        pids.sort_unstable();
-        let mut table = None;
-        for pid in &pids {
-            match std::fs::read_to_string(format!("/proc/{pid}/mountinfo")) {
-                Ok(text) => {
-                    table = Some(text);
-                    break;
-                }
-                Err(e) if passed_over(&e) => {}
-                Err(e) => return Err(e),
-            }
-        }
-        if let Some(text) = table {
-            out.insert(
-                ns,
-                Namespace {
-                    pids,
-                    entries: parse_mountinfo(&text),
-                },
-            );
-        }
-    }
-    Ok(out)
-}
-
 /// Every mount, in every mount namespace, that exposes something inside
 /// `path` (an absolute path with no symlinks, as this process sees it):
 /// bind mounts of it or of anything below it, wherever they are mounted;
@@ -221,30 +150,26 @@ fn namespaces() -> io::Result<BTreeMap<u64, Namespace>> {
 /// Used before any step that would leave such a mount pointing at data that
 /// is about to be replaced (a rollback, a delete, a conversion).
 pub fn uses_of(path: &Path) -> io::Result<Vec<MountUse>> {
-    let own_ns = std::fs::metadata("/proc/self/ns/mnt")?.ino();
-    let own = parse_mountinfo(&std::fs::read_to_string("/proc/self/mountinfo")?);
+    let (own_ns, own_text) = sys::own_mount_table()?;
+    let own = parse_mountinfo(&own_text);
     let inner = locate(&own, path);
     let mut out = Vec::new();
-    for (ns, namespace) in namespaces()? {
-        let own_namespace = ns == own_ns;
+    for ns in sys::mount_namespaces()? {
+        let own_namespace = ns.id == own_ns;
+        let theirs;
         let entries = if own_namespace {
             &own
         } else {
-            &namespace.entries
+            theirs = parse_mountinfo(&ns.mountinfo);
+            &theirs
         };
-        let command = namespace
-            .pids
-            .first()
-            .and_then(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).ok())
-            .map(|c| c.trim_end().to_owned())
-            .unwrap_or_default();
         for mount_point in mounts_inside(entries, path, inner.as_ref()) {
             out.push(MountUse {
                 mount_point,
-                namespace: ns,
+                namespace: ns.id,
                 own_namespace,
-                pids: namespace.pids.clone(),
-                command: command.clone(),
+                pids: ns.pids.clone(),
+                command: ns.command.clone(),
             });
         }
     }
@@ -255,7 +180,7 @@ pub fn uses_of(path: &Path) -> io::Result<Vec<MountUse>> {
 /// below `path` (an absolute path with no symlinks): each hides what lies
 /// under it in `path`'s filesystem from anything that walks the tree.
 pub fn mount_points_below(path: &Path) -> io::Result<Vec<PathBuf>> {
-    let text = std::fs::read_to_string("/proc/self/mountinfo")?;
+    let (_, text) = sys::own_mount_table()?;
     Ok(parse_mountinfo(&text)
         .into_iter()
         .filter(|e| e.mount_point != path && e.mount_point.starts_with(path))

@@ -514,14 +514,13 @@ impl VolumeStore {
         let names = Names::new(pkg)?;
         let _lock = self.lock(pkg)?;
         self.recover_locked(pkg, &names)?;
-        self.ensure_locked(pkg, &names).map(|(kind, _)| kind)
+        self.ensure_locked(pkg, &names)
     }
 
-    /// [`VolumeStore::ensure`] under the lock; also whether it created
-    /// the volume.
-    fn ensure_locked(&self, pkg: &PackageId, names: &Names) -> Result<(VolumeKind, bool), Error> {
+    /// [`VolumeStore::ensure`] under the lock.
+    fn ensure_locked(&self, pkg: &PackageId, names: &Names) -> Result<VolumeKind, Error> {
         if let Some(kind) = self.tree(pkg, &names.live)? {
-            return Ok((kind, false));
+            return Ok(kind);
         }
         let kind = if self.btrfs {
             sys::create_subvolume(self.root_fd(), &names.live).with_ctx(|_| {
@@ -549,61 +548,109 @@ impl VolumeStore {
                 pkg.context("syncing the volumes root"),
             )
         })?;
-        Ok((kind, true))
+        Ok(kind)
     }
 
     /// Creates `<pkg>` (a subvolume on btrfs, a directory elsewhere) and
     /// `data/<volume>` inside it for each volume. Idempotent: an existing
-    /// volume, subvolume or plain directory, is kept as it is.
+    /// volume, subvolume or plain directory, is kept as it is, and gets the
+    /// volume directories it lacks.
     ///
-    /// Creating the subvolume is one atomic ioctl; a crash afterwards leaves
-    /// some volume directories missing, which a rerun adds.
+    /// A new volume is made whole under `<pkg>.create`, its directories
+    /// made and synced, then renamed to `<pkg>` in one step: after a crash
+    /// or a failure `<pkg>` is absent or complete, and a `.create` left
+    /// behind is garbage, which the next operation's recovery deletes. In
+    /// an existing volume, each missing directory is one `mkdir`: a failure
+    /// part-way leaves some of them made, which a rerun completes.
     pub fn create(&self, pkg: &PackageId, volumes: &[VolumeId]) -> Result<VolumeKind, Error> {
         let names = Names::new(pkg)?;
         let _lock = self.lock(pkg)?;
         self.recover_locked(pkg, &names)?;
-        let (kind, created) = self.ensure_locked(pkg, &names)?;
-        let mk = || -> Result<(), MakeFailed> {
-            let live = sys::open_dir_at(self.root_fd(), &names.live)?;
-            let data = make_dir_at(live.as_fd(), OsStr::new("data"), "data")?;
-            for v in volumes {
-                make_dir_at(data.as_fd(), OsStr::new(v.as_str()), &format!("data/{v}"))?;
-            }
-            sys::fsync(data.as_fd())?;
-            sys::fsync(live.as_fd())?;
-            self.fsync_root()?;
-            Ok(())
+        if let Some(kind) = self.tree(pkg, &names.live)? {
+            self.make_volume_dirs(pkg, &names.live, volumes)?;
+            return Ok(kind);
+        }
+        let kind = if self.btrfs {
+            sys::create_subvolume(self.root_fd(), &names.create).with_ctx(|_| {
+                (
+                    ErrorKind::DiskManagement,
+                    pkg.context(format!(
+                        "creating subvolume {}",
+                        self.root.join(&names.create).display()
+                    )),
+                )
+            })?;
+            VolumeKind::Subvolume
+        } else {
+            sys::mkdir_at(self.root_fd(), &names.create, 0o755).with_ctx(|_| {
+                (
+                    ErrorKind::Filesystem,
+                    pkg.context(format!(
+                        "creating {}",
+                        self.root.join(&names.create).display()
+                    )),
+                )
+            })?;
+            VolumeKind::Directory
         };
-        if let Err(e) = mk() {
-            // A volume this call made goes again: nothing half-made stays.
-            let cleanup = match created {
-                false => Ok(()),
-                true => self
-                    .delete_entry(&names.live)
-                    .and_then(|()| self.fsync_root()),
-            };
-            let e = match e {
-                MakeFailed::NotADirectory(rel) => Error::for_package(
-                    pkg,
-                    ErrorKind::InvalidRequest,
-                    format!(
-                        "{} exists and is not a directory; move it away",
-                        self.volume_path(pkg).join(rel).display()
-                    ),
-                ),
-                MakeFailed::Io(e) => self.failed(
-                    pkg,
-                    format!(
-                        "creating volume directories in {}",
-                        self.volume_path(pkg).join("data").display()
-                    ),
-                    e,
-                ),
-            };
+        let made = self
+            .make_volume_dirs(pkg, &names.create, volumes)
+            .and_then(|()| {
+                failpoint("create.made")
+                    .and_then(|()| {
+                        sys::rename_noreplace(self.root_fd(), &names.create, &names.live)
+                    })
+                    .and_then(|()| self.fsync_root())
+                    .map_err(|e| self.failed(pkg, "putting the new volume in place", e))
+            });
+        if let Err(e) = made {
+            // Nothing half-made stays under the package's name.
+            let cleanup = self
+                .delete_entry(&names.create)
+                .and_then(|()| self.fsync_root());
             return Err(with_cleanup(e, cleanup, "removing the new volume"));
         }
         tracing::info!(package = %pkg, ?kind, "volume ready");
         Ok(kind)
+    }
+
+    /// Makes `data/<volume>` for each of `volumes` in the tree `name` of the
+    /// root, those missing, and syncs them. An existing name that is no
+    /// directory (a symlink, dangling or not, a file) is refused, naming it.
+    fn make_volume_dirs(
+        &self,
+        pkg: &PackageId,
+        name: &OsStr,
+        volumes: &[VolumeId],
+    ) -> Result<(), Error> {
+        let mk = || -> Result<(), MakeFailed> {
+            let top = sys::open_dir_at(self.root_fd(), name)?;
+            let data = make_dir_at(top.as_fd(), OsStr::new("data"), "data")?;
+            for v in volumes {
+                make_dir_at(data.as_fd(), OsStr::new(v.as_str()), &format!("data/{v}"))?;
+            }
+            sys::fsync(data.as_fd())?;
+            sys::fsync(top.as_fd())?;
+            Ok(())
+        };
+        mk().map_err(|e| match e {
+            MakeFailed::NotADirectory(rel) => Error::for_package(
+                pkg,
+                ErrorKind::InvalidRequest,
+                format!(
+                    "{} exists and is not a directory; move it away",
+                    self.volume_path(pkg).join(rel).display()
+                ),
+            ),
+            MakeFailed::Io(e) => self.failed(
+                pkg,
+                format!(
+                    "creating volume directories in {}",
+                    self.root.join(name).join("data").display()
+                ),
+                e,
+            ),
+        })
     }
 
     /// Makes everything written so far inside `<pkg>` durable: on btrfs a
@@ -1400,6 +1447,13 @@ impl VolumeStore {
         // What upstream's own code left comes first: it is older than
         // anything of ours.
         self.recover_upstream(pkg, names, &mut actions)?;
+        // A new volume that never got its name is incomplete: discard it.
+        if self.tree(pkg, &names.create)?.is_some() {
+            self.delete_entry(&names.create)
+                .and_then(|()| self.fsync_root())
+                .with_ctx(io_ctx("deleting an incomplete new volume"))?;
+            actions.push("deleted an incomplete new volume".to_owned());
+        }
         // A backup that never got its real name is incomplete: discard it.
         if self.tree(pkg, &names.backup_tmp)?.is_some() {
             self.delete_entry(&names.backup_tmp)

@@ -111,6 +111,15 @@ pub fn root_names(root: &Path) -> Vec<String> {
     names
 }
 
+/// The names under `root` that belong to `pkg` (itself, its backup, any
+/// transient name or record).
+pub fn package_names(root: &Path, pkg: &str) -> Vec<String> {
+    root_names(root)
+        .into_iter()
+        .filter(|n| n == pkg || n.starts_with(&format!("{pkg}.")))
+        .collect()
+}
+
 /// Transient names (see [`TRANSIENT_SUFFIXES`]) left in the volumes root.
 pub fn transient_names(root: &Path) -> Vec<String> {
     root_names(root)

@@ -13,14 +13,17 @@
 //! So that a sweep knows when K has passed the last call an operation
 //! makes, the first injected failure appends `K NAME` (the call's name) to
 //! the file [`FAULT_LOG_ENV`] names, if it is set: a run that leaves no
-//! line made fewer than K calls.
+//! line made fewer than K calls. With `FAULT_ENV=trace`, nothing fails and
+//! every call appends its line: how a sweep learns how many calls an
+//! operation makes, and which is which.
 //!
 //! Without the feature, [`check`] is an inline no-op: production builds
 //! carry no counter and read no environment.
 
 use std::io;
 
-/// Environment variable: `K:ERRNO` or `K+:ERRNO` (see the module docs).
+/// Environment variable: `K:ERRNO`, `K+:ERRNO` or `trace` (see the module
+/// docs).
 pub const FAULT_ENV: &str = "STARTOS_VOLUME_FAULT";
 /// Environment variable: a file to which the first injected failure
 /// appends `K NAME`.
@@ -67,12 +70,21 @@ mod armed {
         nth: u64,
         sticky: bool,
         errno: i32,
+        trace: bool,
     }
 
     fn spec() -> Option<&'static Spec> {
         static SPEC: OnceLock<Option<Spec>> = OnceLock::new();
         SPEC.get_or_init(|| {
             let text = std::env::var(FAULT_ENV).ok()?;
+            if text == "trace" {
+                return Some(Spec {
+                    nth: 0,
+                    sticky: false,
+                    errno: 0,
+                    trace: true,
+                });
+            }
             let (at, errno) = text.split_once(':')?;
             let (at, sticky) = match at.strip_suffix('+') {
                 Some(at) => (at, true),
@@ -82,6 +94,7 @@ mod armed {
                 nth: at.parse().ok()?,
                 sticky,
                 errno: parse_errno(errno)?,
+                trace: false,
             })
         })
         .as_ref()
@@ -95,22 +108,31 @@ mod armed {
             return Ok(());
         };
         let n = CALLS.fetch_add(1, Ordering::Relaxed) + 1;
+        if spec.trace {
+            log(n, name);
+            return Ok(());
+        }
         let fire = n == spec.nth || (spec.sticky && n > spec.nth);
         if !fire {
             return Ok(());
         }
-        if !LOGGED.swap(true, Ordering::Relaxed)
-            && let Some(log) = std::env::var_os(FAULT_LOG_ENV)
-        {
-            // The sweep's bookkeeping, not the operation's: its own
-            // failure must not change what the operation sees.
+        if !LOGGED.swap(true, Ordering::Relaxed) {
+            log(n, name);
+        }
+        Err(io::Error::from_raw_os_error(spec.errno))
+    }
+
+    /// Appends `N NAME` to [`FAULT_LOG_ENV`]'s file, if set: the sweep's
+    /// bookkeeping, not the operation's, so its own failure changes
+    /// nothing the operation sees.
+    fn log(n: u64, name: &str) {
+        if let Some(log) = std::env::var_os(FAULT_LOG_ENV) {
             let _ = std::fs::OpenOptions::new()
                 .create(true)
                 .append(true)
                 .open(log)
                 .and_then(|mut f| writeln!(f, "{n} {name}"));
         }
-        Err(io::Error::from_raw_os_error(spec.errno))
     }
 }
 

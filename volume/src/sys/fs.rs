@@ -354,33 +354,6 @@ pub fn try_lock_exclusive(fd: BorrowedFd<'_>) -> io::Result<bool> {
     }
 }
 
-/// The processes holding a flock on the file open as `fd`, from
-/// `/proc/locks` (the process that took each lock; its children may hold
-/// it too). Empty if none, or if the kernel does not say.
-pub fn flock_holders(fd: BorrowedFd<'_>) -> io::Result<Vec<u32>> {
-    let st = stat(fd)?;
-    super::fault::check("read /proc/locks")?;
-    let text = std::fs::read_to_string("/proc/locks")?;
-    Ok(parse_flock_holders(&text, major_minor(st.dev), st.ino))
-}
-
-/// The pids of `/proc/locks` lines that are flocks on inode `ino` of the
-/// device (major, minor): lines like `1: FLOCK  ADVISORY  WRITE 4242
-/// fe:00:1234 0 EOF`, the device in hex, the inode in decimal.
-pub(crate) fn parse_flock_holders(text: &str, (major, minor): (u32, u32), ino: u64) -> Vec<u32> {
-    let want = format!("{major:02x}:{minor:02x}:{ino}");
-    text.lines()
-        .filter_map(|line| {
-            let mut words = line.split_whitespace().skip(1);
-            if words.next()? != "FLOCK" {
-                return None;
-            }
-            let pid = words.nth(2)?.parse().ok()?;
-            (words.next()? == want).then_some(pid)
-        })
-        .collect()
-}
-
 /// Reads all names in a directory except `.` and `..`, as raw bytes.
 pub fn read_dir_names(fd: BorrowedFd<'_>) -> io::Result<Vec<(OsString, FileType, u64)>> {
     let mut dir = rustix::fs::Dir::read_from(fd)?;
@@ -628,15 +601,6 @@ pub fn major_minor(dev: u64) -> (u32, u32) {
     (rustix::fs::major(dev), rustix::fs::minor(dev))
 }
 
-/// The path the kernel gives the open file `fd` (`/proc/self/fd/N`), for
-/// messages and for looking the file up in the mount table. Not a handle:
-/// what the path names can change after the call.
-pub fn fd_path(fd: BorrowedFd<'_>) -> io::Result<std::path::PathBuf> {
-    use std::os::fd::AsRawFd;
-    super::fault::check("readlink")?;
-    std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-}
-
 /// Canonicalizes `path` (realpath), following every symlink: for the
 /// volumes root, a trusted path from the operator's configuration.
 pub fn canonicalize(path: &Path) -> io::Result<std::path::PathBuf> {
@@ -684,21 +648,4 @@ pub fn stop_self() {
 /// signal could not be sent.
 pub fn kill_self() {
     let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn flock_holders_are_found_by_device_and_inode() {
-        let locks = "1: FLOCK  ADVISORY  WRITE 4242 fe:00:1234 0 EOF\n\
-                     2: POSIX  ADVISORY  WRITE 77 fe:00:1234 0 EOF\n\
-                     3: FLOCK  ADVISORY  WRITE 99 fe:00:12345 0 EOF\n\
-                     4: FLOCK  ADVISORY  WRITE 5 103:1f:1234 0 EOF\n\
-                     5: -> FLOCK  ADVISORY  WRITE 6 fe:00:1234 0 EOF\n";
-        assert_eq!(parse_flock_holders(locks, (254, 0), 1234), [4242]);
-        assert_eq!(parse_flock_holders(locks, (259, 31), 1234), [5]);
-        assert!(parse_flock_holders("garbage\n", (254, 0), 1234).is_empty());
-    }
 }

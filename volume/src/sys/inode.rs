@@ -160,21 +160,3 @@ pub fn dir_parent(fs: BorrowedFd<'_>, tree: u64, ino: u64) -> io::Result<Option<
         )
     })
 }
-
-/// Whether directory `ino` of tree `tree` lies at or below directory
-/// `ancestor` of the same tree, from the reference items alone: one search
-/// per level, no path, so it answers at any depth. Gives up with `ELOOP`
-/// after `u32::MAX` levels (a tree the kernel would never have built).
-pub fn dir_is_below(fs: BorrowedFd<'_>, tree: u64, ino: u64, ancestor: u64) -> io::Result<bool> {
-    let mut cur = ino;
-    for _ in 0..u32::MAX {
-        if cur == ancestor {
-            return Ok(true);
-        }
-        match dir_parent(fs, tree, cur)? {
-            Some((up, _)) => cur = up,
-            None => return Ok(false),
-        }
-    }
-    Err(io::Error::from_raw_os_error(libc::ELOOP))
-}

@@ -33,6 +33,7 @@ mod fs;
 mod inode;
 mod ioctl;
 pub mod item;
+mod proc;
 mod search;
 mod space;
 mod subvolume;
@@ -46,7 +47,8 @@ mod native;
 pub use clone::*;
 pub use flags::*;
 pub use fs::*;
-pub use inode::{dir_is_below, dir_parent, open_subvolume, open_tree_dir};
+pub use inode::{dir_parent, open_subvolume, open_tree_dir};
+pub use proc::{MountNamespace, fd_path, flock_holders, mount_namespaces, own_mount_table};
 pub use search::{
     Batch, DEFAULT_BUF_SIZE, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, search,
 };

@@ -1,0 +1,152 @@
+//! What the kernel says under `/proc`: the mount namespaces and their
+//! tables, the holders of a lock, the path of an open file. Read-only, and
+//! each function is one step for the I/O-error sweep ([`super::fault`]),
+//! however many files it reads.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::os::fd::BorrowedFd;
+use std::os::unix::fs::MetadataExt;
+
+use super::fs::{major_minor, stat};
+
+/// One mount namespace with a process in it.
+#[derive(Debug, Clone)]
+pub struct MountNamespace {
+    /// Its inode number (`/proc/<pid>/ns/mnt`).
+    pub id: u64,
+    /// Every process in it, sorted.
+    pub pids: Vec<u32>,
+    /// Its mount table, read through its lowest pid's `mountinfo`.
+    pub mountinfo: String,
+    /// That process's command name (`comm`), empty if unreadable.
+    pub command: String,
+}
+
+/// Whether `e` says the process can be passed over: it went away while
+/// being read (a process that has just exited, a zombie, answers EINVAL
+/// for its mountinfo), or even root may not inspect it (a process of a
+/// user namespace above ours, such as a sandbox's own init; on a StartOS
+/// box root may inspect every process).
+fn passed_over(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::NotFound
+        || matches!(
+            e.raw_os_error(),
+            Some(libc::ESRCH | libc::EINVAL | libc::EACCES | libc::EPERM)
+        )
+}
+
+/// This process's mount namespace (its inode number) and mount table.
+pub fn own_mount_table() -> io::Result<(u64, String)> {
+    super::fault::check("read /proc/self/mountinfo")?;
+    let ns = std::fs::metadata("/proc/self/ns/mnt")?.ino();
+    Ok((ns, std::fs::read_to_string("/proc/self/mountinfo")?))
+}
+
+/// Every mount namespace on the machine that has a process in it, by
+/// inode, each with its processes and its mount table. A process that
+/// exits while being read, or that root may not inspect, is passed over
+/// ([`passed_over`]); anything else that cannot be read is an error, never
+/// a namespace quietly left out. A namespace kept alive with no process in
+/// it (by a bind-mounted or open `nsfs` file) is not seen: nothing in it
+/// can write either.
+pub fn mount_namespaces() -> io::Result<Vec<MountNamespace>> {
+    super::fault::check("read /proc/*/mountinfo")?;
+    let mut pids_by_ns: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+    for entry in std::fs::read_dir("/proc")? {
+        let entry = entry?;
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        // stat follows the ns link to the namespace's own inode.
+        match std::fs::metadata(entry.path().join("ns/mnt")) {
+            Ok(m) => pids_by_ns.entry(m.ino()).or_default().push(pid),
+            Err(e) if passed_over(&e) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let mut out = Vec::new();
+    for (id, mut pids) in pids_by_ns {
+        pids.sort_unstable();
+        let mut table = None;
+        for pid in &pids {
+            match std::fs::read_to_string(format!("/proc/{pid}/mountinfo")) {
+                Ok(text) => {
+                    table = Some((*pid, text));
+                    break;
+                }
+                Err(e) if passed_over(&e) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if let Some((pid, mountinfo)) = table {
+            let command = std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .map(|c| c.trim_end().to_owned())
+                .unwrap_or_default();
+            out.push(MountNamespace {
+                id,
+                pids,
+                mountinfo,
+                command,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The processes holding a flock on the file open as `fd`, from
+/// `/proc/locks` (the process that took each lock; its children may hold
+/// it too). Empty if none, or if the kernel does not say.
+pub fn flock_holders(fd: BorrowedFd<'_>) -> io::Result<Vec<u32>> {
+    let st = stat(fd)?;
+    super::fault::check("read /proc/locks")?;
+    let text = std::fs::read_to_string("/proc/locks")?;
+    Ok(parse_flock_holders(&text, major_minor(st.dev), st.ino))
+}
+
+/// The pids of `/proc/locks` lines that are flocks on inode `ino` of the
+/// device (major, minor): lines like `1: FLOCK  ADVISORY  WRITE 4242
+/// fe:00:1234 0 EOF`, the device in hex, the inode in decimal.
+pub(crate) fn parse_flock_holders(text: &str, (major, minor): (u32, u32), ino: u64) -> Vec<u32> {
+    let want = format!("{major:02x}:{minor:02x}:{ino}");
+    text.lines()
+        .filter_map(|line| {
+            let mut words = line.split_whitespace().skip(1);
+            if words.next()? != "FLOCK" {
+                return None;
+            }
+            let pid = words.nth(2)?.parse().ok()?;
+            (words.next()? == want).then_some(pid)
+        })
+        .collect()
+}
+
+/// The path the kernel gives the open file `fd` (`/proc/self/fd/N`), for
+/// messages and for looking the file up in the mount table. Not a handle:
+/// what the path names can change after the call.
+pub fn fd_path(fd: BorrowedFd<'_>) -> io::Result<std::path::PathBuf> {
+    use std::os::fd::AsRawFd;
+    super::fault::check("readlink")?;
+    std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flock_holders_are_found_by_device_and_inode() {
+        let locks = "1: FLOCK  ADVISORY  WRITE 4242 fe:00:1234 0 EOF\n\
+                     2: POSIX  ADVISORY  WRITE 77 fe:00:1234 0 EOF\n\
+                     3: FLOCK  ADVISORY  WRITE 99 fe:00:12345 0 EOF\n\
+                     4: FLOCK  ADVISORY  WRITE 5 103:1f:1234 0 EOF\n\
+                     5: -> FLOCK  ADVISORY  WRITE 6 fe:00:1234 0 EOF\n";
+        assert_eq!(parse_flock_holders(locks, (254, 0), 1234), [4242]);
+        assert_eq!(parse_flock_holders(locks, (259, 31), 1234), [5]);
+        assert!(parse_flock_holders("garbage\n", (254, 0), 1234).is_empty());
+    }
+}
