@@ -29,7 +29,7 @@ CLI_FEATURES := volume/cli,volume-migrate/cli
 # them; a production build has none.
 TEST_FEATURES := volume/failpoints,volume-migrate/failpoints,startos-core/failpoints,$(CLI_FEATURES)
 
-.PHONY: all deps build fmt-check clippy test bench demo targets compare powercut
+.PHONY: all deps build fmt-check clippy test faults bench demo targets compare powercut
 
 all: build
 
@@ -71,6 +71,12 @@ test: deps fmt-check clippy
 	$(CARGO) build --workspace --bins --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS)
 	$(CARGO) test --workspace --no-fail-fast --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS) -- --test-threads=4
 	$(CARGO) test -p volume --features volume/btrfsutil --test sys_primitives $(CARGO_TEST_FLAGS)
+
+# The whole I/O-error sweep: every system call of every operation made to
+# fail, with each errno, once and for good (`make test` runs a sample).
+faults: deps
+	$(CARGO) build --workspace --bins --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS)
+	FAULTS_FULL=1 $(CARGO) test -p integration --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS) --test faults --test faults_core -- --test-threads=4 --nocapture
 
 # The fuller power-cut sweep: every write state of every workload, more real
 # cuts and more recoveries inside the guest (`make test` samples them).

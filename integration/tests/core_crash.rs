@@ -16,7 +16,6 @@ mod core_common;
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::Duration;
 
 use common::{assert_no_transient_names, assert_same, digest, package_subvolumes, pkg};
 use core_common::*;
@@ -90,33 +89,6 @@ fn crash_at(env: &Env, package: &str, op: &str, failpoint: &str) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
     );
-}
-
-/// Installs `name` at 1.0 in this process, lets it write, stops it: the data
-/// every crash before the commit must come back to.
-async fn installed_and_stopped(env: &Env, name: &str) -> TreeDigest {
-    let (fin, _rx) = env.finalizer();
-    install_running(&fin, name, "1.0", Duration::from_millis(100)).await;
-    use startos_core::Services;
-    fin.services().stop(&pkg(name)).await.unwrap();
-    digest(&env.volume(&pkg(name)))
-}
-
-/// Boot: reconcile with a fresh database handle; it must be idempotent.
-async fn boot(env: &Env) -> Arc<Fin> {
-    let (fin, _rx) = env.finalizer();
-    let r = startos_core::reconcile(&**fin.db(), &env.root)
-        .await
-        .expect("reconcile");
-    eprintln!("reconcile: {:?}", r.actions);
-    let again = startos_core::reconcile(&**fin.db(), &env.root)
-        .await
-        .expect("second reconcile");
-    assert!(
-        again.is_noop(),
-        "a second reconcile must do nothing: {again:?}"
-    );
-    fin
 }
 
 async fn check_old(env: &Env, fin: &Fin, name: &str, before: &TreeDigest, when: &str) {

@@ -21,6 +21,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use common::cli::*;
 use common::*;
 use integration::deep::{self, DeepDigest};
 use integration::{LoopFs, TreeDigest, fs_or_skip, run};
@@ -39,10 +40,6 @@ fn bin(name: &str) -> PathBuf {
         return Path::new(&dir).join(name);
     }
     integration::workspace_bin(name).unwrap_or_else(|e| panic!("{e}; run `make test`"))
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
 }
 
 /// Makes `cmd` run with a soft RLIMIT_NOFILE of `soft` (the hard limit as
@@ -222,54 +219,6 @@ fn migrate_cli(root: &Path, args: &[&str]) -> Output {
     run_with("volume-migrate", root, args, PLAIN)
 }
 
-/// Whether the command succeeded; if not, it must have said why on exactly
-/// one line of stderr.
-#[track_caller]
-fn succeeded_or_one_line(out: &Output, what: &str) -> bool {
-    if out.status.success() {
-        return true;
-    }
-    let err = text(&out.stderr);
-    assert_eq!(
-        err.lines().count(),
-        1,
-        "{what} failed ({}) with other than one line on stderr: {err:?}",
-        out.status
-    );
-    false
-}
-
-#[track_caller]
-fn must_succeed(out: &Output, what: &str) -> String {
-    assert!(
-        out.status.success(),
-        "{what} must succeed ({}): {}",
-        out.status,
-        text(&out.stderr)
-    );
-    text(&out.stdout)
-}
-
-#[track_caller]
-fn must_fail(out: &Output, what: &str, needle: &str) -> String {
-    assert!(
-        !out.status.success(),
-        "{what} must fail; stdout {}",
-        text(&out.stdout)
-    );
-    let err = text(&out.stderr);
-    assert_eq!(
-        err.lines().count(),
-        1,
-        "{what}: one line on stderr: {err:?}"
-    );
-    assert!(
-        err.contains(needle),
-        "{what}: stderr must say {needle:?}: {err:?}"
-    );
-    err
-}
-
 /// The exit code, which must be `code`, and one line on stderr holding
 /// every one of `needles`.
 #[track_caller]
@@ -293,53 +242,6 @@ fn must_exit_with(out: &Output, code: i32, what: &str, needles: &[&str]) -> Stri
         );
     }
     err
-}
-
-/// What a package must look like: its live volume and its backup.
-#[derive(Clone)]
-struct Expect {
-    live: Option<TreeDigest>,
-    backup: Option<TreeDigest>,
-}
-
-impl Expect {
-    fn of(root: &Path, pkg: &str) -> Expect {
-        let (live, backup) = (root.join(pkg), root.join(format!("{pkg}.install-backup")));
-        Expect {
-            live: live.exists().then(|| digest(&live)),
-            backup: backup.exists().then(|| digest(&backup)),
-        }
-    }
-
-    /// Checks `pkg` against this, and that nothing but its volume and
-    /// backup is left under its names.
-    #[track_caller]
-    fn check(&self, root: &Path, pkg: &str, when: &str) {
-        let now = Expect::of(root, pkg);
-        for (what, want, got) in [
-            ("volume", &self.live, &now.live),
-            ("backup", &self.backup, &now.backup),
-        ] {
-            match (want, got) {
-                (Some(w), Some(g)) => assert_same(w, g, &format!("{when}: {pkg}'s {what}")),
-                (None, None) => {}
-                (w, g) => panic!(
-                    "{when}: {pkg}'s {what} should {}exist, but {}",
-                    if w.is_some() { "" } else { "not " },
-                    if g.is_some() { "it does" } else { "it is gone" }
-                ),
-            }
-        }
-        let mut allowed = vec![pkg.to_owned(), format!("{pkg}.install-backup")];
-        if self.backup.is_some() {
-            allowed.push(format!("{pkg}.install-backup.ro"));
-        }
-        let left: Vec<String> = package_names(root, pkg)
-            .into_iter()
-            .filter(|n| !allowed.contains(n))
-            .collect();
-        assert!(left.is_empty(), "{when}: {pkg} left {left:?}");
-    }
 }
 
 #[track_caller]

@@ -9,7 +9,12 @@
 //! Contents are untrusted: every name is resolved relative to an open
 //! directory, nothing is followed through a symlink, and only regular files
 //! and directories are ever opened (FIFOs, sockets and devices are recreated
-//! with mknod). Names are raw bytes.
+//! with mknod). Names are raw bytes. The source is read by one walk
+//! ([`crate::walk`]): a bounded number of descriptors at any depth, paths
+//! of any length, and nothing across a mount: a directory, file or node
+//! another mount puts in the tree stops the copy with a
+//! [`crate::walk::CrossesMount`] error naming it, for the caller to refuse
+//! the package with, as it does a tree deeper than [`MAX_DEPTH`].
 //!
 //! Per entry, the order matters: data, then owner (a chown clears setuid and
 //! file capabilities), then mode, then xattrs (ACLs and capabilities
@@ -23,15 +28,18 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-use rustix::fs::{FileType, IFlags, Timespec, Timestamps};
+use rustix::fs::{FileType, IFlags};
 
 use crate::sys::{self, Metadata as Stat, inode_flags, set_inode_flags as set_flags};
 use crate::walk::{Chain, Step, Walk, crosses_mount};
 
 mod helpers;
+mod metadata;
 mod remove;
 
 use helpers::{HELPER_MAX_BYTES, Helpers, SharedDirs};
+use metadata::{Target, copy_xattrs_at, finish_file_metadata, finish_metadata};
+pub use metadata::{finish_fd_metadata, remove_xattrs_missing_from};
 pub use remove::remove_tree_at;
 
 /// How deep a copy goes below the top of what it copies before refusing
@@ -196,22 +204,6 @@ struct Copier<'a, 'p> {
     progress: &'p mut Progress<'p>,
     /// Threads copying some of the regular files.
     helpers: Helpers,
-}
-
-/// Where to apply metadata: an open fd (files, directories) or a name in a
-/// directory (symlinks and special files, which are never opened).
-enum Target<'a> {
-    Fd(BorrowedFd<'a>),
-    At(BorrowedFd<'a>, &'a OsStr),
-}
-
-/// Stat's time fields differ in width between targets; Timespec's too.
-#[allow(clippy::unnecessary_cast)]
-fn ts(sec: i64, nsec: i64) -> Timespec {
-    Timespec {
-        tv_sec: sec as _,
-        tv_nsec: nsec as _,
-    }
 }
 
 /// Whether a stat is of a btrfs subvolume root (checked on the fd's fs).
@@ -735,125 +727,4 @@ fn link_to(
     name: &OsStr,
 ) -> io::Result<()> {
     sys::with_stuck_flags_lifted(holder, first, || sys::link_at(holder, first, dir, name))
-}
-
-/// Owner, mode, xattrs (for fds), timestamps and the remaining inode flags,
-/// in the only order in which each survives the next.
-fn finish_metadata(st: &Stat, target: Target<'_>, src: Option<BorrowedFd<'_>>) -> io::Result<()> {
-    match target {
-        Target::Fd(fd) => {
-            let src_flags = match src {
-                Some(src) => Some(inode_flags(src)?),
-                None => None,
-            };
-            finish_fd_metadata(st, fd, src, src_flags, None)
-        }
-        Target::At(dir, name) => {
-            sys::chown_at(dir, name, st.st_uid, st.st_gid)?;
-            let ty = FileType::from_raw_mode(st.st_mode);
-            if ty != FileType::Symlink {
-                // mknod applied the umask; chmodat cannot follow a non-link.
-                sys::chmod_at(dir, name, st.st_mode)?;
-            }
-            sys::set_times_at(dir, name, &times(st))?;
-            Ok(())
-        }
-    }
-}
-
-/// [`finish_metadata`] for a regular file whose source flags are known.
-/// `now`: the file's current owner and mode, when known, to skip a chown or
-/// chmod that would change nothing.
-fn finish_file_metadata(
-    st: &Stat,
-    dst: BorrowedFd<'_>,
-    src: BorrowedFd<'_>,
-    src_flags: IFlags,
-    now: Option<&Stat>,
-) -> io::Result<()> {
-    finish_fd_metadata(st, dst, Some(src), Some(src_flags), now)
-}
-
-#[allow(clippy::unnecessary_cast)]
-fn times(st: &Stat) -> Timestamps {
-    Timestamps {
-        last_access: ts(st.st_atime as _, st.st_atime_nsec as _),
-        last_modification: ts(st.st_mtime as _, st.st_mtime_nsec as _),
-    }
-}
-
-/// Gives the file or directory open as `fd` the metadata `st` describes:
-/// owner, mode, xattrs (copied from `src`, when given), timestamps, then
-/// `src_flags` but NOCOW added to the fd's flags, the order in which each
-/// survives the next (a chown clears setuid and capabilities, the
-/// immutable flag forbids all the rest). `now`: the fd's current owner and
-/// mode, when known, to skip a chown or chmod that would change nothing.
-/// A failure part-way leaves some of it applied.
-pub fn finish_fd_metadata(
-    st: &Stat,
-    fd: BorrowedFd<'_>,
-    src: Option<BorrowedFd<'_>>,
-    src_flags: Option<IFlags>,
-    now: Option<&Stat>,
-) -> io::Result<()> {
-    let same_owner = now.is_some_and(|n| (n.st_uid, n.st_gid) == (st.st_uid, st.st_gid));
-    if !same_owner {
-        sys::chown(fd, st.st_uid, st.st_gid)?;
-    }
-    // A chown may clear the setuid and setgid bits: after one, always chmod.
-    let same_mode = same_owner && now.is_some_and(|n| n.st_mode & 0o7777 == st.st_mode & 0o7777);
-    if !same_mode {
-        sys::chmod(fd, st.st_mode)?;
-    }
-    if let Some(src) = src {
-        copy_xattrs_fd(src, fd)?;
-    }
-    sys::set_times(fd, &times(st))?;
-    if let Some(src_flags) = src_flags {
-        let rest = src_flags.difference(IFlags::NOCOW);
-        if !rest.is_empty() {
-            set_flags(fd, inode_flags(fd)? | rest)?;
-        }
-    }
-    Ok(())
-}
-
-/// Removes every xattr of `dst` that `src` does not have (both open fds).
-pub fn remove_xattrs_missing_from(src: BorrowedFd<'_>, dst: BorrowedFd<'_>) -> io::Result<()> {
-    let keep: HashSet<OsString> = sys::list_xattrs(src)?.into_iter().collect();
-    for name in sys::list_xattrs(dst)?.iter().filter(|n| !keep.contains(*n)) {
-        match sys::remove_xattr(dst, name) {
-            Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::ENODATA) => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-fn copy_xattrs_fd(src: BorrowedFd<'_>, dst: BorrowedFd<'_>) -> io::Result<()> {
-    for name in sys::list_xattrs(src)? {
-        let value = sys::get_xattr(src, &name)?;
-        sys::set_xattr(dst, &name, &value)?;
-    }
-    Ok(())
-}
-
-/// Xattrs of an entry that is never opened (symlink, FIFO, device).
-fn copy_xattrs_at(
-    src_dir: BorrowedFd<'_>,
-    src_name: &OsStr,
-    dst_dir: BorrowedFd<'_>,
-    dst_name: &OsStr,
-) -> io::Result<()> {
-    let list = match sys::list_xattrs_at(src_dir, src_name) {
-        Ok(l) => l,
-        Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => return Ok(()),
-        Err(e) => return Err(e),
-    };
-    for name in list {
-        let value = sys::get_xattr_at(src_dir, src_name, &name)?;
-        sys::set_xattr_at(dst_dir, dst_name, &name, &value)?;
-    }
-    Ok(())
 }

@@ -61,6 +61,24 @@ pub const DATA_DIR: &str = "/media/startos/data";
 /// Package volumes, relative to [`DATA_DIR`].
 pub const PKG_VOLUME_DIR: &str = "package-data/volumes";
 
+/// Sends the crates' log to stderr, one line each, warnings and worse
+/// unless `RUST_LOG` says otherwise, coloured only on a terminal: how the
+/// command-line tools (`startos-volume`, `volume-migrate`) report what the
+/// library warns of. Call once, first thing in `main`.
+#[cfg(feature = "cli")]
+pub fn init_command_line_log() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .without_time()
+        .with_target(false)
+        .init();
+}
+
 /// The volumes root on a StartOS server.
 pub fn default_root() -> PathBuf {
     Path::new(DATA_DIR).join(PKG_VOLUME_DIR)

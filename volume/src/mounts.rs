@@ -111,19 +111,10 @@ pub struct MountUse {
     pub command: String,
 }
 
-/// `bytes` as text for a one-line message: control characters (a newline
-/// in a mount point a package made, say) escaped.
+/// `bytes` as text for a one-line message (a newline in a mount point a
+/// package made, say, escaped).
 fn printable(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes)
-        .chars()
-        .flat_map(|c| {
-            if c.is_control() {
-                c.escape_default().collect::<Vec<_>>()
-            } else {
-                vec![c]
-            }
-        })
-        .collect()
+    crate::walk::printable(Path::new(std::ffi::OsStr::from_bytes(bytes)))
 }
 
 impl fmt::Display for MountUse {

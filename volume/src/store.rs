@@ -522,26 +522,7 @@ impl VolumeStore {
         if let Some(kind) = self.tree(pkg, &names.live)? {
             return Ok(kind);
         }
-        let kind = if self.btrfs {
-            sys::create_subvolume(self.root_fd(), &names.live).with_ctx(|_| {
-                (
-                    ErrorKind::DiskManagement,
-                    pkg.context(format!(
-                        "creating subvolume {}",
-                        self.volume_path(pkg).display()
-                    )),
-                )
-            })?;
-            VolumeKind::Subvolume
-        } else {
-            sys::mkdir_if_missing(self.root_fd(), &names.live, 0o755).with_ctx(|_| {
-                (
-                    ErrorKind::Filesystem,
-                    pkg.context(format!("creating {}", self.volume_path(pkg).display())),
-                )
-            })?;
-            VolumeKind::Directory
-        };
+        let kind = self.make_tree(pkg, &names.live)?;
         self.fsync_root().with_ctx(|_| {
             (
                 ErrorKind::Filesystem,
@@ -549,6 +530,29 @@ impl VolumeStore {
             )
         })?;
         Ok(kind)
+    }
+
+    /// Makes the empty tree `name` in the root, in one step: a subvolume on
+    /// btrfs, a directory elsewhere. Not yet durable.
+    fn make_tree(&self, pkg: &PackageId, name: &OsStr) -> Result<VolumeKind, Error> {
+        let path = self.root.join(name);
+        if self.btrfs {
+            sys::create_subvolume(self.root_fd(), name).with_ctx(|_| {
+                (
+                    ErrorKind::DiskManagement,
+                    pkg.context(format!("creating subvolume {}", path.display())),
+                )
+            })?;
+            Ok(VolumeKind::Subvolume)
+        } else {
+            sys::mkdir_at(self.root_fd(), name, 0o755).with_ctx(|_| {
+                (
+                    ErrorKind::Filesystem,
+                    pkg.context(format!("creating {}", path.display())),
+                )
+            })?;
+            Ok(VolumeKind::Directory)
+        }
     }
 
     /// Creates `<pkg>` (a subvolume on btrfs, a directory elsewhere) and
@@ -570,29 +574,7 @@ impl VolumeStore {
             self.make_volume_dirs(pkg, &names.live, volumes)?;
             return Ok(kind);
         }
-        let kind = if self.btrfs {
-            sys::create_subvolume(self.root_fd(), &names.create).with_ctx(|_| {
-                (
-                    ErrorKind::DiskManagement,
-                    pkg.context(format!(
-                        "creating subvolume {}",
-                        self.root.join(&names.create).display()
-                    )),
-                )
-            })?;
-            VolumeKind::Subvolume
-        } else {
-            sys::mkdir_at(self.root_fd(), &names.create, 0o755).with_ctx(|_| {
-                (
-                    ErrorKind::Filesystem,
-                    pkg.context(format!(
-                        "creating {}",
-                        self.root.join(&names.create).display()
-                    )),
-                )
-            })?;
-            VolumeKind::Directory
-        };
+        let kind = self.make_tree(pkg, &names.create)?;
         let made = self
             .make_volume_dirs(pkg, &names.create, volumes)
             .and_then(|()| {

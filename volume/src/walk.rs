@@ -111,8 +111,9 @@ pub fn is_crossing(e: &io::Error) -> bool {
     e.get_ref().is_some_and(|inner| inner.is::<CrossesMount>())
 }
 
-/// A path for a one-line message: lossy UTF-8, control characters
-/// escaped, and cut to its first and last 120 bytes' worth past 300.
+/// A path (or any name) for a one-line message: lossy UTF-8, control
+/// characters escaped, and cut to its first and last 120 characters past
+/// 300: every message that names a path a package chose goes through it.
 pub fn printable(path: &std::path::Path) -> String {
     let text: String = path
         .to_string_lossy()

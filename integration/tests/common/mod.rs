@@ -3,7 +3,9 @@
 //! Each test file compiles this module on its own and uses a different subset.
 #![allow(dead_code)]
 
+pub mod cli;
 pub mod rich;
+pub mod sweep;
 
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::{FileExt, symlink};

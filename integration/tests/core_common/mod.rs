@@ -326,3 +326,30 @@ pub fn reap_orphan(pidfile: &Path) {
     }
     let _ = std::fs::remove_file(pidfile);
 }
+
+/// Installs `name` at 1.0 in this process, lets it write, stops it: the data
+/// every crash before the commit must come back to.
+pub async fn installed_and_stopped(env: &Env, name: &str) -> TreeDigest {
+    let (fin, _rx) = env.finalizer();
+    install_running(&fin, name, "1.0", Duration::from_millis(100)).await;
+    use startos_core::Services;
+    fin.services().stop(&pkg(name)).await.unwrap();
+    digest(&env.volume(&pkg(name)))
+}
+
+/// Boot: reconcile with a fresh database handle; it must be idempotent.
+pub async fn boot(env: &Env) -> Arc<Fin> {
+    let (fin, _rx) = env.finalizer();
+    let r = startos_core::reconcile(&**fin.db(), &env.root)
+        .await
+        .expect("reconcile");
+    eprintln!("reconcile: {:?}", r.actions);
+    let again = startos_core::reconcile(&**fin.db(), &env.root)
+        .await
+        .expect("second reconcile");
+    assert!(
+        again.is_noop(),
+        "a second reconcile must do nothing: {again:?}"
+    );
+    fin
+}

@@ -30,6 +30,7 @@ use rustix::ioctl::{Getter, NoArg, Opcode, Setter, Updater, opcode};
 use super::fs::{open_dir_at, stat};
 use super::inode::{open_subvolume, open_tree_dir};
 use super::ioctl::{BTRFS_IOCTL_MAGIC, ensure_btrfs, malformed};
+use super::item::{ROOT_REF_KEY, RootRef};
 use super::search::{ItemKey, KeyRange, Searcher};
 use super::subvolume::{Nested, SUBVOLUME_ROOT_INO};
 
@@ -42,9 +43,6 @@ const NAME_LEN: usize = 255;
 const SUBVOL_RDONLY: u64 = 1 << 1;
 /// `BTRFS_ROOT_TREE_OBJECTID`: the tree of trees.
 const ROOT_TREE: u64 = 1;
-/// `BTRFS_ROOT_REF_KEY`: (parent id, ROOT_REF, child id) in the root tree,
-/// one per subvolume linked into a directory of the parent.
-const ROOT_REF_KEY: u8 = 156;
 /// `BTRFS_INO_LOOKUP_PATH_MAX`.
 const INO_LOOKUP_PATH_MAX: usize = 4080;
 
@@ -288,42 +286,6 @@ fn subvolume_id(fd: BorrowedFd<'_>) -> io::Result<u64> {
     Ok(ino_lookup(fd, 0, SUBVOLUME_ROOT_INO)?.treeid)
 }
 
-/// One ROOT_REF item of the root tree: child subvolume `child` sits in
-/// directory `dirid` of its parent under `name`.
-#[derive(Debug, PartialEq, Eq)]
-struct RootRef {
-    child: u64,
-    dirid: u64,
-    name: Vec<u8>,
-}
-
-/// Parses the body of the ROOT_REF item keyed (parent, ROOT_REF, `child`):
-/// `struct btrfs_root_ref` (dirid, sequence, name_len: packed, little
-/// endian) followed by the name, which must be one non-empty component.
-fn parse_root_ref(child: u64, body: &[u8]) -> io::Result<RootRef> {
-    use super::item::{ROOT_REF_DIRID, ROOT_REF_NAME as NAME_AT, ROOT_REF_NAME_LEN, le64};
-    let dirid = le64(body, ROOT_REF_DIRID).ok_or_else(|| malformed("short ROOT_REF item"))?;
-    let name_len = body
-        .get(ROOT_REF_NAME_LEN..NAME_AT)
-        .map(|b| usize::from(u16::from_le_bytes([b[0], b[1]])))
-        .ok_or_else(|| malformed("short ROOT_REF item"))?;
-    let name = body
-        .get(NAME_AT..NAME_AT + name_len)
-        .ok_or_else(|| malformed("ROOT_REF name runs past its item"))?;
-    if name.is_empty()
-        || name == b"."
-        || name == b".."
-        || name.iter().any(|b| *b == 0 || *b == b'/')
-    {
-        return Err(malformed("ROOT_REF name is not one path component"));
-    }
-    Ok(RootRef {
-        child,
-        dirid,
-        name: name.to_vec(),
-    })
-}
-
 /// The ROOT_REF items of subvolume `parent`: the subvolumes linked into its
 /// directories, in id order.
 fn root_refs(searcher: &mut Searcher, fd: BorrowedFd<'_>, parent: u64) -> io::Result<Vec<RootRef>> {
@@ -350,7 +312,7 @@ fn root_refs(searcher: &mut Searcher, fd: BorrowedFd<'_>, parent: u64) -> io::Re
             if key.objectid != parent || key.item_type != ROOT_REF_KEY {
                 return ControlFlow::Continue(());
             }
-            match parse_root_ref(key.offset, body) {
+            match RootRef::parse(key.offset, body) {
                 Ok(r) => {
                     refs.push(r);
                     ControlFlow::Continue(())
@@ -425,41 +387,6 @@ fn push_children(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn root_ref_body(dirid: u64, name: &[u8], claimed_len: u16) -> Vec<u8> {
-        let mut v = dirid.to_le_bytes().to_vec();
-        v.extend_from_slice(&3u64.to_le_bytes());
-        v.extend_from_slice(&claimed_len.to_le_bytes());
-        v.extend_from_slice(name);
-        v
-    }
-
-    #[test]
-    fn a_root_ref_parses() {
-        let r = parse_root_ref(300, &root_ref_body(257, b"data", 4)).expect("parses");
-        assert_eq!(
-            r,
-            RootRef {
-                child: 300,
-                dirid: 257,
-                name: b"data".to_vec()
-            }
-        );
-    }
-
-    #[test]
-    fn a_root_ref_name_past_its_item_is_an_error() {
-        assert!(parse_root_ref(300, &root_ref_body(257, b"data", 40)).is_err());
-        assert!(parse_root_ref(300, &root_ref_body(257, b"", 0)[..10]).is_err());
-    }
-
-    #[test]
-    fn a_root_ref_name_must_be_one_component() {
-        for bad in [&b""[..], b".", b"..", b"a/b", b"a\0b"] {
-            let len = bad.len() as u16;
-            assert!(parse_root_ref(300, &root_ref_body(257, bad, len)).is_err());
-        }
-    }
 
     #[test]
     fn names_are_checked_before_the_ioctl() {

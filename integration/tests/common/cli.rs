@@ -1,0 +1,111 @@
+//! What the CLI tests check of every command: it succeeds or says why on
+//! one line, and what a package looks like afterwards.
+#![allow(dead_code)]
+
+use std::path::Path;
+use std::process::Output;
+
+use integration::TreeDigest;
+
+use super::{assert_same, digest, package_names};
+
+pub fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Whether the command succeeded; if not, it must have said why on exactly
+/// one line of stderr.
+#[track_caller]
+pub fn succeeded_or_one_line(out: &Output, what: &str) -> bool {
+    if out.status.success() {
+        return true;
+    }
+    let err = text(&out.stderr);
+    assert_eq!(
+        err.lines().count(),
+        1,
+        "{what} failed ({}) with other than one line on stderr: {err:?}",
+        out.status
+    );
+    false
+}
+
+#[track_caller]
+pub fn must_succeed(out: &Output, what: &str) -> String {
+    assert!(
+        out.status.success(),
+        "{what} must succeed ({}): {}",
+        out.status,
+        text(&out.stderr)
+    );
+    text(&out.stdout)
+}
+
+#[track_caller]
+pub fn must_fail(out: &Output, what: &str, needle: &str) -> String {
+    assert!(
+        !out.status.success(),
+        "{what} must fail; stdout {}",
+        text(&out.stdout)
+    );
+    let err = text(&out.stderr);
+    assert_eq!(
+        err.lines().count(),
+        1,
+        "{what}: one line on stderr: {err:?}"
+    );
+    assert!(
+        err.contains(needle),
+        "{what}: stderr must say {needle:?}: {err:?}"
+    );
+    err
+}
+
+/// What a package must look like: its live volume and its backup.
+#[derive(Clone)]
+pub struct Expect {
+    pub live: Option<TreeDigest>,
+    pub backup: Option<TreeDigest>,
+}
+
+impl Expect {
+    pub fn of(root: &Path, pkg: &str) -> Expect {
+        let (live, backup) = (root.join(pkg), root.join(format!("{pkg}.install-backup")));
+        Expect {
+            live: live.exists().then(|| digest(&live)),
+            backup: backup.exists().then(|| digest(&backup)),
+        }
+    }
+
+    /// Checks `pkg` against this, and that nothing but its volume and
+    /// backup is left under its names.
+    #[track_caller]
+    pub fn check(&self, root: &Path, pkg: &str, when: &str) {
+        let now = Expect::of(root, pkg);
+        for (what, want, got) in [
+            ("volume", &self.live, &now.live),
+            ("backup", &self.backup, &now.backup),
+        ] {
+            match (want, got) {
+                (Some(w), Some(g)) => assert_same(w, g, &format!("{when}: {pkg}'s {what}")),
+                (None, None) => {}
+                (w, g) => panic!(
+                    "{when}: {pkg}'s {what} should {}exist, but {}",
+                    if w.is_some() { "" } else { "not " },
+                    if g.is_some() { "it does" } else { "it is gone" }
+                ),
+            }
+        }
+        let mut allowed = vec![pkg.to_owned()];
+        allowed.push(format!("{pkg}.install-backup"));
+        // The record of a backup's read-only nested subvolumes lives with it.
+        if self.backup.is_some() {
+            allowed.push(format!("{pkg}.install-backup.ro"));
+        }
+        let left: Vec<String> = package_names(root, pkg)
+            .into_iter()
+            .filter(|n| !allowed.contains(n))
+            .collect();
+        assert!(left.is_empty(), "{when}: {pkg} left {left:?}");
+    }
+}
