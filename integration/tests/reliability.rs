@@ -628,6 +628,40 @@ fn a_tmpfs_inside_a_volume_blocks_neither_list_nor_usage() {
     must_succeed(&volume_cli(&root, &["snapshot", "sv"], &[]), "snapshot sv");
 }
 
+/// Found by the generated trees running beside the sweep: a mount point
+/// whose name is not UTF-8 (mountinfo holds it raw) made every reading of
+/// the mount tables fail, so no restore, delete or conversion of any
+/// package worked while it was mounted. Read as bytes, it is one more
+/// mount, and only its own package's restore refuses.
+#[test]
+fn a_mount_point_that_is_not_utf8_blocks_no_other_package() {
+    use std::os::unix::ffi::OsStrExt;
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    for p in ["odd", "other"] {
+        must_succeed(&volume_cli(&root, &["create", p, "main"], &[]), "create");
+        must_succeed(&volume_cli(&root, &["snapshot", p], &[]), "snapshot");
+    }
+    let odd = root
+        .join("odd/data/main")
+        .join(OsStr::from_bytes(b"not-utf8-\xff\xfe"));
+    let _mount = MountGuard::tmpfs(&odd);
+    must_succeed(
+        &volume_cli(&root, &["restore", "other"], &[]),
+        "restore other",
+    );
+    must_exit_with(
+        &volume_cli(&root, &["restore", "odd"], &[]),
+        1,
+        "restore odd",
+        &["in use", "not-utf8-"],
+    );
+    must_succeed(
+        &volume_cli(&root, &["delete", "other"], &[]),
+        "delete other",
+    );
+}
+
 // ---------------------------------------------------------------- 4. a reflink copy out of descriptors
 
 // Today: with 12 descriptors the extent count fails first (an accepted error), but with 52 `snapshot app` exits 0 with "no backup for app: reflink copy failed: Too many open files".

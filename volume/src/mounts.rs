@@ -27,8 +27,7 @@ pub(crate) struct MountEntry {
 }
 
 /// Undoes mountinfo's octal escapes (`\040` for a space, ...).
-fn unescape(field: &str) -> PathBuf {
-    let b = field.as_bytes();
+fn unescape(b: &[u8]) -> PathBuf {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
@@ -46,13 +45,16 @@ fn unescape(field: &str) -> PathBuf {
     PathBuf::from(OsString::from_vec(out))
 }
 
-pub(crate) fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
-    text.lines()
+/// The lines of a mount table, raw bytes: a mount point's name, like any
+/// name, may be any bytes but `/` and NUL, and the kernel escapes only
+/// space, tab, newline and backslash.
+pub(crate) fn parse_mountinfo(text: &[u8]) -> Vec<MountEntry> {
+    text.split(|b| *b == b'\n')
         .filter_map(|line| {
-            let mut f = line.split(' ');
+            let mut f = line.split(|b| *b == b' ');
             let _id = f.next()?;
             let _parent = f.next()?;
-            let dev = f.next()?.to_owned();
+            let dev = String::from_utf8_lossy(f.next()?).into_owned();
             let root = unescape(f.next()?);
             let mount_point = unescape(f.next()?);
             Some(MountEntry {
@@ -211,7 +213,7 @@ mod tests {
 
     #[test]
     fn finds_bind_mounts_from_inside_and_mounts_on_top() {
-        let e = parse_mountinfo(SAMPLE);
+        let e = parse_mountinfo(SAMPLE.as_bytes());
         let vols = Path::new("/media/startos/data/package-data/volumes");
         let inside = |p: &Path| mounts_inside(&e, p, locate(&e, p).as_ref());
         assert_eq!(
@@ -228,8 +230,8 @@ mod tests {
 
     #[test]
     fn finds_bind_mounts_in_another_namespace_by_their_source() {
-        let own = parse_mountinfo(SAMPLE);
-        let container = parse_mountinfo(CONTAINER);
+        let own = parse_mountinfo(SAMPLE.as_bytes());
+        let container = parse_mountinfo(CONTAINER.as_bytes());
         let vols = Path::new("/media/startos/data/package-data/volumes");
         let lnd = vols.join("lnd");
         assert_eq!(
@@ -241,8 +243,22 @@ mod tests {
     }
 
     #[test]
+    fn a_mount_point_that_is_not_utf8_is_read_as_it_is() {
+        let mut table = SAMPLE.as_bytes().to_vec();
+        table.extend_from_slice(b"46 40 0:51 / /media/startos/data/package-data/volumes/app/data/\xff\x01 rw - tmpfs tmpfs rw\n");
+        let e = parse_mountinfo(&table);
+        assert_eq!(e.len(), 8);
+        assert_eq!(
+            e[7].mount_point.as_os_str().as_bytes(),
+            b"/media/startos/data/package-data/volumes/app/data/\xff\x01"
+        );
+        let app = Path::new("/media/startos/data/package-data/volumes/app");
+        assert_eq!(mounts_inside(&e, app, None), vec![e[7].mount_point.clone()]);
+    }
+
+    #[test]
     fn unescapes_octal() {
-        let e = parse_mountinfo(SAMPLE);
+        let e = parse_mountinfo(SAMPLE.as_bytes());
         assert_eq!(e[6].mount_point, PathBuf::from("/mnt/with space"));
     }
 }

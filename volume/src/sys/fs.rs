@@ -204,7 +204,9 @@ pub fn read_link_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Vec<
 }
 
 /// Opens the directory at relative path `rel` below `dir`, refusing any
-/// symlink on the way and any `..` that would leave `dir`.
+/// symlink on the way, any `..` that would leave `dir`, and any mount on
+/// the way (EXDEV). For short paths the crates build themselves; a walk of
+/// a package's tree goes one name at a time ([`crate::walk`]).
 pub fn open_beneath(dir: BorrowedFd<'_>, rel: &Path) -> io::Result<OwnedFd> {
     use rustix::fs::ResolveFlags;
     super::fault::check("openat2")?;
@@ -213,7 +215,10 @@ pub fn open_beneath(dir: BorrowedFd<'_>, rel: &Path) -> io::Result<OwnedFd> {
         rel,
         OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
         Mode::empty(),
-        ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+        ResolveFlags::BENEATH
+            | ResolveFlags::NO_SYMLINKS
+            | ResolveFlags::NO_MAGICLINKS
+            | ResolveFlags::NO_XDEV,
     )?)
 }
 

@@ -17,8 +17,9 @@ pub struct MountNamespace {
     pub id: u64,
     /// Every process in it, sorted.
     pub pids: Vec<u32>,
-    /// Its mount table, read through its lowest pid's `mountinfo`.
-    pub mountinfo: String,
+    /// Its mount table, read through its lowest pid's `mountinfo`: raw
+    /// bytes, as a mount point's name need not be UTF-8.
+    pub mountinfo: Vec<u8>,
     /// That process's command name (`comm`), empty if unreadable.
     pub command: String,
 }
@@ -36,11 +37,12 @@ fn passed_over(e: &io::Error) -> bool {
         )
 }
 
-/// This process's mount namespace (its inode number) and mount table.
-pub fn own_mount_table() -> io::Result<(u64, String)> {
+/// This process's mount namespace (its inode number) and mount table
+/// (raw bytes: a mount point's name need not be UTF-8).
+pub fn own_mount_table() -> io::Result<(u64, Vec<u8>)> {
     super::fault::check("read /proc/self/mountinfo")?;
     let ns = std::fs::metadata("/proc/self/ns/mnt")?.ino();
-    Ok((ns, std::fs::read_to_string("/proc/self/mountinfo")?))
+    Ok((ns, std::fs::read("/proc/self/mountinfo")?))
 }
 
 /// Every mount namespace on the machine that has a process in it, by
@@ -74,7 +76,7 @@ pub fn mount_namespaces() -> io::Result<Vec<MountNamespace>> {
         pids.sort_unstable();
         let mut table = None;
         for pid in &pids {
-            match std::fs::read_to_string(format!("/proc/{pid}/mountinfo")) {
+            match std::fs::read(format!("/proc/{pid}/mountinfo")) {
                 Ok(text) => {
                     table = Some((*pid, text));
                     break;
