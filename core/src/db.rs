@@ -289,7 +289,12 @@ impl Db for FileDb {
         let (mut map, revision) = self.read();
         let before = map.clone();
         let result = f(&mut map)?;
-        if map == before {
+        // Entry by entry, not the maps' `==`: imbl's before 7.0.2 skipped
+        // pointer-shared nodes and missed a changed entry beside them (its
+        // issue #161), which here dropped a state change unwritten once a
+        // document had some 150 packages (the I/O-error sweep found it: an
+        // update's `installed` record never reached the file).
+        if map.len() == before.len() && map.iter().eq(before.iter()) {
             return Ok(Mutated { result, revision });
         }
         let revision = revision + 1;
@@ -319,6 +324,48 @@ mod tests {
             state_info: state,
             version: Some("1.0".into()),
             s9pk: "/x.s9pk".into(),
+        }
+    }
+
+    /// A change to one entry of a document read back from its file is
+    /// written, whatever the document's size: with imbl 6.1's map equality
+    /// it was lost at 185 entries (and at 157 in the sweep's shape).
+    #[tokio::test]
+    async fn a_change_to_one_entry_of_a_large_document_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.json");
+        for n in [17usize, 157, 185, 213, 400] {
+            let _ = std::fs::remove_file(&path);
+            let db = FileDb::open(&path).unwrap();
+            let ids: Vec<PackageId> = (0..n).map(|i| format!("u{i}").parse().unwrap()).collect();
+            let all = ids.clone();
+            db.mutate(move |m| {
+                for id in all {
+                    m.insert(id, entry(StateInfo::Installed));
+                }
+                Ok(())
+            })
+            .await
+            .unwrap();
+            drop(db);
+            let db = FileDb::open(&path).unwrap();
+            let last = ids[n - 1].clone();
+            let changed = last.clone();
+            db.mutate(move |m| {
+                if let Some(e) = m.get_mut(&changed) {
+                    e.version = Some("2.0".into());
+                }
+                Ok(())
+            })
+            .await
+            .unwrap();
+            let reread = FileDb::open(&path).unwrap();
+            let got = reread
+                .peek()
+                .await
+                .get(&last)
+                .and_then(|e| e.version.clone());
+            assert_eq!(got.as_deref(), Some("2.0"), "{n} entries");
         }
     }
 

@@ -184,6 +184,9 @@ async fn finalization() {
             );
         }
     }
+    if let Some(only) = only_specs() {
+        specs = only;
+    }
     for (i, spec) in specs.iter().enumerate() {
         let p = format!("u{i}");
         installed_and_stopped(&env, &p).await;
@@ -194,7 +197,11 @@ async fn finalization() {
             continue;
         };
         runs += 1;
-        let when = format!("update of {p} with call {spec} failing ({})", fired.trim());
+        let when = format!(
+            "update of {p} with call {spec} failing ({}); it said {:?}",
+            fired.trim(),
+            String::from_utf8_lossy(&out.stderr)
+        );
         if out.status.success() {
             absorbed += 1;
         } else {

@@ -21,6 +21,13 @@ pub const NEXT: [&str; 5] = ["recover", "list", "snapshot", "restore", "drop"];
 /// What the sweep writes into the live volume after a failure.
 pub const MARKER: &str = "written-after-the-failure";
 
+/// The specs `FAULTS_SPECS` names (comma-separated, such as `156:eio`), to
+/// replay a failure the sweep found; `None` to sweep.
+pub fn only_specs() -> Option<Vec<String>> {
+    let list = std::env::var("FAULTS_SPECS").ok()?;
+    Some(list.split(',').map(str::to_owned).collect())
+}
+
 /// Whether every k runs (`make faults`), not a sample.
 pub fn full() -> bool {
     std::env::var_os("FAULTS_FULL").is_some()
@@ -399,6 +406,15 @@ pub fn sweep(case: &Case, sample: u64) {
                 specs.push((format!("{k}{plus}:{errno}"), k));
             }
         }
+    }
+    if let Some(only) = only_specs() {
+        specs = only
+            .into_iter()
+            .map(|spec| {
+                let k = spec.split([':', '+']).next().and_then(|k| k.parse().ok());
+                (spec, k.unwrap_or(1))
+            })
+            .collect();
     }
     let mut past_end = 0;
     for (spec, k) in &specs {
