@@ -11,6 +11,8 @@
 //! - [`tree_digest`]: a comparable record of a tree's content and metadata;
 //! - [`deep`]: trees deeper than `PATH_MAX`, built, digested and removed
 //!   through directory descriptors;
+//! - `r#gen` (`gen` is a reserved word): hostile trees of random shape,
+//!   generated from a seed and built through directory descriptors;
 //! - [`run`] and [`sh`]: external commands whose failures carry their stderr;
 //! - [`upstream`]: upstream's own volume code, restated as a baseline;
 //! - [`compare`]: scenarios run against that baseline and against ours.
@@ -24,7 +26,9 @@ pub mod compare;
 pub mod deep;
 mod fixture;
 pub mod fmt;
+// `gen` is a reserved word in Rust 2024: the module is `r#gen`.
 mod frag;
+pub mod r#gen;
 pub mod node;
 pub mod powercut;
 pub mod services;
