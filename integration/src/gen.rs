@@ -593,7 +593,7 @@ impl Tree {
 
     fn count(&self) -> Stats {
         let mut s = Stats::default();
-        for (i, n) in self.nodes.iter().enumerate().skip(1) {
+        for n in self.nodes.iter().skip(1) {
             let depth = n.depth;
             s.entries += 1;
             match &n.kind {
@@ -630,7 +630,6 @@ impl Tree {
             s.immutable += u64::from(n.stuck.contains(IFlags::IMMUTABLE));
             s.append += u64::from(n.stuck.contains(IFlags::APPEND));
             s.nocow += u64::from(n.nocow);
-            let _ = i;
         }
         s.mounts = u64::from(self.mount_point.is_some());
         s
