@@ -662,6 +662,50 @@ fn a_mount_point_that_is_not_utf8_blocks_no_other_package() {
     );
 }
 
+/// Found by the generated trees: a nested subvolume in an immutable or
+/// append-only directory could not be snapshotted (the copy's holder kept
+/// the flag, so its placeholder could not be replaced), and one with an
+/// immutable root, or in such a directory, could not be deleted: a drop,
+/// a restore's purge or a delete then stopped past its commit point and
+/// left a transient name no recovery could remove.
+#[test]
+fn nested_subvolumes_below_immutable_and_append_only_directories_come_and_go() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    must_succeed(
+        &volume_cli(&root, &["create", "app", "main"], &[]),
+        "create",
+    );
+    let main = root.join("app/data/main");
+    for (dir, flag) in [("locked", "+i"), ("log", "+a")] {
+        fs::create_dir(main.join(dir)).unwrap();
+        subvolume_create(&main.join(dir).join("sub"));
+        fs::write(main.join(dir).join("sub/f"), dir).unwrap();
+        run(Command::new("chattr")
+            .arg(flag)
+            .arg(main.join(dir).join("sub")))
+        .unwrap();
+        run(Command::new("chattr").arg(flag).arg(main.join(dir))).unwrap();
+    }
+    let before = digest(&root.join("app"));
+    must_succeed(&volume_cli(&root, &["snapshot", "app"], &[]), "snapshot");
+    assert_same(
+        &before,
+        &digest(&root.join("app.install-backup")),
+        "the backup",
+    );
+    must_succeed(&volume_cli(&root, &["drop", "app"], &[]), "drop");
+    must_succeed(
+        &volume_cli(&root, &["snapshot", "app"], &[]),
+        "snapshot again",
+    );
+    must_succeed(&volume_cli(&root, &["restore", "app"], &[]), "restore");
+    assert_same(&before, &digest(&root.join("app")), "the restored volume");
+    must_succeed(&volume_cli(&root, &["delete", "app"], &[]), "delete");
+    assert_eq!(package_names(&root, "app"), Vec::<String>::new());
+    must_succeed(&volume_cli(&root, &["recover"], &[]), "recover");
+}
+
 // ---------------------------------------------------------------- 4. a reflink copy out of descriptors
 
 // Today: with 12 descriptors the extent count fails first (an accepted error), but with 52 `snapshot app` exits 0 with "no backup for app: reflink copy failed: Too many open files".

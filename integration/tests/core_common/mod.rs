@@ -343,7 +343,10 @@ pub async fn boot(env: &Env) -> Arc<Fin> {
     let r = startos_core::reconcile(&**fin.db(), &env.root)
         .await
         .expect("reconcile");
-    eprintln!("reconcile: {:?}", r.actions);
+    eprintln!(
+        "reconcile: {:?}; needs attention: {:?}",
+        r.actions, r.needs_attention
+    );
     let again = startos_core::reconcile(&**fin.db(), &env.root)
         .await
         .expect("second reconcile");

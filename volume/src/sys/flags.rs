@@ -74,6 +74,30 @@ pub fn clear_stuck_flags(fd: BorrowedFd<'_>) -> io::Result<()> {
     Ok(())
 }
 
+/// Runs `op`, a change of the directory (or file) open as `fd` or of its
+/// entries, with its own immutable and append-only flags, which forbid
+/// both, lifted, and puts them back afterwards, whatever `op` returned. A
+/// crash in between leaves them off: callers only lift them in trees of
+/// their own making (a copy being built) or about to go.
+pub fn with_own_stuck_flags_lifted<T>(
+    fd: BorrowedFd<'_>,
+    op: impl FnOnce() -> io::Result<T>,
+) -> io::Result<T> {
+    let flags = inode_flags(fd)?;
+    let stuck = IFlags::IMMUTABLE | IFlags::APPEND;
+    if !flags.intersects(stuck) {
+        return op();
+    }
+    set_immutable_append(fd, false, false)?;
+    let done = op();
+    set_immutable_append(
+        fd,
+        flags.contains(IFlags::IMMUTABLE),
+        flags.contains(IFlags::APPEND),
+    )?;
+    done
+}
+
 /// Runs `op`, a rename, link or unlink of the entry `name` of `dir`, with
 /// the entry's immutable and append-only flags, which forbid all three,
 /// lifted; puts them back afterwards, whatever `op` returned, if the inode

@@ -27,6 +27,7 @@ use rustix::fs::AtFlags;
 use rustix::io::Errno;
 use rustix::ioctl::{Getter, NoArg, Opcode, Setter, Updater, opcode};
 
+use super::flags::{clear_stuck_flags, with_own_stuck_flags_lifted};
 use super::fs::{open_dir_at, stat};
 use super::inode::{open_subvolume, open_tree_dir};
 use super::ioctl::{BTRFS_IOCTL_MAGIC, ensure_btrfs, malformed};
@@ -183,9 +184,14 @@ pub(super) fn snapshot_recursive(
         };
         let holder = open_tree_dir(copy.as_fd(), holder_tree, n.dirid)?;
         let src = open_subvolume(source, n.id)?;
-        super::fault::check("unlinkat")?;
-        rustix::fs::unlinkat(holder.as_fd(), &n.name, AtFlags::REMOVEDIR)?;
-        create_snapshot(src.as_fd(), holder.as_fd(), &n.name, false)?;
+        // An immutable or append-only holder (the package's, copied with
+        // it) forbids replacing its placeholder: lifted for that, in the
+        // copy only.
+        with_own_stuck_flags_lifted(holder.as_fd(), || {
+            super::fault::check("unlinkat")?;
+            rustix::fs::unlinkat(holder.as_fd(), &n.name, AtFlags::REMOVEDIR)?;
+            create_snapshot(src.as_fd(), holder.as_fd(), &n.name, false)
+        })?;
         let placed = open_dir_at(holder.as_fd(), &n.name)?;
         copies.insert(n.id, subvolume_id(placed.as_fd())?);
     }
@@ -242,6 +248,11 @@ pub(super) fn delete_subvolume(
         if stat(top.as_fd())?.ino == SUBVOLUME_ROOT_INO {
             for n in nested_pre_order(top.as_fd())?.iter().rev() {
                 let holder = open_tree_dir(top.as_fd(), n.parent, n.dirid)?;
+                // An immutable or append-only holder forbids the unlink
+                // (callers clear the subvolumes' own flags, see
+                // `make_tree_writable`); the tree is going, so the flags
+                // need not come back.
+                clear_stuck_flags(holder.as_fd())?;
                 vol_ioctl::<SNAP_DESTROY_V2>(holder.as_fd(), VolArgsV2::named(&n.name)?)?;
             }
         }

@@ -14,6 +14,7 @@ use rustix::fs::{AtFlags, FileType};
 
 #[cfg(feature = "btrfsutil")]
 use super::btrfsutil as backend;
+use super::flags::{clear_stuck_flags, with_own_stuck_flags_lifted};
 use super::fs::{is_btrfs, open_dir_at, read_dir_names, set_times, stat, times};
 use super::inode::{open_subvolume, open_tree_dir};
 use super::ioctl::{BTRFS_IOCTL_MAGIC, ensure_btrfs};
@@ -96,7 +97,8 @@ pub fn snapshot_tree(
             continue;
         };
         let t = times(open_tree_dir(source, n.parent, n.dirid)?.as_fd())?;
-        set_times(open_tree_dir(copy.as_fd(), c.parent, c.dirid)?.as_fd(), &t)?;
+        let holder = open_tree_dir(copy.as_fd(), c.parent, c.dirid)?;
+        with_own_stuck_flags_lifted(holder.as_fd(), || set_times(holder.as_fd(), &t))?;
     }
     Ok(copy)
 }
@@ -303,17 +305,21 @@ pub fn delete_subvolume(parent: BorrowedFd<'_>, name: &OsStr, recursive: bool) -
     backend::delete_subvolume(parent, name, recursive)
 }
 
-/// Clears the read-only flag on the subvolume open as `fd` and on every
-/// subvolume nested in it, so the tree can be deleted.
+/// Clears what would stop the subvolume open as `fd` and every subvolume
+/// nested in it from being deleted: each one's read-only flag, and the
+/// immutable and append-only flags of each one's root directory (a
+/// package can set both on anything it owns). For a tree about to go: the
+/// flags do not come back.
 pub fn make_tree_writable(fd: BorrowedFd<'_>) -> io::Result<()> {
-    if is_read_only(fd)? {
-        set_read_only(fd, false)?;
-    }
-    for n in nested_subvolumes(fd)? {
-        let sub = open_subvolume(fd, n.id)?;
-        if is_read_only(sub.as_fd())? {
-            set_read_only(sub.as_fd(), false)?;
+    let writable = |sub: BorrowedFd<'_>| -> io::Result<()> {
+        if is_read_only(sub)? {
+            set_read_only(sub, false)?;
         }
+        clear_stuck_flags(sub)
+    };
+    writable(fd)?;
+    for n in nested_subvolumes(fd)? {
+        writable(open_subvolume(fd, n.id)?.as_fd())?;
     }
     Ok(())
 }
