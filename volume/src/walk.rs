@@ -201,8 +201,11 @@ impl<'a> Chain<'a> {
     /// descriptor if that keeps the chain within its budget.
     pub fn push(&mut self, name: &OsStr, fd: OwnedFd) -> io::Result<()> {
         let st = sys::stat(fd.as_fd())?;
+        // The open levels are the deepest `open` ones: the shallowest of
+        // them closes.
+        let shallowest_open = self.levels.len().saturating_sub(self.open);
         if self.open >= FD_BUDGET
-            && let Some(l) = self.levels.iter_mut().find(|l| l.fd.is_some())
+            && let Some(l) = self.levels.get_mut(shallowest_open)
         {
             l.fd = None;
             self.open -= 1;
@@ -327,11 +330,6 @@ impl<'a> Walk<'a> {
     /// ([`crosses_mount`]) and one past the depth limit ([`too_deep`]);
     /// `ENOTDIR` for anything but a directory, never following a symlink.
     pub fn enter(&mut self, name: &OsStr) -> io::Result<()> {
-        if let Some(limit) = self.max_depth
-            && self.chain.depth() >= limit
-        {
-            return Err(too_deep(limit));
-        }
         let fd = sys::open_dir_at(self.chain.dir(), name)?;
         self.enter_opened(name, fd)
     }
@@ -344,7 +342,16 @@ impl<'a> Walk<'a> {
         {
             return Err(too_deep(limit));
         }
-        if sys::mount_id(fd.as_fd())? != self.mount {
+        let crosses = match self.mount {
+            Some(_) => sys::mount_id(fd.as_fd())? != self.mount,
+            // No mount ids (Linux before 5.8): another device that is no
+            // btrfs subvolume root is another filesystem.
+            None => {
+                sys::stat(fd.as_fd())?.dev != sys::stat(self.chain.dir())?.dev
+                    && !sys::is_subvolume(fd.as_fd())?
+            }
+        };
+        if crosses {
             return Err(crosses_mount(self.chain.path().join(name)));
         }
         let entries = read_entries(fd.as_fd())?;
@@ -388,7 +395,8 @@ impl<'a> Walk<'a> {
     }
 
     /// The top's mount id: a file of the tree opened by the caller is on
-    /// another mount if its [`sys::mount_id`] differs.
+    /// another mount if its [`sys::mount_id`] differs (`None` where the
+    /// kernel gives none: before Linux 5.8).
     pub fn mount(&self) -> Option<u64> {
         self.mount
     }

@@ -3,11 +3,12 @@
 use std::ffi::OsStr;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
+use std::path::PathBuf;
 
 use rustix::fs::FileType;
 
 use crate::sys;
-use crate::walk::{Step, Walk};
+use crate::walk::{Step, Walk, crosses_mount};
 
 /// Removes the entry `name` of `parent` and everything below it, whatever
 /// its type, never following a symlink and opening nothing but directories
@@ -39,6 +40,12 @@ pub fn remove_tree_at(
         return removed(&mut count);
     }
     let dir = sys::open_dir_at(parent, name)?;
+    // A mount over `name` is no part of the tree: refused before anything
+    // under it is touched (a subvolume mounted there would otherwise be
+    // deleted by its own listing, wherever it lives).
+    if sys::mount_id(dir.as_fd())? != sys::mount_id(parent)? {
+        return Err(crosses_mount(PathBuf::from(name)));
+    }
     if delete_if_subvolume(parent, name, &st, dir.as_fd())? {
         return removed(&mut count);
     }
@@ -57,6 +64,9 @@ pub fn remove_tree_at(
                     continue;
                 }
                 let sub = sys::open_dir_at(here, &entry.name)?;
+                if sys::mount_id(sub.as_fd())? != walk.mount() {
+                    return Err(crosses_mount(walk.path().join(&entry.name)));
+                }
                 if delete_if_subvolume(here, &entry.name, &st, sub.as_fd())? {
                     removed(&mut count)?;
                     continue;

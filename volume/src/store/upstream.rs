@@ -34,19 +34,25 @@ use rustix::fs::FileType;
 use super::{Entry, VolumeKind, VolumeStore};
 use crate::layout::Names;
 use crate::sys;
-use crate::walk::entry_type;
+use crate::walk::{Step, Walk, is_crossing};
 
 /// Whether the tree open as `dir` holds anything but directories (a file,
-/// a symlink, a special file), never following a symlink; stops at the
-/// first one. A recreated volume root is a skeleton of empty directories.
+/// a symlink, a special file, or a mount), never following a symlink, at
+/// any depth ([`crate::walk`]); stops at the first one. A recreated volume
+/// root is a skeleton of empty directories.
 fn holds_files(dir: BorrowedFd<'_>) -> io::Result<bool> {
-    for (name, ty, _) in sys::read_dir_names(dir)? {
-        match entry_type(dir, &name, ty)? {
+    let mut walk = Walk::new(dir, None)?;
+    while let Some(step) = walk.step()? {
+        let Step::Entry(entry) = step else {
+            continue;
+        };
+        match walk.entry_type(&entry)? {
             None => {}
-            Some(FileType::Directory) if holds_files(sys::open_dir_at(dir, &name)?.as_fd())? => {
-                return Ok(true);
-            }
-            Some(FileType::Directory) => {}
+            Some(FileType::Directory) => match walk.enter(&entry.name) {
+                Ok(()) => {}
+                Err(e) if is_crossing(&e) => return Ok(true),
+                Err(e) => return Err(e),
+            },
             Some(_) => return Ok(true),
         }
     }

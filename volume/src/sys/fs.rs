@@ -361,6 +361,7 @@ pub fn try_lock_exclusive(fd: BorrowedFd<'_>) -> io::Result<bool> {
 
 /// Reads all names in a directory except `.` and `..`, as raw bytes.
 pub fn read_dir_names(fd: BorrowedFd<'_>) -> io::Result<Vec<(OsString, FileType, u64)>> {
+    super::fault::check("getdents")?;
     let mut dir = rustix::fs::Dir::read_from(fd)?;
     let mut out = Vec::new();
     while let Some(entry) = dir.read() {

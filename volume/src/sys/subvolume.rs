@@ -10,7 +10,7 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::PathBuf;
 
-use rustix::fs::{AtFlags, FileType};
+use rustix::fs::FileType;
 
 #[cfg(feature = "btrfsutil")]
 use super::btrfsutil as backend;
@@ -176,14 +176,8 @@ pub fn match_nested(a: &[Nested], a_top: u64, b: &[Nested], b_top: u64) -> Vec<O
 /// `None` when the mount's root lies below the subvolume's root (a
 /// subdirectory or bind mount): the subvolume root is then out of reach.
 pub fn subvolume_root_of(dir: BorrowedFd<'_>) -> io::Result<Option<(OwnedFd, Vec<OsString>)>> {
-    use rustix::fs::{StatxFlags, statx};
     // Before Linux 5.8 statx has no mount id: then nothing is known.
-    let mount_of = |fd: BorrowedFd<'_>| -> io::Result<Option<u64>> {
-        let st = statx(fd, "", AtFlags::EMPTY_PATH, StatxFlags::MNT_ID)?;
-        Ok(StatxFlags::from_bits_retain(st.stx_mask)
-            .contains(StatxFlags::MNT_ID)
-            .then_some(st.stx_mnt_id))
-    };
+    let mount_of = super::fs::mount_id;
     let Some(mount) = mount_of(dir)? else {
         return Ok(None);
     };
