@@ -25,7 +25,7 @@
 use std::collections::{HashMap, HashSet};
 use std::ffi::{OsStr, OsString};
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 
 use rustix::fs::{FileType, IFlags};
@@ -194,9 +194,9 @@ impl CopyStats {
 
 struct Copier<'a, 'p> {
     root: BorrowedFd<'a>,
-    /// First destination path (relative to `root`) of each multiply-linked
-    /// source inode, so later names become hardlinks again.
-    links: HashMap<(u64, u64), PathBuf>,
+    /// Where the first copy of each multiply-linked source inode went, so
+    /// later names become hardlinks again.
+    links: HashMap<(u64, u64), FirstLink>,
     stats: CopyStats,
     opts: CopyOptions,
     /// Filesystem block size: FICLONERANGE offsets are multiples of it.
@@ -247,7 +247,11 @@ impl Copier<'_, '_> {
     fn copy_tree(&mut self, src: BorrowedFd<'_>, dst: BorrowedFd<'_>, st: Stat) -> io::Result<()> {
         let mut walk = Walk::new(src, Some(MAX_DEPTH))?;
         let mut out = Chain::new(dst);
-        let top = self.begin_dir(&walk, dst, st, PathBuf::new(), self.opts.resume, false)?;
+        // The current entry's path from the top, for events and messages:
+        // one buffer, a name pushed and popped per level, so a deep tree of
+        // long names costs its path once, not once per level.
+        let mut rel = PathBuf::new();
+        let top = self.begin_dir(&walk, dst, st, self.opts.resume, false)?;
         let mut frames = vec![top];
         while let Some(step) = walk.step()? {
             let Some(frame) = frames.last_mut() else {
@@ -255,7 +259,7 @@ impl Copier<'_, '_> {
             };
             match step {
                 Step::Entry(entry) => {
-                    let rel = frame.rel.join(&entry.name);
+                    rel.push(&entry.name);
                     let placed =
                         self.copy_entry(&walk, out.dir(), &entry.name, &rel, &mut frame.shared)?;
                     let Placed::Dir {
@@ -264,6 +268,7 @@ impl Copier<'_, '_> {
                         nested,
                     } = placed
                     else {
+                        rel.pop();
                         self.collect(false)?;
                         continue;
                     };
@@ -273,16 +278,17 @@ impl Copier<'_, '_> {
                     let made = sys::open_dir_at(out.dir(), &entry.name)?;
                     walk.enter(&entry.name)?;
                     out.push(&entry.name, made)?;
-                    let below = self.begin_dir(&walk, out.dir(), st, rel, existing, nested)?;
+                    let below = self.begin_dir(&walk, out.dir(), st, existing, nested)?;
                     frames.push(below);
                 }
                 Step::End => {
                     let Some(frame) = frames.pop() else {
                         break;
                     };
-                    self.end_dir(walk.dir(), out.dir(), frame)?;
+                    self.end_dir(walk.dir(), out.dir(), frame, &rel)?;
                     if walk.leave()?.is_some() {
                         out.pop()?;
+                        rel.pop();
                     }
                 }
             }
@@ -298,7 +304,6 @@ impl Copier<'_, '_> {
         walk: &Walk<'_>,
         dst: BorrowedFd<'_>,
         st: Stat,
-        rel: PathBuf,
         existing: bool,
         nested: bool,
     ) -> io::Result<DirFrame> {
@@ -320,7 +325,6 @@ impl Copier<'_, '_> {
         let wanted = existing.then(|| walk.remaining().map(|e| e.name.clone()).collect());
         Ok(DirFrame {
             st,
-            rel,
             nested,
             wanted,
             shared: None,
@@ -328,13 +332,15 @@ impl Copier<'_, '_> {
     }
 
     /// A directory of the copy whose entries are all done (source open as
-    /// `src`, destination as `dst`): names a resumed copy had that the
-    /// source lacks go, then the directory gets its own metadata.
+    /// `src`, destination as `dst`, at `rel` from the top): names a resumed
+    /// copy had that the source lacks go, then the directory gets its own
+    /// metadata.
     fn end_dir(
         &mut self,
         src: BorrowedFd<'_>,
         dst: BorrowedFd<'_>,
         frame: DirFrame,
+        rel: &Path,
     ) -> io::Result<()> {
         // Every child complete before the directory's own metadata.
         self.collect(true)?;
@@ -350,7 +356,7 @@ impl Copier<'_, '_> {
         if frame.nested && sys::is_read_only(src)? {
             sys::set_read_only(dst, true)?;
         }
-        (self.progress)(CopyEvent::Entry { rel: &frame.rel })
+        (self.progress)(CopyEvent::Entry { rel })
     }
 
     /// Copies the entry `name` of the walk's current directory into
@@ -399,8 +405,8 @@ impl Copier<'_, '_> {
         if ty != FileType::Directory && st.st_nlink > 1 {
             let key = (st.st_dev, st.st_ino);
             if let Some(first) = self.links.get(&key) {
-                let (holder, leaf) = parent_in(self.root, first)?;
-                let holder = holder.as_ref().map_or(self.root, |fd| fd.as_fd());
+                let holder = sys::open_tree_dir(self.root, first.tree, first.dir)?;
+                let (holder, leaf) = (holder.as_fd(), first.name.as_os_str());
                 if let Some(dst_st) = &existing {
                     let first_st = sys::metadata_at(holder, leaf)?;
                     if (first_st.st_dev, first_st.st_ino) == (dst_st.st_dev, dst_st.st_ino) {
@@ -417,7 +423,12 @@ impl Copier<'_, '_> {
                 (self.progress)(CopyEvent::Entry { rel })?;
                 return Ok(Placed::Done);
             }
-            self.links.insert(key, rel.to_path_buf());
+            let first = FirstLink {
+                tree: sys::subvolume_info(dst_dir)?.id,
+                dir: sys::stat(dst_dir)?.ino,
+                name: name.to_owned(),
+            };
+            self.links.insert(key, first);
         }
         self.stats.entries += 1;
         if existing.is_some() {
@@ -492,7 +503,7 @@ impl Copier<'_, '_> {
             }
             FileType::Unknown => Err(io::Error::new(
                 io::ErrorKind::InvalidData,
-                format!("{}: unknown file type", rel.display()),
+                format!("{}: unknown file type", crate::walk::printable(rel)),
             )),
         }
     }
@@ -518,8 +529,6 @@ enum Placed {
 struct DirFrame {
     /// The source directory's metadata, applied once its entries are done.
     st: Stat,
-    /// Its path from the top of the copy.
-    rel: PathBuf,
     /// It is a nested subvolume, copied as one.
     nested: bool,
     /// In a resumed copy, the source's names: the destination's others go.
@@ -529,21 +538,15 @@ struct DirFrame {
     shared: Option<SharedDirs>,
 }
 
-/// The directory holding `rel`, a path inside the copy rooted at `root`
-/// (which the copy made itself, so nothing else renames in it), opened one
-/// component at a time so that no path length limit applies; `None` for
-/// `root` itself; with the last component.
-fn parent_in<'p>(root: BorrowedFd<'_>, rel: &'p Path) -> io::Result<(Option<OwnedFd>, &'p OsStr)> {
-    let mut parts: Vec<&OsStr> = rel.iter().collect();
-    let leaf = parts
-        .pop()
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "an empty path in the copy"))?;
-    let mut dir: Option<OwnedFd> = None;
-    for part in parts {
-        let next = sys::open_dir_at(dir.as_ref().map_or(root, |d| d.as_fd()), part)?;
-        dir = Some(next);
-    }
-    Ok((dir, leaf))
+/// Where the first copy of a multiply-linked file went: its directory in
+/// the copy by number (tree id and inode, opened by handle,
+/// [`sys::open_tree_dir`]) and its name. No path: one per hardlinked file
+/// would cost a deep tree's whole path each, and could not be opened past
+/// PATH_MAX. (A reflink copy is on btrfs, where handles work.)
+struct FirstLink {
+    tree: u64,
+    dir: u64,
+    name: OsString,
 }
 
 /// One regular file to copy: the directories it is in and goes to, its
@@ -585,7 +588,10 @@ impl FileCopier<'_, '_> {
         if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
-                format!("{} changed type during the copy", f.rel.display()),
+                format!(
+                    "{} changed type during the copy",
+                    crate::walk::printable(f.rel)
+                ),
             ));
         }
         let create_mode = if fresh {
