@@ -401,12 +401,9 @@ impl Migrator {
                 continue;
             }
             let st = sys::stat(dir.as_fd()).with_ctx(step(pkg, "stat of the volume"))?;
+            // `refusal` already turned away a volume on another filesystem.
             let ineligible = if planned.resume {
                 Some(CloneReason::Resume)
-            } else if st.dev != self.dev {
-                Some(CloneReason::Failed {
-                    why: "on another filesystem than the volumes root".to_owned(),
-                })
             } else if let Some(Ok(p)) = &parent
                 && p.holds_nested(st.ino)
             {

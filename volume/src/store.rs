@@ -937,12 +937,16 @@ impl VolumeStore {
         }
         // The exchange is the commit point: from here on, a failure is
         // finished by recovery, never undone (but for a mount of the
-        // replaced volume, see `refuse_replacing_in_use`).
-        let finished = self
+        // replaced volume made meanwhile, see `undo_if_replaced_in_use`).
+        let synced = self
             .fsync_root()
             .and_then(|()| failpoint("restore.exchanged"))
-            .map_err(|e| self.failed(pkg, "syncing the volumes root after the exchange", e))
-            .and_then(|()| self.finish_restore(pkg, names));
+            .map_err(|e| self.failed(pkg, "syncing the volumes root after the exchange", e));
+        // Its own message, undone or not: no "was restored" around it.
+        if synced.is_ok() {
+            self.undo_if_replaced_in_use(pkg, names)?;
+        }
+        let finished = synced.and_then(|()| self.finish_restore(pkg, names));
         if let Err(e) = finished {
             if !self.is_restored(names) {
                 return Err(e);
@@ -1046,14 +1050,40 @@ impl VolumeStore {
         }
     }
 
-    /// How the rollback copy of an interrupted restore was made, from what
-    /// is on disk: a snapshot of a backup that is still there, or the
-    /// reflink backup itself, moved (no backup left).
+    /// How the rollback copy of a recorded restore was made, from its
+    /// record: a subvolume is a snapshot of the backup (which stays until
+    /// the restore is done), a plain directory the reflink backup itself,
+    /// moved to `<pkg>.rollback`.
     fn rollback_source(&self, pkg: &PackageId, names: &Names) -> Result<VolumeKind, Error> {
-        Ok(match self.tree(pkg, &names.backup)? {
-            Some(_) => VolumeKind::Subvolume,
-            None => VolumeKind::Directory,
-        })
+        let text = record::read(self.root_fd(), &names.rollback_id)
+            .with_ctx(|_| {
+                (
+                    ErrorKind::Filesystem,
+                    pkg.context("reading the rollback record"),
+                )
+            })?
+            .ok_or_else(|| {
+                Error::for_package(
+                    pkg,
+                    ErrorKind::Incoherent,
+                    format!(
+                        "the rollback record {} is missing",
+                        self.root.join(&names.rollback_id).display()
+                    ),
+                )
+            })?;
+        Identity::decode(&text)
+            .map(|id| copy_kind(&id))
+            .ok_or_else(|| {
+                Error::for_package(
+                    pkg,
+                    ErrorKind::Incoherent,
+                    format!(
+                        "unreadable rollback record {} ({text:?})",
+                        self.root.join(&names.rollback_id).display()
+                    ),
+                )
+            })
     }
 
     /// Puts back what a failed restore made before its exchange: the record
@@ -1135,42 +1165,80 @@ impl VolumeStore {
             })
     }
 
-    /// After the exchange, before anything of the replaced volume (now
-    /// `<pkg>.rollback`) goes: if a mount of it appeared while the restore
-    /// ran (after the check before the copy), exchange back and undo the
-    /// restore, so the process writing through it keeps writing into the
-    /// volume, and refuse as a restore under a mount is refused. A failure
-    /// of the exchange back leaves the restore for the next operation,
-    /// which checks again.
-    fn refuse_replacing_in_use(&self, pkg: &PackageId, names: &Names) -> Result<(), Error> {
+    /// The mounts, in any namespace, of the volume a restore replaced (now
+    /// `<pkg>.rollback`), if it is there.
+    fn replaced_in_use(&self, pkg: &PackageId, names: &Names) -> Result<Vec<MountUse>, Error> {
         if self.tree(pkg, &names.rollback)?.is_none() {
-            return Ok(());
+            return Ok(Vec::new());
         }
-        let replaced = self.root.join(&names.rollback);
-        let busy = mounts::uses_of(&replaced).with_ctx(|_| {
+        mounts::uses_of(&self.root.join(&names.rollback)).with_ctx(|_| {
             (
                 ErrorKind::Filesystem,
                 pkg.context("reading the mount tables of every mount namespace"),
             )
-        })?;
+        })
+    }
+
+    /// The restore's own check, right after its exchange: a mount of the
+    /// replaced volume made while the restore copied (after the check
+    /// before the copy) would keep writing into a tree about to go. The
+    /// exchange is undone (exchanged back, the copy and record removed) and
+    /// the restore refused as any under a mount is; unless the restored
+    /// volume is in use too, when nothing is changed and the restore is
+    /// refused. A failure of the exchange back leaves the restore for the
+    /// next operation, which never deletes a replaced volume in use.
+    fn undo_if_replaced_in_use(&self, pkg: &PackageId, names: &Names) -> Result<(), Error> {
+        let busy = self.replaced_in_use(pkg, names)?;
         if busy.is_empty() {
             return Ok(());
+        }
+        let refused = |what: &str| {
+            Error::for_package(
+                pkg,
+                ErrorKind::InvalidRequest,
+                format!(
+                    "volume {} is in use, mounted at {} while the restore ran; {what}: stop the \
+                     service first, then restore again",
+                    self.volume_path(pkg).display(),
+                    mounts::describe(&busy)
+                ),
+            )
+        };
+        if !self.mount_uses(pkg)?.is_empty() {
+            return Err(refused(
+                "the restored volume is in use too, so both are kept as they are",
+            ));
         }
         let kind = self.rollback_source(pkg, names)?;
         let undone = sys::rename_exchange(self.root_fd(), &names.rollback, &names.live)
             .and_then(|()| self.fsync_root())
             .and_then(|()| self.undo_rollback(names, kind));
-        let e = Error::for_package(
+        Err(with_cleanup(
+            refused("the restore was undone"),
+            undone,
+            "undoing the restore",
+        ))
+    }
+
+    /// Before finishing a restore past its exchange, here or in recovery:
+    /// a replaced volume still in use is kept (the restore is complete, its
+    /// cleanup waits), never deleted from under the process writing to it.
+    fn refuse_replacing_in_use(&self, pkg: &PackageId, names: &Names) -> Result<(), Error> {
+        let busy = self.replaced_in_use(pkg, names)?;
+        if busy.is_empty() {
+            return Ok(());
+        }
+        Err(Error::for_package(
             pkg,
             ErrorKind::InvalidRequest,
             format!(
-                "volume {} is in use, mounted at {} while the restore ran; the restore was \
-                 undone: stop the service first, then restore again",
-                self.volume_path(pkg).display(),
+                "the volume a restore replaced, {}, is in use, mounted at {}; the restore is \
+                 complete and the replaced volume is kept until that stops: stop it, then run \
+                 recover",
+                self.root.join(&names.rollback).display(),
                 mounts::describe(&busy)
             ),
-        );
-        Err(with_cleanup(e, undone, "undoing the restore"))
+        ))
     }
 
     /// Drops the install backup after a successful install: O(1), the
@@ -1293,7 +1361,8 @@ impl VolumeStore {
     }
 
     /// The rest of a delete once `<pkg>` is `<pkg>.delete` (or gone): the
-    /// backup, then `.delete` itself. Returns whether anything was there.
+    /// backup, the package's other names, then `.delete` itself. Returns
+    /// whether anything was there.
     fn finish_delete(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
         let dropped = self.drop_locked(pkg, names)?;
         let io_ctx = |_: &io::Error| {
@@ -1326,7 +1395,7 @@ impl VolumeStore {
                 .and_then(|()| self.fsync_root())
                 .with_ctx(io_ctx)?;
         }
-        Ok(dropped || pending)
+        Ok(dropped || removed || pending)
     }
 
     /// The names of `pkg` an uninstall removes beside its volume, backup and
@@ -1556,7 +1625,7 @@ impl VolumeStore {
             // since (a restore that failed returned its error, and the
             // service went on). Only the restore itself exchanges; here it
             // is undone, the backup kept for a restore to come.
-            self.undo_rollback(names, self.rollback_source(pkg, names)?)
+            self.undo_rollback(names, copy_kind(&recorded))
                 .with_ctx(io_ctx("undoing an interrupted restore"))?;
             return Ok(Some(
                 "undid an interrupted restore (it never exchanged; the volume and its backup \
@@ -1849,6 +1918,9 @@ pub fn delete_tree_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
         None => Ok(()),
         Some(st) if st.is_dir() => {
             let fd = sys::open_dir_at(dir, name)?;
+            if sys::mount_id(fd.as_fd())? != sys::mount_id(dir)? {
+                return Err(crate::walk::crosses_mount(PathBuf::from(name)));
+            }
             if sys::is_subvolume(fd.as_fd())? && sys::stat(dir)?.dev != st.dev {
                 sys::make_tree_writable(fd.as_fd())?;
                 drop(fd);
@@ -1907,6 +1979,15 @@ pub fn delete_tree(path: &Path) -> Result<(), Error> {
             format!("deleting {}", path.display()),
         )
     })
+}
+
+/// How a rollback copy with the recorded identity `id` was made (see
+/// [`VolumeStore::rollback_source`]).
+fn copy_kind(id: &Identity) -> VolumeKind {
+    match id {
+        Identity::Subvolume(_) => VolumeKind::Subvolume,
+        Identity::Directory { .. } => VolumeKind::Directory,
+    }
 }
 
 /// The ids, in the snapshot open as `copy`, of the nested subvolumes whose
