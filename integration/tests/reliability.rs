@@ -1291,3 +1291,109 @@ fn a_restore_failing_after_its_exchange_says_the_volume_was_restored() {
     }
     .check(&root, "app", "after the recovery");
 }
+
+// Today: `recover` fails with "deleting the volume: Invalid argument": the
+// removal took the mount point for a subvolume of the tree and tried to
+// delete it.
+#[test]
+fn a_mount_inside_a_volume_being_deleted_is_never_deleted_with_it() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let sub = root.join("app/data/main/sub");
+    fs::create_dir_all(&sub).unwrap();
+    fs::write(sub.join("own"), b"volume's own").unwrap();
+    let foreign = fs.path("foreign");
+    subvolume_create(&foreign);
+    fs::write(foreign.join("f"), b"foreign").unwrap();
+
+    let out = volume_cli(
+        &root,
+        &["delete", "app"],
+        &[(volume::FAILPOINT_ENV, "delete.renamed=eio")],
+    );
+    must_exit_with(&out, 1, "delete failing after its rename", &["app"]);
+    let mount = MountGuard::bind(&foreign, &root.join("app.delete/data/main/sub"));
+
+    // The package's line, then the summary of the run.
+    let out = volume_cli(&root, &["recover"], &[]);
+    let err = text(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "recover with a mount inside: {err}"
+    );
+    assert!(
+        err.lines()
+            .any(|l| l.contains("app") && l.contains("data/main/sub is a mount point")),
+        "recover must name app and the mount: {err}"
+    );
+    assert_eq!(fs::read(foreign.join("f")).unwrap(), b"foreign");
+    assert!(is_subvolume_root(&foreign), "the foreign subvolume is kept");
+    mount.unmount();
+
+    must_succeed(
+        &volume_cli(&root, &["recover"], &[]),
+        "recover after the unmount",
+    );
+    assert!(package_names(&root, "app").is_empty(), "app is deleted");
+    assert_eq!(fs::read(foreign.join("f")).unwrap(), b"foreign");
+}
+
+// Today: `recover` says "the restore was undone": it exchanged back because
+// the replaced volume is mounted, and what was written into the restored
+// volume since is gone.
+#[test]
+fn recovery_never_exchanges_back_a_restore_whose_replaced_volume_is_in_use() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    app_v1_backup_v2(&root);
+    let out = volume_cli(
+        &root,
+        &["restore", "app"],
+        &[(volume::FAILPOINT_ENV, "restore.exchanged")],
+    );
+    assert_eq!(out.status.code(), None, "killed at restore.exchanged");
+    let main = root.join("app/data/main");
+    assert_eq!(fs::read(main.join("state")).unwrap(), b"v1", "exchanged");
+    // Something still holds the replaced volume; the restored one is written.
+    let held = fs.path("held");
+    fs::create_dir_all(&held).unwrap();
+    let mount = MountGuard::bind(&root.join("app.rollback/data/main"), &held);
+    fs::write(main.join("after"), b"written after the restore").unwrap();
+
+    let out = volume_cli(&root, &["recover"], &[]);
+    let err = text(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "recover beside the mount: {err}"
+    );
+    assert!(
+        err.lines()
+            .any(|l| l.contains("app.rollback") && l.contains("in use")),
+        "recover must name the replaced volume in use: {err}"
+    );
+    assert_eq!(fs::read(main.join("state")).unwrap(), b"v1");
+    assert_eq!(
+        fs::read(main.join("after")).unwrap(),
+        b"written after the restore",
+        "what was written into the restored volume is kept"
+    );
+    assert_eq!(
+        fs::read(held.join("state")).unwrap(),
+        b"v2",
+        "the replaced one too"
+    );
+    mount.unmount();
+
+    must_succeed(
+        &volume_cli(&root, &["recover"], &[]),
+        "recover after the unmount",
+    );
+    assert_no_transient_names(&root, "after the recovery");
+    assert_eq!(fs::read(main.join("state")).unwrap(), b"v1");
+    assert_eq!(
+        fs::read(main.join("after")).unwrap(),
+        b"written after the restore"
+    );
+}
