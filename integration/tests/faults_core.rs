@@ -241,6 +241,11 @@ async fn finalization() {
             .filter(|n| *n != p)
             .collect();
         assert!(left.is_empty(), "{when}: left {left:?}");
+        // Gone before the next run, so that a sweep of every k fits the
+        // filesystem: each package's service writes megabytes.
+        fin.uninstall(&pkg(&p), false)
+            .await
+            .unwrap_or_else(|e| panic!("{when}: uninstalling it afterwards: {e}"));
     }
     println!(
         "fault sweep: finalization (update): {calls} calls; {runs} injected failures ({absorbed} \
