@@ -241,6 +241,28 @@ struct Node {
     stuck: IFlags,
 }
 
+impl Node {
+    /// A node with no children and no attributes yet, `at` (depth, path
+    /// length) below the top.
+    fn new(parent: usize, name: Vec<u8>, kind: Kind, at: (usize, usize), subvol: usize) -> Node {
+        Node {
+            parent,
+            name,
+            kind,
+            depth: at.0,
+            path_len: at.1,
+            subvol,
+            children: Vec::new(),
+            xattrs: Vec::new(),
+            owner: None,
+            mode: None,
+            mtime: None,
+            nocow: false,
+            stuck: IFlags::empty(),
+        }
+    }
+}
+
 /// Counts of what a tree holds.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
@@ -456,24 +478,16 @@ impl Tree {
         let mut g = Gen {
             r: Rng::new(params.seed),
             p: params.clone(),
-            nodes: vec![Node {
-                parent: 0,
-                name: Vec::new(),
-                kind: Kind::Dir {
+            nodes: vec![Node::new(
+                0,
+                Vec::new(),
+                Kind::Dir {
                     subvolume: false,
                     read_only: false,
                 },
-                depth: 0,
-                path_len: 0,
-                subvol: 0,
-                children: Vec::new(),
-                xattrs: Vec::new(),
-                owner: None,
-                mode: None,
-                mtime: None,
-                nocow: false,
-                stuck: IFlags::empty(),
-            }],
+                (0, 0),
+                0,
+            )],
             names: vec![HashSet::new()],
             subvolumes: 0,
             mount: None,
@@ -1015,21 +1029,8 @@ impl Gen {
             } => id,
             _ => p.subvol,
         };
-        self.nodes.push(Node {
-            parent,
-            name,
-            kind,
-            depth,
-            path_len,
-            subvol,
-            children: Vec::new(),
-            xattrs: Vec::new(),
-            owner: None,
-            mode: None,
-            mtime: None,
-            nocow: false,
-            stuck: IFlags::empty(),
-        });
+        self.nodes
+            .push(Node::new(parent, name, kind, (depth, path_len), subvol));
         self.names.push(HashSet::new());
         self.nodes[parent].children.push(id);
         id

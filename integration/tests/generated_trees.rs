@@ -31,10 +31,8 @@ mod common;
 use std::collections::VecDeque;
 use std::ffi::{OsStr, OsString};
 use std::fs;
-use std::io::Read;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
-use std::os::unix::process::CommandExt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -43,10 +41,11 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use common::cli::{limit_nofile, wait_within};
 use common::*;
 use integration::deep::{self, DeepDigest, DeepEntry, DeepKind};
 use integration::r#gen::{Params, Rng, Stats, Tree, VolumeShape};
-use integration::{LoopFs, fs_or_skip, run};
+use integration::{LoopFs, fs_or_skip};
 
 /// The seeds `make test` runs. Together they hold (checked at the end of
 /// the run, [`Coverage`]), for each kind of volume: a 20,000-deep chain,
@@ -116,75 +115,21 @@ fn run_tool(tool: Tool, root: &Path, args: &[&str]) -> Output {
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
-    let hard = getrlimit(Resource::Nofile).maximum;
-    // SAFETY: between fork and exec only setrlimit is called, which is
-    // async-signal-safe and allocates nothing.
-    unsafe {
-        cmd.pre_exec(move || {
-            setrlimit(
-                Resource::Nofile,
-                Rlimit {
-                    current: Some(NOFILE),
-                    maximum: hard,
-                },
-            )
-            .map_err(std::io::Error::from)
-        });
-    }
+    limit_nofile(&mut cmd, NOFILE);
     let what = format!("{name} {}", args.join(" "));
     COMMANDS.fetch_add(1, Ordering::Relaxed);
-    let mut child = cmd
+    let child = cmd
         .spawn()
         .unwrap_or_else(|e| panic!("starting {what}: {e}"));
-    let read = |pipe: Option<Box<dyn Read + Send>>| {
-        thread::spawn(move || {
-            let mut buf = Vec::new();
-            if let Some(mut p) = pipe {
-                let _ = p.read_to_end(&mut buf);
-            }
-            buf
-        })
-    };
-    let out_t = read(
-        child
-            .stdout
-            .take()
-            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    let (out, hung) = wait_within(child, TIMEOUT);
+    assert!(
+        !hung,
+        "{what} hung: not done within {} s (killed); stdout {:?}, stderr {:?}",
+        TIMEOUT.as_secs(),
+        text(&out.stdout),
+        text(&out.stderr)
     );
-    let err_t = read(
-        child
-            .stderr
-            .take()
-            .map(|p| Box::new(p) as Box<dyn Read + Send>),
-    );
-    let deadline = Instant::now() + TIMEOUT;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("waiting for a child") {
-            break Some(status);
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        thread::sleep(Duration::from_millis(5));
-    };
-    let stdout = out_t.join().unwrap_or_default();
-    let stderr = err_t.join().unwrap_or_default();
-    match status {
-        Some(status) => Output {
-            status,
-            stdout,
-            stderr,
-        },
-        None => panic!(
-            "{what} hung: not done within {} s (killed); stdout {:?}, stderr {:?}",
-            TIMEOUT.as_secs(),
-            text(&stdout),
-            text(&stderr)
-        ),
-    }
+    out
 }
 
 // ---------------------------------------------------------------- states
@@ -800,28 +745,6 @@ fn shown(path: &[u8]) -> String {
             path[path.len() - 50..].escape_ascii()
         )
     }
-}
-
-/// Every subvolume `btrfs subvolume list` shows for `pkg` in `root`: its
-/// volume, backup, any other name of it, and anything nested in them.
-fn subvolumes_of(fs: &LoopFs, root: &Path, pkg: &str) -> Vec<String> {
-    let out = run(Command::new("btrfs")
-        .args(["subvolume", "list"])
-        .arg(fs.mount_point()))
-    .expect("btrfs subvolume list");
-    let rel = root
-        .strip_prefix(fs.mount_point())
-        .expect("a root on the filesystem")
-        .to_string_lossy()
-        .into_owned();
-    let live = format!("{rel}/{pkg}");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|line| line.split_once(" path ").map(|(_, p)| p.to_owned()))
-        .filter(|p| {
-            p == &live || p.starts_with(&format!("{live}/")) || p.starts_with(&format!("{live}."))
-        })
-        .collect()
 }
 
 // ---------------------------------------------------------------- the flows

@@ -12,7 +12,6 @@ mod common;
 
 use std::ffi::{OsStr, OsString};
 use std::fs;
-use std::io::Read;
 use std::os::fd::AsFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, symlink};
 use std::os::unix::process::CommandExt;
@@ -40,27 +39,6 @@ fn bin(name: &str) -> PathBuf {
         return Path::new(&dir).join(name);
     }
     integration::workspace_bin(name).unwrap_or_else(|e| panic!("{e}; run `make test`"))
-}
-
-/// Makes `cmd` run with a soft RLIMIT_NOFILE of `soft` (the hard limit as
-/// it is).
-fn limit_nofile(cmd: &mut Command, soft: u64) {
-    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
-    let hard = getrlimit(Resource::Nofile).maximum;
-    // SAFETY: between fork and exec only setrlimit is called, which is
-    // async-signal-safe and allocates nothing.
-    unsafe {
-        cmd.pre_exec(move || {
-            setrlimit(
-                Resource::Nofile,
-                Rlimit {
-                    current: Some(soft),
-                    maximum: hard,
-                },
-            )
-            .map_err(std::io::Error::from)
-        });
-    }
 }
 
 /// Kills a child (and its process group, when it leads one) unless it
@@ -98,36 +76,16 @@ impl ChildGuard {
     /// killed and the test fails, naming `what` and what it printed.
     #[track_caller]
     fn wait(mut self, timeout: Duration, what: &str) -> Output {
-        let mut child = self.child.take().expect("a running child");
-        let out_t = read_all(child.stdout.take());
-        let err_t = read_all(child.stderr.take());
-        let deadline = Instant::now() + timeout;
-        let status = loop {
-            if let Some(status) = child.try_wait().expect("waiting for a child") {
-                break Some(status);
-            }
-            if Instant::now() >= deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                break None;
-            }
-            thread::sleep(Duration::from_millis(20));
-        };
-        let stdout = out_t.join().unwrap_or_default();
-        let stderr = err_t.join().unwrap_or_default();
-        match status {
-            Some(status) => Output {
-                status,
-                stdout,
-                stderr,
-            },
-            None => panic!(
-                "{what} did not finish within {} s (killed); stdout {:?}, stderr {:?}",
-                timeout.as_secs(),
-                text(&stdout),
-                text(&stderr)
-            ),
-        }
+        let child = self.child.take().expect("a running child");
+        let (out, hung) = wait_within(child, timeout);
+        assert!(
+            !hung,
+            "{what} did not finish within {} s (killed); stdout {:?}, stderr {:?}",
+            timeout.as_secs(),
+            text(&out.stdout),
+            text(&out.stderr)
+        );
+        out
     }
 }
 
@@ -135,17 +93,6 @@ impl Drop for ChildGuard {
     fn drop(&mut self) {
         self.kill();
     }
-}
-
-/// Reads `pipe` to its end on a thread of its own.
-fn read_all<R: Read + Send + 'static>(pipe: Option<R>) -> thread::JoinHandle<Vec<u8>> {
-    thread::spawn(move || {
-        let mut buf = Vec::new();
-        if let Some(mut p) = pipe {
-            let _ = p.read_to_end(&mut buf);
-        }
-        buf
-    })
 }
 
 /// How to run one of the workspace's commands.

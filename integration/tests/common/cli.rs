@@ -2,8 +2,12 @@
 //! one line, and what a package looks like afterwards.
 #![allow(dead_code)]
 
+use std::io::Read;
+use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::Output;
+use std::process::{Child, Command, Output};
+use std::thread;
+use std::time::{Duration, Instant};
 
 use integration::TreeDigest;
 
@@ -107,5 +111,62 @@ impl Expect {
             .filter(|n| !allowed.contains(n))
             .collect();
         assert!(left.is_empty(), "{when}: {pkg} left {left:?}");
+    }
+}
+
+/// Waits for `child` to exit, reading its piped stdout and stderr
+/// meanwhile, for at most `timeout`; past that it is killed. Returns what it
+/// printed and how it ended, and whether it had to be killed.
+pub fn wait_within(mut child: Child, timeout: Duration) -> (Output, bool) {
+    fn read_all<R: Read + Send + 'static>(pipe: Option<R>) -> thread::JoinHandle<Vec<u8>> {
+        thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut p) = pipe {
+                let _ = p.read_to_end(&mut buf);
+            }
+            buf
+        })
+    }
+    let out_t = read_all(child.stdout.take());
+    let err_t = read_all(child.stderr.take());
+    let deadline = Instant::now() + timeout;
+    let mut hung = false;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waiting for a child") {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            hung = true;
+            let _ = child.kill();
+            break child.wait().expect("waiting for a killed child");
+        }
+        thread::sleep(Duration::from_millis(5));
+    };
+    let output = Output {
+        status,
+        stdout: out_t.join().unwrap_or_default(),
+        stderr: err_t.join().unwrap_or_default(),
+    };
+    (output, hung)
+}
+
+/// Makes `cmd` run with a soft RLIMIT_NOFILE of `soft` (the hard limit as
+/// it is).
+pub fn limit_nofile(cmd: &mut Command, soft: u64) {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let hard = getrlimit(Resource::Nofile).maximum;
+    // SAFETY: between fork and exec only setrlimit is called, which is
+    // async-signal-safe and allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            setrlimit(
+                Resource::Nofile,
+                Rlimit {
+                    current: Some(soft),
+                    maximum: hard,
+                },
+            )
+            .map_err(std::io::Error::from)
+        });
     }
 }

@@ -72,14 +72,25 @@ pub fn is_read_only(path: &Path) -> bool {
 }
 
 /// Paths (relative to the mount point) of every subvolume that `btrfs subvolume
-/// list` shows for package `id`: its volume, backup or any transient name, and
-/// anything nested in them.
+/// list` shows for package `id` of the volumes root `volumes/`: its volume,
+/// backup or any transient name, and anything nested in them.
 pub fn package_subvolumes(fs: &LoopFs, id: &str) -> Vec<String> {
+    subvolumes_of(fs, &fs.path("volumes"), id)
+}
+
+/// Every subvolume `btrfs subvolume list` shows for `pkg` in `root`: its
+/// volume, backup, any other name of it, and anything nested in them.
+pub fn subvolumes_of(fs: &LoopFs, root: &Path, pkg: &str) -> Vec<String> {
     let out = run(Command::new("btrfs")
         .args(["subvolume", "list"])
         .arg(fs.mount_point()))
     .expect("btrfs subvolume list");
-    let live = format!("volumes/{id}");
+    let rel = root
+        .strip_prefix(fs.mount_point())
+        .expect("a root on the filesystem")
+        .to_string_lossy()
+        .into_owned();
+    let live = format!("{rel}/{pkg}");
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|line| line.split_once(" path ").map(|(_, p)| p.to_owned()))
