@@ -543,7 +543,15 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
                 // the next volume operation's recovery deletes it.
                 if let Some(store) = self.store().log_err() {
                     let p = pkg.clone();
+                    let root = store.root().to_owned();
                     blocking(move || store.purge(&p)).await.log_err();
+                    // A backup taken before the first boot's cleanup holds
+                    // the rest its conversion set aside: removed again, so
+                    // that it pins no space past the backup.
+                    let p = pkg.clone();
+                    blocking(move || crate::volume::release_rest(&root, &p))
+                        .await
+                        .log_err();
                 }
                 Error::new(eyre!("{message}"), kind)
             }

@@ -231,10 +231,27 @@ impl LoopFsBuilder {
         File::create(&image)?.set_len(self.size_bytes)?;
         fs::create_dir(&mount_point)?;
 
-        run(Command::new(program(self.kind.mkfs_program())?)
-            .args(self.kind.mkfs_default_args())
-            .args(&self.mkfs_args)
-            .arg(&image))?;
+        // mkfs.btrfs first checks that the image is not mounted by reading
+        // every loop device's backing file; one detached meanwhile (another
+        // test's teardown) fails that check with "No such device". Only
+        // that failure is retried.
+        let mut tries = 0;
+        loop {
+            let made = run(Command::new(program(self.kind.mkfs_program())?)
+                .args(self.kind.mkfs_default_args())
+                .args(&self.mkfs_args)
+                .arg(&image));
+            match made {
+                Err(e) if tries < 4 && e.to_string().contains("cannot check mount status") => {
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+                other => {
+                    other?;
+                    break;
+                }
+            }
+        }
 
         // From here on, Drop of `fs` undoes whatever got done if a later step fails.
         let fs = LoopFs {

@@ -26,6 +26,7 @@ pub mod compare;
 pub mod deep;
 mod fixture;
 pub mod fmt;
+pub mod identity;
 // `gen` is a reserved word in Rust 2024: the module is `r#gen`.
 mod frag;
 pub mod r#gen;

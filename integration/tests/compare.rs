@@ -188,4 +188,13 @@ fn g_each_service_may_start_once_its_own_volume_is_converted() {
         "services start one by one, not all at the end: {o:#?}"
     );
     assert!(o.all_ready <= o.returned, "{o:#?}");
+    // Every entry of every package the very same inode (ctime changes only
+    // for the top entries the cut lifts); upstream's copies keep none.
+    for (p, k) in &o.identity {
+        assert_eq!(k.inode, k.entries, "{p}: {k:?}");
+        assert!(k.ctime < k.entries && k.ctime > 0, "{p}: {k:?}");
+    }
+    for (p, k) in &c.upstream.identity {
+        assert_eq!(k.inode, 0, "upstream's {p}: {k:?}");
+    }
 }

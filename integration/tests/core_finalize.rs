@@ -516,3 +516,77 @@ async fn a_failed_rollback_still_restarts_the_services_it_stopped() {
     fin.services().stop(&user).await.unwrap();
     fin.services().stop(&dep).await.unwrap();
 }
+
+/// A failed update after the first boot's conversion, before its cleanup:
+/// the backup holds the rest the conversion set aside at the top of the
+/// volume, and the restore gives that back with the volume. The rollback
+/// removes it again, and its record, once the backup is gone, so that it
+/// pins no space past the backup; the package's own data comes back whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollback_before_the_first_boots_cleanup_removes_the_rest_again() {
+    use volume_migrate::{Method, MigrateOptions, Migrator};
+    let Some(env) = env() else { return };
+    let (fin, _rx) = env.finalizer();
+    let p = pkg("carved");
+    install_running(&fin, "carved", "1.0", RUN).await;
+    fin.services().stop(&p).await.unwrap();
+    // The volume as a box from before subvolumes has it: a plain directory,
+    // beside another package's.
+    let vol = env.volume(&p);
+    let plain = env.root.join("carved-plain");
+    integration::run(
+        std::process::Command::new("cp")
+            .args(["-a", "--reflink=always", "-T"])
+            .arg(&vol)
+            .arg(&plain),
+    )
+    .unwrap();
+    volume::delete_tree(&vol).unwrap();
+    std::fs::rename(&plain, &vol).unwrap();
+    std::fs::create_dir_all(env.root.join("neighbour/data/main")).unwrap();
+    std::fs::write(env.root.join("neighbour/data/main/db"), b"its own").unwrap();
+    let before = digest(&vol);
+    let r = Migrator::open(&env.root)
+        .unwrap()
+        .convert(
+            &p,
+            &MigrateOptions {
+                method: Method::SnapshotParent,
+                defer_cut: true,
+                remove_old: false,
+                ..MigrateOptions::default()
+            },
+            &mut |_: &volume_migrate::Progress| {},
+        )
+        .unwrap();
+    assert_eq!(r.method, Some(Method::SnapshotParent));
+    let rest = vol.join(integration::identity::CARVE_REST);
+    let record = env.root.join("carved.migrate-rest");
+    assert!(rest.is_dir(), "the rest, set aside until the cleanup");
+
+    fin.services().inner.fail_at(&p, Phase::Install);
+    let e = fin
+        .install(&req("carved", "2.0"), &Cancel::new())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::UpdateFailed, "{e}");
+    assert_installed(entry(&fin, "carved").await, "1.0", "after the rollback");
+    assert!(!env.backup(&p).exists());
+    assert!(
+        !rest.exists(),
+        "the rest the restore gave back, removed again"
+    );
+    assert!(
+        std::fs::symlink_metadata(&record).is_err(),
+        "its record, gone with the last copy"
+    );
+    let back = fin.services().before_start.lock().unwrap()[&(p.clone(), "1.0".into())].clone();
+    let mut want = before;
+    if let Some(top) = want.entries_mut().get_mut(&Vec::new()) {
+        top.subvolume = integration::Subvolume::Root;
+    }
+    // 1.0 started again before the rest was removed.
+    let back = back.without(integration::identity::CARVE_REST);
+    assert_same(&want, &back, "the package's data, given back");
+    fin.services().stop(&p).await.unwrap();
+}

@@ -1,8 +1,9 @@
 //! The first boot of a real node (issue 12), in miniature: a box of eight
 //! plain package directories on one subvolume, one dominant database among
-//! them ([`integration::node`]). It converts losslessly, each package by
-//! the method the cost rule gives, the dominant one first; a run killed at
-//! any step, then run again, loses nothing and redoes no finished package.
+//! them ([`integration::node`]). It converts losslessly, every package by
+//! a snapshot of the parent, every file keeping its identity; a run killed
+//! at any step, the removal of the rests included, then run again, loses
+//! nothing and redoes no finished package.
 
 mod common;
 
@@ -19,7 +20,7 @@ use common::*;
 use integration::node::{self, DOMINANT, NOCOW_PACKAGE, NodeShape};
 use integration::{LoopFs, TreeDigest, fs_or_skip, tree_digest};
 use volume::{SnapshotOutcome, VolumeStore};
-use volume_migrate::cost::{CLONE_ENTRY_US, CLONE_EXTENT_US, CUT_ENTRY_US, CUT_EXTENT_US};
+use volume_migrate::cost::CUT_ENTRY_US;
 use volume_migrate::{
     CloneReason, Decision, Method, MigrateOptions, Migrator, Outcome, Planned, Progress,
 };
@@ -30,8 +31,8 @@ fn no_progress(_: &Progress) {}
 /// and allocated blocks, by name.
 type Packages = BTreeMap<String, (TreeDigest, Vec<(PathBuf, String, u64)>)>;
 
-/// The deferred cut's directory at the top of the dominant volume.
-const REST_DIR: &str = ".startos-carve-rest";
+/// The deferred cut's directory at the top of each converted volume.
+const REST_DIR: &str = integration::identity::CARVE_REST;
 
 fn new_box_fs(shape: &NodeShape) -> Option<LoopFs> {
     Some(fs_or_skip!(LoopFs::btrfs(shape.image_bytes()), None))
@@ -96,38 +97,29 @@ fn assert_lossless(root: &Path, shape: &NodeShape, before: &Packages, when: &str
     assert_eq!(leftovers(root, shape), Vec::<String>::new(), "{when}");
 }
 
-/// Entries and extents of a tree, counted the test's own way (a walk and
-/// FIEMAP), weighed with `entry` and `extent` microseconds.
-fn weigh(dir: &Path, entry: u64, extent: u64) -> u64 {
-    let mut total = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in fs::read_dir(&d).unwrap() {
-            let e = e.unwrap();
-            let ft = e.file_type().unwrap();
-            total += entry;
-            if ft.is_dir() {
-                stack.push(e.path());
-            } else if ft.is_file() {
-                total += extent * integration::extent_count(&e.path()).unwrap();
-            }
-        }
-    }
-    total
-}
-
 fn planned_of<'a>(plan: &'a [Planned], p: &str) -> &'a Planned {
     plan.iter()
         .find(|e| e.package.as_str() == p)
         .unwrap_or_else(|| panic!("{p} not planned: {plan:?}"))
 }
 
-/// The box converts losslessly; the dominant package is converted first by
-/// snapshotting the parent, with a cut that costs what the rule says, and
-/// the others are cloned; NOCOW files of packages converted in the same run
-/// do not veto the snapshot, those of anything else do.
+/// Every entry below the top of `dir`, a deferred cut's rest left out: its
+/// inode number and birth time.
+fn identities(dir: &Path) -> BTreeMap<PathBuf, (u64, (i64, u32))> {
+    integration::identity::identities(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .into_iter()
+        .map(|(path, id)| (path, (id.ino, id.birth)))
+        .collect()
+}
+
+/// The box converts losslessly, every package by snapshotting the parent,
+/// so that every file of every package keeps its inode number and birth
+/// time; NOCOW files of packages converted in the same run do not veto the
+/// snapshot, those of anything else do; a rest outside the packages too
+/// large for every package to shed makes them all clone.
 #[test]
-fn the_box_converts_losslessly_each_package_by_the_rule() {
+fn every_package_of_the_box_keeps_every_files_identity() {
     let shape = NodeShape::small();
     let Some(fs) = new_box_fs(&shape) else { return };
     let root = fs.path("package-data/volumes");
@@ -138,64 +130,22 @@ fn the_box_converts_losslessly_each_package_by_the_rule() {
         "{extents} extents"
     );
     let before = snapshot_of(&root, &shape);
+    let ids: BTreeMap<&str, _> = shape
+        .packages()
+        .into_iter()
+        .map(|p| (p, identities(&root.join(p))))
+        .collect();
     let m = Migrator::open(&root).unwrap();
     let all: Vec<_> = shape.packages().iter().map(|p| pkg(p)).collect();
     let auto = MigrateOptions::default();
 
-    // The rule, from the test's own counts: the dominant package's clone
-    // against removing every other package from the parent's snapshot.
-    let clone = weigh(&root.join(DOMINANT), CLONE_ENTRY_US, CLONE_EXTENT_US);
-    let cut: u64 = shape
-        .packages()
-        .iter()
-        .filter(|p| **p != DOMINANT)
-        .map(|p| CUT_ENTRY_US + weigh(&root.join(p), CUT_ENTRY_US, CUT_EXTENT_US))
-        .sum();
-    assert!(
-        cut * 2 <= clone,
-        "the box is meant to be one the rule snapshots: cut {cut} us, clone {clone} us"
-    );
-
     let plan = m.schedule(&all, &auto).expect("schedule");
     assert_eq!(plan.len(), all.len(), "{plan:?}");
-    assert_eq!(plan[0].package.as_str(), DOMINANT, "the dominant one first");
-    assert_eq!(
-        plan[0].decision,
-        Some(Decision::SnapshotParent),
-        "{:?}",
-        plan[0]
-    );
-    let planned_cut = plan[0].cut.expect("the cut's cost");
-    let planned_clone = plan[0].clone.expect("the clone's cost");
-    assert!(!planned_cut.at_least, "{planned_cut:?}");
-    assert!(
-        planned_cut.micros.abs_diff(cut) * 5 <= cut,
-        "the cut's estimate {planned_cut:?} is off the test's count {cut} us by over 20%"
-    );
-    assert!(
-        planned_cut.micros * 2 <= planned_clone.micros,
-        "{planned_cut:?} against {planned_clone:?}"
-    );
-    assert!(
-        planned_clone.micros <= clone,
-        "counting stops early, never overshoots: {planned_clone:?} against {clone} us"
-    );
-    for p in &plan[1..] {
-        assert_eq!(
-            p.decision,
-            Some(Decision::Clone(CloneReason::NotDominant {
-                dominant: pkg(DOMINANT)
-            })),
-            "{p:?}"
-        );
+    for p in &plan {
+        assert_eq!(p.decision, Some(Decision::SnapshotParent), "{p:?}");
     }
-    // By name, those with NOCOW files (bitcoind) last: their clones'
-    // removals of the old copies would slow the clones after them.
-    let names: Vec<&str> = plan[1..].iter().map(|p| p.package.as_str()).collect();
-    let mut sorted = names.clone();
-    sorted.sort_unstable_by_key(|n| (*n == node::NOCOW_PACKAGE, *n));
-    assert_eq!(sorted.last(), Some(&node::NOCOW_PACKAGE));
-    assert_eq!(names, sorted, "the others by name, NOCOW last");
+    let names: Vec<&str> = plan.iter().map(|p| p.package.as_str()).collect();
+    assert_eq!(names, shape.packages(), "by name");
 
     // bitcoind's NOCOW files count as the rest's when bitcoind is not
     // converted in the same run; a NOCOW file outside every package always.
@@ -206,11 +156,12 @@ fn the_box_converts_losslessly_each_package_by_the_rule() {
         .collect();
     let plan = m.schedule(&without_bitcoind, &auto).unwrap();
     let nocow_files = u64::from(shape.block_files + shape.leveldb_files);
-    assert_eq!(
-        planned_of(&plan, DOMINANT).decision,
-        Some(Decision::Clone(CloneReason::InPlaceFiles {
-            files: nocow_files
-        })),
+    assert!(
+        plan.iter().all(|p| p.decision
+            == Some(Decision::Clone(CloneReason::InPlaceFiles {
+                files: nocow_files
+            }))),
+        "{plan:?}"
     );
     let outside = fs.path("swap.img");
     fs::File::create(&outside).unwrap();
@@ -222,15 +173,31 @@ fn the_box_converts_losslessly_each_package_by_the_rule() {
         Some(Decision::Clone(CloneReason::InPlaceFiles { files: 1 })),
     );
     fs::remove_file(&outside).unwrap();
-    let (before_plan, _) = (m.plan().unwrap(), ());
-    assert_eq!(
-        before_plan[0].method(),
-        Some(Method::SnapshotParent),
-        "the dry run gives the same"
+    // Every package sheds the rest outside the packages: past the bound,
+    // added up over the eight, none is snapshotted.
+    let crowd = fs.path("crowd");
+    fs::create_dir(&crowd).unwrap();
+    let over = volume_migrate::REST_MAX_US / CUT_ENTRY_US / all.len() as u64 + 1;
+    for i in 0..over {
+        fs::write(crowd.join(i.to_string()), b"").unwrap();
+    }
+    let plan = m.schedule(&all, &auto).unwrap();
+    assert!(
+        plan.iter().all(|p| matches!(
+            p.decision,
+            Some(Decision::Clone(CloneReason::RestTooLarge { .. }))
+        )),
+        "{plan:?}"
     );
-    assert!(before_plan.iter().all(|p| p.estimate.is_some()));
+    fs::remove_dir_all(&crowd).unwrap();
+    let before_plan = m.plan().unwrap();
+    assert!(
+        before_plan
+            .iter()
+            .all(|p| p.method() == Some(Method::SnapshotParent) && p.estimate.is_some()),
+        "the dry run gives the same: {before_plan:?}"
+    );
 
-    // The run: the dominant one first, each package as planned.
     let opts = MigrateOptions {
         defer_cut: true,
         remove_old: false,
@@ -243,93 +210,40 @@ fn the_box_converts_losslessly_each_package_by_the_rule() {
         })
         .expect("run");
     assert_eq!(reports.len(), all.len());
-    assert_eq!(
-        order[0],
-        (
-            DOMINANT.to_owned(),
-            Some(Method::SnapshotParent),
-            Outcome::Converted
-        )
-    );
-    for (p, method, outcome) in &order[1..] {
+    for (p, method, outcome) in &order {
         assert_eq!(
             (*method, *outcome),
-            (Some(Method::Clone), Outcome::Converted),
+            (Some(Method::SnapshotParent), Outcome::Converted),
             "{p}"
         );
     }
-    // Every volume is in place before any old tree goes; the dominant one
-    // holds the rest of the parent, set aside, root's and closed.
-    let rest = root.join(DOMINANT).join(REST_DIR);
-    let meta = fs::symlink_metadata(&rest).expect("the rest, set aside");
-    assert_eq!((meta.uid(), meta.permissions().mode() & 0o777), (0, 0o700));
+    // Every volume is in place before any old tree goes, each holding the
+    // rest of the parent set aside, root's and closed, and every file the
+    // very same inode.
     for (p, (digest, _)) in &before {
-        let mut now = tree_digest(&root.join(p)).unwrap();
-        if p == DOMINANT {
-            now = now.without(REST_DIR);
-        }
+        let rest = root.join(p).join(REST_DIR);
+        let meta = fs::symlink_metadata(&rest).expect("the rest, set aside");
+        assert_eq!((meta.uid(), meta.permissions().mode() & 0o777), (0, 0o700));
+        assert!(
+            fs::symlink_metadata(root.join(format!("{p}.migrate-rest"))).is_ok(),
+            "{p}: the cut's record"
+        );
+        let now = tree_digest(&root.join(p)).unwrap().without(REST_DIR);
         assert_same(digest, &now, &format!("{p} before the old trees go"));
+        assert_eq!(
+            identities(&root.join(p)),
+            ids[p.as_str()],
+            "{p}: inode numbers and birth times"
+        );
     }
-    assert!(
-        fs::symlink_metadata(root.join(format!("{DOMINANT}.migrate-rest"))).is_ok(),
-        "the cut's record"
-    );
-    // bitcoind's NOCOW files share no extent with an old copy by the time
-    // it is reported done: its old tree and its directory in the rest are
-    // gone (the others' stay for the cleanup), and its first writes are in
-    // place.
-    let bitcoind = reports
-        .iter()
-        .find(|r| r.package.as_str() == NOCOW_PACKAGE)
-        .expect("bitcoind's report");
-    assert_eq!(bitcoind.nocow_files, nocow_files);
-    assert!(bitcoind.old_removed);
-    let in_rest = rest.join("package-data/volumes");
-    assert!(
-        !in_rest.join(NOCOW_PACKAGE).exists(),
-        "bitcoind's old copy in the rest"
-    );
-    assert!(fs::symlink_metadata(root.join(format!("{NOCOW_PACKAGE}.migrate-old"))).is_err());
-    assert!(
-        in_rest.join("electrs").is_dir(),
-        "the others' are the cleanup's"
-    );
-    assert!(root.join("electrs.migrate-old").is_dir());
-    let block = node::block_file(&root, 0);
-    let extents = integration::extent_count(&block).unwrap();
-    // The same bytes written back, the times put back: the box stays as
-    // it was for the lossless check below.
-    let f = fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&block)
-        .unwrap();
-    let meta = f.metadata().unwrap();
-    let blocks = meta.len() / 4096;
-    let mut buf = [0u8; 4096];
-    for i in 0..64u64 {
-        let at = (i * 37 % blocks) * 4096;
-        std::os::unix::fs::FileExt::read_exact_at(&f, &mut buf, at).unwrap();
-        std::os::unix::fs::FileExt::write_all_at(&f, &buf, at).unwrap();
-    }
-    f.sync_data().unwrap();
-    f.set_times(
-        fs::FileTimes::new()
-            .set_accessed(meta.accessed().unwrap())
-            .set_modified(meta.modified().unwrap()),
-    )
-    .unwrap();
-    assert_eq!(
-        integration::extent_count(&block).unwrap(),
-        extents,
-        "bitcoind's first writes in place"
-    );
     let cleaned = m
         .remove_all_old(&mut no_progress)
         .expect("removing old trees");
-    assert_eq!(cleaned.len(), all.len() - 1, "{cleaned:?}");
-    assert!(!cleaned.iter().any(|p| p.as_str() == NOCOW_PACKAGE));
+    assert_eq!(cleaned.len(), all.len(), "{cleaned:?}");
     assert_lossless(&root, &shape, &before, "after the old trees went");
+    for p in shape.packages() {
+        assert_eq!(identities(&root.join(p)), ids[p], "{p}, after the cleanup");
+    }
     assert!(m.packages().unwrap().is_empty());
 }
 
@@ -386,8 +300,8 @@ fn the_rest_is_removed_again_after_a_restore_brings_it_back() {
 }
 
 /// The steps of a whole run of the CLI (convert every package, then remove
-/// the old trees), in the order they happen: the dominant package's cut,
-/// then the clones in name order, then the removals.
+/// the old trees), in the order they happen: eight cuts in name order, then
+/// the removals (each rest, then each old tree).
 const RUN_STEPS: &[&str] = &[
     "migrate.parent-snapshot",
     "migrate.carve-held",
@@ -397,13 +311,15 @@ const RUN_STEPS: &[&str] = &[
     "migrate.durable@1",
     "migrate.exchanged@1",
     "migrate.old-renamed@1",
-    "migrate.created@1",
-    "migrate.chunk@3",
-    "migrate.entry@300",
-    "migrate.exchanged@3",
-    "migrate.copied@7",
+    "migrate.parent-snapshot@4",
+    "migrate.durable@5",
+    "migrate.rest-recorded@6",
+    "migrate.exchanged@8",
     "migrate.old-renamed@8",
-    "migrate.rest-removed@5",
+    "migrate.rest-removed@1",
+    "migrate.rest-removed@500",
+    "migrate.rest-rmdir@3",
+    "migrate.rest-removed@3000",
     "migrate.remove@1",
     "migrate.remove@400",
 ];
@@ -494,50 +410,4 @@ fn a_run_killed_at_every_step_loses_nothing_and_redoes_nothing() {
         // Frees the case's space for the next.
         volume::delete_tree(&case).unwrap_or_else(|e| panic!("{when}: deleting the case: {e}"));
     }
-}
-
-/// Counts paused at a round's budget go on where they stood: with two
-/// packages over the first round's budget, one of them paused in the middle
-/// of a fragmented file's extents (a directory is read in creation order,
-/// so the file created last is reached after the small files), the
-/// schedule's counts equal a whole count of each, entry for entry and
-/// extent for extent.
-#[test]
-fn counts_paused_between_rounds_lose_and_repeat_nothing() {
-    let fs = fs_or_skip!(LoopFs::btrfs(2 << 30));
-    let root = fs.path("volumes");
-    let small = |dir: &Path, n: u32| {
-        fs::create_dir_all(dir).unwrap();
-        for i in 0..n {
-            fs::write(dir.join(format!("f{i:05}")), [i as u8; 100]).unwrap();
-        }
-    };
-    // 5,500 small files (an entry and an inline extent each) come to just
-    // under the first round's budget: the file after them crosses it.
-    let a = root.join("alpha/data");
-    small(&a, 5_500);
-    let extents = integration::make_fragmented_file(&a.join("zz.db"), 20_000 * 8192, 20_000, 9)
-        .expect("fragmenting");
-    assert!(extents >= 18_000, "{extents}");
-    small(&root.join("bravo/data"), 10_000);
-    let m = Migrator::open(&root).unwrap();
-    let all = [pkg("alpha"), pkg("bravo")];
-    let plan = m.schedule(&all, &MigrateOptions::default()).unwrap();
-    let whole = m.plan().unwrap();
-    for p in ["alpha", "bravo"] {
-        let counted = planned_of(&plan, p).clone.expect("counted");
-        let est = planned_of(&whole, p).estimate.expect("scanned");
-        assert!(!counted.at_least, "{p}: counted whole in the second round");
-        assert_eq!(
-            (counted.entries, counted.extents),
-            (est.entries, est.extents),
-            "{p}: the paused count against a whole one"
-        );
-    }
-    // And the rule: neither package's cut is within half its clone here.
-    assert!(
-        plan.iter()
-            .all(|p| p.decision == Some(Decision::Clone(CloneReason::CutCostsMore))),
-        "{plan:?}"
-    );
 }

@@ -5,7 +5,9 @@
 //! directory on the top-level subvolume, so its install backup is an
 //! O(extents) reflink copy. [`Migrator::convert`] turns one such directory
 //! into a subvolume, after which backups are O(1) snapshots. It has two
-//! methods ([`Method`]); [`Method::Auto`] picks the cheaper.
+//! methods ([`Method`]); [`Method::Auto`] snapshots the parent for every
+//! package it can, so that every file keeps its inode number and birth
+//! time, and clones the others.
 //!
 //! **Clone**, O(the package's extents and entries):
 //!
@@ -16,14 +18,15 @@
 //!    offset-ordered chunks, never a byte copy; every attribute kept, nested
 //!    subvolumes recreated as subvolumes).
 //!
-//! **Snapshot the parent**, O(everything else in the subvolume holding the
-//! volumes root, plus the package's top entries), whatever the package
-//! holds below them; for the dominant package of a box, such as the one
-//! large database of a node:
+//! **Snapshot the parent**, O(the package's top entries) before the
+//! exchange, whatever the package holds below them, plus O(everything else
+//! in the subvolume holding the volumes root) afterwards, in the
+//! background; every file keeps its inode number, birth time and
+//! attributes:
 //!
-//! 0. **Decide**: count the packages and the rest of their subvolume, each
-//!    only as far as the cost rule needs ([`Decision`]; the rule and its
-//!    measured per-unit costs are in the `decide` module and [`cost`]).
+//! 0. **Decide**: whether a snapshot can serve the package, and count the
+//!    rest of the subvolume outside the packages, once per run
+//!    ([`Decision`]; the rule is in the `decide` module).
 //! 1. **Carve**: snapshot that subvolume as `<pkg>.migrate-parent` (O(1))
 //!    and cut the snapshot down to `<pkg>`'s contents: the very same inodes,
 //!    nothing copied. With [`MigrateOptions::defer_cut`] (a boot's run), the
@@ -31,7 +34,7 @@
 //!    `<pkg>.migrate-rest`, and removed with the old trees.
 //!
 //! A run ([`Migrator::schedule`], [`Migrator::run`]) snapshots the parent for
-//! at most one package, the dominant one, first, and clones the others.
+//! every package it can, first, and clones the others.
 //!
 //! Then, for both:
 //!
@@ -97,7 +100,7 @@ mod scan;
 mod track;
 
 #[cfg(target_os = "linux")]
-pub use decide::{CloneReason, Decision, FIRST_ROUND_US, ROUND_GROWTH, SNAPSHOT_MIN_CLONE_US};
+pub use decide::{CloneReason, Decision, REST_MAX_US};
 #[cfg(target_os = "linux")]
 pub use migrate::*;
 #[cfg(target_os = "linux")]
@@ -134,9 +137,8 @@ pub enum Phase {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Method {
-    /// [`Method::SnapshotParent`] where it applies and costs less than
-    /// cloning, by the rule documented on [`Migrator::convert`]; otherwise
-    /// [`Method::Clone`].
+    /// [`Method::SnapshotParent`] where it applies, by the rule of the
+    /// crate's `decide` module; otherwise [`Method::Clone`].
     #[default]
     Auto,
     /// Reflink every entry into a new subvolume: O(extents and entries of

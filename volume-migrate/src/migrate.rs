@@ -21,6 +21,7 @@ use volume::lock::PackageLock;
 use volume::sys;
 
 use crate::carve;
+use crate::cost::Cost;
 use crate::decide::{self, Candidate, CloneReason, Decided, Decision, Parent};
 use crate::job::{Job, ParentPlan, step};
 use crate::report::{Outcome, PackageReport, Planned, ReportError};
@@ -312,9 +313,17 @@ impl Migrator {
             let fd = sys::open_dir_at(self.root_fd(), OsStr::new(pkg.as_str()))
                 .with_ctx(step(pkg, "opening the volume"))?;
             match scan(fd.as_fd(), &AtomicBool::new(false)) {
-                Ok((est, _)) => p.estimate = Some(est),
-                // A tree a conversion refuses (too deep, a mount inside),
-                // as the run would refuse it.
+                Ok((est, _)) => {
+                    p.clone = Some(Cost::clone_of(&est, true));
+                    p.estimate = Some(est);
+                }
+                // A snapshot has no depth bound: the estimate is unknown,
+                // the decision stands.
+                Err(e)
+                    if volume::walk::is_too_deep(&e)
+                        && p.decision == Some(Decision::SnapshotParent) => {}
+                // A tree a clone refuses (too deep, a mount inside), as the
+                // run would refuse it.
                 Err(e) if volume::walk::is_too_deep(&e) || volume::walk::is_crossing(&e) => {
                     p.refused = Some(format!("{}: {e}", self.root.join(pkg.as_str()).display()));
                     p.decision = None;
@@ -322,20 +331,40 @@ impl Migrator {
                 Err(e) => return Err(e).with_ctx(step(pkg, "scanning the volume")),
             }
         }
+        // What each snapshot sheds in the background: the rest outside the
+        // packages, which the schedule counted, and every other package.
+        let all = planned
+            .iter()
+            .filter_map(|p| p.estimate)
+            .fold(Estimate::default(), |acc, e| acc.plus(&e));
+        for p in &mut planned {
+            if let (Some(cut), Some(own)) = (p.cut, p.estimate) {
+                let others = Estimate {
+                    entries: all.entries - own.entries,
+                    extents: all.extents - own.extents,
+                    ..Estimate::default()
+                };
+                let outside = Estimate {
+                    entries: cut.entries,
+                    extents: cut.extents,
+                    ..Estimate::default()
+                };
+                p.cut = Some(Cost::cut_of(&others.plus(&outside), 0, !cut.at_least));
+            }
+        }
         Ok(planned)
     }
 
     /// Decides how each of `packages` is to be converted, all in one run, by
     /// `opts.method` (for [`Method::Auto`], the rule in the `decide`
-    /// module's docs: at most one package per parent subvolume, the
-    /// dominant one, is converted by snapshotting the parent), and in which
-    /// order: that one first, then the others by name. Plain directories
-    /// under the root that are not in `packages` count as the rest of the
-    /// parent, as anything else there. Packages with nothing to convert
-    /// but leftovers are listed with no decision; those with nothing at all
-    /// are left out. Reads only; counting stops as soon as the rule is
-    /// decided, so it costs about what counting every package but the
-    /// dominant one costs.
+    /// module's docs: every package a snapshot can serve is converted by
+    /// snapshotting the parent), and in which order: those by name, then
+    /// the clones by name. Plain directories under the root that are not
+    /// in `packages` count as the rest of the parent, as anything else
+    /// there. Packages with nothing to convert but leftovers are listed
+    /// with no decision; those with nothing at all are left out. Reads
+    /// only; counts nothing of the packages, and the rest outside them only
+    /// up to [`crate::REST_MAX_US`].
     pub fn schedule(
         &self,
         packages: &[PackageId],
@@ -391,8 +420,9 @@ impl Migrator {
             }
             let dir = sys::open_dir_at(self.root_fd(), &names.live)
                 .with_ctx(step(pkg, "opening the volume"))?;
-            // Refused whatever the method: not counted, decided or part
-            // of the others' decision; the run fails it with the reason.
+            // Refused whatever the method: not decided, and the run fails
+            // it with the reason (its tree is part of the rest every
+            // snapshot sheds).
             if let Some(why) = self.refusal(pkg, &names, dir.as_fd())? {
                 refused.push(Planned {
                     refused: Some(why),
@@ -414,22 +444,14 @@ impl Migrator {
             candidates.push((
                 planned,
                 Candidate {
-                    package: pkg.clone(),
-                    dir,
                     key: (st.dev, st.ino),
                     ineligible,
-                    count: None,
                 },
             ));
         }
-        let mut cands: Vec<Candidate> = Vec::with_capacity(candidates.len());
-        let mut planned: Vec<Planned> = Vec::with_capacity(candidates.len());
-        for (p, c) in candidates {
-            planned.push(p);
-            cands.push(c);
-        }
+        let (mut planned, cands): (Vec<Planned>, Vec<Candidate>) = candidates.into_iter().unzip();
         let decided: Vec<Decided> = match &parent {
-            Some(parent) => decide::decide(&mut cands, parent),
+            Some(parent) => decide::decide(&cands, parent),
             None => cands
                 .iter()
                 .map(|c| Decided {
@@ -438,45 +460,31 @@ impl Migrator {
                         (_, Some(CloneReason::Resume)) => Decision::Clone(CloneReason::Resume),
                         _ => Decision::Clone(CloneReason::Forced),
                     },
-                    clone: None,
                     cut: None,
-                    count: None,
                 })
                 .collect(),
         };
-        let mut in_place = HashSet::new();
-        for ((p, c), d) in planned.iter_mut().zip(&cands).zip(decided) {
-            if d.count.is_some_and(|c| c.in_place > 0) {
-                in_place.insert(p.package.clone());
-            }
-            p.bytes = match d.count {
-                Some(count) if count.complete => count.est.bytes,
-                // For progress only: a tree it cannot count (too deep, say)
-                // is the conversion's to refuse, package by package.
-                _ if bytes => match scan::bytes(c.dir.as_fd()) {
-                    Ok(est) => est.bytes,
-                    Err(e) => {
+        for (p, d) in planned.iter_mut().zip(decided) {
+            // For progress only: a tree it cannot count (too deep, say) is
+            // the conversion's to refuse, package by package.
+            if bytes {
+                p.bytes = sys::open_dir_at(self.root_fd(), OsStr::new(p.package.as_str()))
+                    .and_then(|dir| scan::bytes(dir.as_fd()))
+                    .map(|est| est.bytes)
+                    .unwrap_or_else(|e| {
                         tracing::warn!(package = %p.package, error = %e, "counting the volume's bytes");
                         0
-                    }
-                },
-                _ => 0,
-            };
+                    });
+            }
             p.decision = Some(d.decision);
-            p.clone = d.clone;
             p.cut = d.cut;
         }
         planned.extend(refused);
-        // The dominant package first: the others' clones do not change its
-        // parent's cost, but its snapshot would hold their old trees. Those
-        // with NOCOW or preallocated files last: such a clone removes the
-        // old copies of its files before it is done (see `decide`), and
-        // those removals, from the parent's snapshot, leave the next
-        // commits work that slowed the clones after them.
+        // The snapshots first, each in milliseconds, so that no service
+        // waits for a clone; then the clones, by name.
         planned.sort_by_key(|p| {
             (
                 p.decision != Some(Decision::SnapshotParent),
-                in_place.contains(&p.package),
                 p.package.clone(),
             )
         });
@@ -552,10 +560,16 @@ impl Migrator {
     /// it and a package's own old tree are gone, the NOCOW files cloned into
     /// that package share their extents, so each of its first writes there
     /// is a copy (a new extent) instead of an overwrite. The rests go first,
-    /// then the other packages' old trees, and last the old trees of the
-    /// packages converted by a cut: the largest (each was cut for being the
-    /// dominant package), and shared with no running service.
+    /// then the cloned packages' old trees, and last the old trees of the
+    /// packages converted by a cut, shared with no running service.
+    ///
+    /// The calling thread does it in the idle I/O class
+    /// ([`sys::IdleIo`]), back at its own priority on return: the services
+    /// that started meanwhile come first.
     pub fn remove_all_old(&self, sink: &mut dyn ProgressSink) -> Result<Vec<PackageId>, Error> {
+        let _idle = sys::IdleIo::enter()
+            .inspect_err(|e| tracing::warn!(error = %e, "entering the idle I/O class"))
+            .ok();
         let (cut, cloned): (Vec<PackageId>, Vec<PackageId>) =
             self.packages()?.into_iter().partition(|pkg| {
                 // A record that cannot be read is for remove_old to report.
@@ -791,12 +805,12 @@ impl Migrator {
     /// only.
     ///
     /// The method ([`MigrateOptions::method`]): [`Method::Auto`] resumes an
-    /// interrupted clone, and otherwise snapshots the parent subvolume when
-    /// cutting the snapshot down costs at most half the clone, by the costs
-    /// measured in [`crate::cost`] (see [`Decision`] for every reason it
+    /// interrupted clone, and otherwise snapshots the parent subvolume
+    /// wherever a snapshot can serve (see [`Decision`] for every reason it
     /// clones instead). The free metadata space must cover a node per entry
-    /// removed or lifted, 128 bytes per extent item removed, and the
-    /// reserve. Should space be short, or the cut fail for any reason but
+    /// removed or lifted, 128 bytes per extent item removed, of the rest
+    /// outside the packages (what the snapshot holds of other packages
+    /// leaves it in the background), and the reserve. Should space be short, or the cut fail for any reason but
     /// ENOSPC, Auto deletes the snapshot and clones instead (if the
     /// snapshot cannot be deleted, that is the error).
     /// [`Method::SnapshotParent`] forces the method without the cost rule:
@@ -1156,9 +1170,12 @@ impl Migrator {
         let lifted = sys::read_dir_names(job.src.as_fd())
             .with_ctx(step(pkg, "reading the volume"))?
             .len() as u64;
+        // The schedule counted the rest outside the packages; what the
+        // snapshot holds of the other packages leaves it in the background,
+        // which checks its own space.
         let rest = match planned.cut {
             Some(cut) if !forced => Estimate {
-                entries: cut.entries.saturating_sub(lifted),
+                entries: cut.entries,
                 extents: cut.extents,
                 ..Estimate::default()
             },
@@ -1174,7 +1191,6 @@ impl Migrator {
                         skip: Some(&skip),
                         one_device: true,
                         in_place: true,
-                        gate: None,
                     },
                 )
                 .with_ctx(step(

@@ -5,7 +5,7 @@ use std::io;
 use std::ops::ControlFlow;
 use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Condvar, Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError};
 
 use rustix::fs::FileType;
 use volume::copy;
@@ -56,118 +56,6 @@ pub(crate) struct Limits<'a> {
     /// Also count the files that write in place (see [`Counted::in_place`]);
     /// reads each file's inode item beside its extent items.
     pub in_place: bool,
-    /// Instead of stopping at `max_work`, pause there until the gate raises
-    /// it (or stops the count): a count another thread extends in rounds
-    /// without starting over.
-    pub gate: Option<&'a Gate>,
-}
-
-/// Where a gated count is ([`Gate::wait`]).
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Status {
-    /// Paused at its budget, with what it counted so far.
-    Paused(Estimate),
-    /// Finished (complete, stopped, or failed: the thread's result says).
-    Finished,
-}
-
-/// The budget of a count running on another thread ([`Limits::gate`]):
-/// the count pauses when its work would pass it, and goes on when the
-/// deciding thread raises it, so rounds of growing budgets cost one count.
-#[derive(Debug)]
-pub(crate) struct Gate {
-    state: Mutex<GateState>,
-    changed: Condvar,
-}
-
-#[derive(Debug)]
-struct GateState {
-    budget: u64,
-    stopped: bool,
-    paused: Option<Estimate>,
-    finished: bool,
-}
-
-impl Gate {
-    /// A gate at `budget`.
-    pub fn new(budget: u64) -> Gate {
-        Gate {
-            state: Mutex::new(GateState {
-                budget,
-                stopped: false,
-                paused: None,
-                finished: false,
-            }),
-            changed: Condvar::new(),
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
-        // A panicking count poisons nothing worth refusing: its thread's
-        // join reports the panic.
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// The count's side: its work would reach `work`, past the budget, with
-    /// `est` counted so far. Waits until the budget covers `work` (its new
-    /// value) or the count is stopped (`None`).
-    fn pause(&self, est: Estimate, work: u64) -> Option<u64> {
-        let mut st = self.lock();
-        while !st.stopped && st.budget < work {
-            // Said again after every raise that is not enough: a raise
-            // clears it, and the deciding thread waits for it.
-            st.paused = Some(est);
-            self.changed.notify_all();
-            st = self
-                .changed
-                .wait(st)
-                .unwrap_or_else(PoisonError::into_inner);
-        }
-        st.paused = None;
-        (!st.stopped).then_some(st.budget)
-    }
-
-    /// The count's side: it returned.
-    pub fn finish(&self) {
-        self.lock().finished = true;
-        self.changed.notify_all();
-    }
-
-    /// Waits until the count pauses or finishes.
-    pub fn wait(&self) -> Status {
-        let mut st = self.lock();
-        loop {
-            if st.finished {
-                return Status::Finished;
-            }
-            if let Some(est) = st.paused {
-                return Status::Paused(est);
-            }
-            st = self
-                .changed
-                .wait(st)
-                .unwrap_or_else(PoisonError::into_inner);
-        }
-    }
-
-    /// The budget now.
-    pub fn budget(&self) -> u64 {
-        self.lock().budget
-    }
-
-    /// Lets the count go on up to `budget`.
-    pub fn raise(&self, budget: u64) {
-        let mut st = self.lock();
-        st.budget = st.budget.max(budget);
-        st.paused = None;
-        self.changed.notify_all();
-    }
-
-    /// Ends the count where it is (it returns what it counted).
-    pub fn stop(&self) {
-        self.lock().stopped = true;
-        self.changed.notify_all();
-    }
 }
 
 /// A thread for a count of a package's tree: walks are iterative, with a
@@ -204,7 +92,6 @@ impl<'a> Limits<'a> {
             skip: None,
             one_device: false,
             in_place: false,
-            gate: None,
         }
     }
 }
@@ -313,20 +200,9 @@ impl Tally<'_> {
         self.work().saturating_add(more)
     }
 
-    /// Whether the work may grow by `entries` and `extents` more: within
-    /// the limit, or once a gate has raised it that far.
+    /// Whether the work may grow by `entries` and `extents` more.
     fn allows(&mut self, entries: u64, extents: u64) -> bool {
-        if self.fits(entries, extents) {
-            return true;
-        }
-        let work = self.more(entries, extents);
-        match self.limits.gate.and_then(|g| g.pause(self.est, work)) {
-            Some(budget) => {
-                self.limits.max_work = budget;
-                true
-            }
-            None => false,
-        }
+        self.fits(entries, extents)
     }
 }
 
@@ -524,8 +400,6 @@ impl<'a> Scan<'a> {
                             .is_none_or(|flags| flags & item::INODE_NODATACOW != 0);
                     }
                 } else if key.item_type == EXTENT_DATA_KEY && cur.seen {
-                    // Paused mid-file, the search resumes where it stood
-                    // once the gate opens.
                     if !t.allows(0, 1) {
                         stopped = true;
                         break 'search;
@@ -561,7 +435,7 @@ impl<'a> Scan<'a> {
         if let Some(&ino) = wanted.get(i) {
             t.finish_file(dev, ino, cur);
         }
-        if stopped || (t.limits.gate.is_none() && !t.allows(0, 0)) {
+        if stopped || !t.allows(0, 0) {
             return Ok(ControlFlow::Break(()));
         }
         Ok(ControlFlow::Continue(()))
@@ -572,8 +446,7 @@ impl<'a> Scan<'a> {
 struct Slicing<'t, 'a> {
     tally: &'t mut Tally<'a>,
     file: &'t mut FileItems,
-    /// The limit was reached, or the gate stopped the count: every slice
-    /// ends.
+    /// The limit was reached: every slice ends.
     stopped: bool,
     /// A slice failed: the others end too, their count moot.
     failed: bool,
@@ -584,9 +457,8 @@ struct Slicing<'t, 'a> {
 /// searches at once, each over its share of the offsets up to the file's
 /// `size` (the last also past it, where preallocated extents may lie).
 /// Each slice adds a buffer's items at a time, under one lock, and only
-/// if the limit allows them (pausing at a gate as a single count does):
-/// what a stopped or paused count reports is items it read, a lower
-/// bound. `Break` when the limit stopped it. A slice whose thread cannot
+/// if the limit allows them: what a stopped count reports is items it
+/// read, a lower bound. `Break` when the limit stopped it. A slice whose thread cannot
 /// be started is counted on this one.
 fn extents_sliced(
     dir: BorrowedFd<'_>,
@@ -725,18 +597,6 @@ impl Tally<'_> {
 mod tests {
     use super::*;
     use std::os::fd::AsFd;
-    use std::sync::mpsc;
-    use std::time::Duration;
-
-    /// `wait` from another thread, or `None` if it does not return soon:
-    /// a hang is the failure this looks for.
-    fn wait_briefly(gate: &'static Gate) -> Option<Status> {
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            let _ = tx.send(gate.wait());
-        });
-        rx.recv_timeout(Duration::from_secs(5)).ok()
-    }
 
     /// Extent items of `path` as one search of its inode returns them.
     fn items_of(path: &std::path::Path) -> u64 {
@@ -759,10 +619,9 @@ mod tests {
     /// A fragmented file's items past [`SLICE_AFTER`] are counted by
     /// slices of its offsets at once: whole, its preallocated extents past
     /// its end included (they make it write in place), the files after it
-    /// too; a gated count pauses within its budget each time and ends
-    /// with the same total; a limited one stops within its limit.
+    /// too; a limited count stops within its limit.
     #[test]
-    fn a_fragmented_files_slices_count_it_exactly_and_pause_at_the_gate() {
+    fn a_fragmented_files_slices_count_it_exactly() {
         let fs = integration::fs_or_skip!(integration::LoopFs::btrfs(1 << 30));
         let dir = fs.path("pkg");
         std::fs::create_dir(&dir).unwrap();
@@ -806,51 +665,5 @@ mod tests {
         assert!(!part.complete);
         assert!(part.est.work() <= 5000, "{:?}", part.est);
         assert!(part.est.extents > SLICE_AFTER, "{:?}", part.est);
-
-        let gate = Gate::new(3000);
-        let (last, paused) = std::thread::scope(|s| {
-            let count = s.spawn(|| {
-                let r = scan_within(
-                    top.as_fd(),
-                    Limits {
-                        max_work: gate.budget(),
-                        gate: Some(&gate),
-                        ..Limits::all(&stop)
-                    },
-                );
-                gate.finish();
-                r
-            });
-            let mut budget = 3000;
-            let mut seen = Vec::new();
-            while let Status::Paused(est) = gate.wait() {
-                assert!(est.work() <= budget, "{est:?} over {budget}");
-                seen.push(est.extents);
-                budget += 2500;
-                gate.raise(budget);
-            }
-            (count.join().unwrap().unwrap(), seen)
-        });
-        assert!(last.complete);
-        assert_eq!(last.est.extents, want);
-        assert!(paused.len() >= 3, "{paused:?}");
-        assert!(paused.windows(2).all(|w| w[0] < w[1]), "{paused:?}");
-    }
-
-    #[test]
-    fn a_raise_short_of_the_work_leaves_the_count_paused() {
-        let gate: &'static Gate = Box::leak(Box::new(Gate::new(1)));
-        let est = Estimate {
-            entries: 3,
-            ..Estimate::default()
-        };
-        let count = std::thread::spawn(move || gate.pause(est, 10));
-        assert!(matches!(wait_briefly(gate), Some(Status::Paused(e)) if e.entries == 3));
-        gate.raise(5);
-        assert!(matches!(wait_briefly(gate), Some(Status::Paused(_))));
-        gate.raise(10);
-        assert_eq!(count.join().ok().flatten(), Some(10));
-        gate.finish();
-        assert!(matches!(wait_briefly(gate), Some(Status::Finished)));
     }
 }

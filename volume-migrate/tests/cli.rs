@@ -86,14 +86,18 @@ fn dry_run_then_convert_with_json_then_nothing_to_do() {
         "{:?}",
         plan[0]
     );
-    assert_eq!(plan[0]["method"], "clone", "small volumes are cloned");
     assert_eq!(
-        plan[0]["decision"]["reason"]["kind"], "small",
-        "and the dry run says why: {:?}",
+        plan[0]["method"], "snapshot-parent",
+        "every package by a snapshot of the parent, small ones too"
+    );
+    assert_eq!(
+        plan[0]["decision"]["method"], "snapshot-parent",
+        "{:?}",
         plan[0]
     );
     assert!(
-        text.contains("not by snapshotting the parent: the clone costs under"),
+        text.contains("would convert lnd: snapshot its parent subvolume")
+            && text.contains("every file keeping its identity"),
         "{text}"
     );
     // The space the conversions need, beside what the filesystem has free.
@@ -134,7 +138,7 @@ fn dry_run_then_convert_with_json_then_nothing_to_do() {
     assert!(
         lines
             .iter()
-            .any(|l| l["event"] == "progress" && l["progress"]["phase"] == "clone")
+            .any(|l| l["event"] == "progress" && l["progress"]["phase"] == "carve")
     );
     let summary = lines.last().unwrap();
     assert_eq!(summary["event"], "summary");

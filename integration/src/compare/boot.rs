@@ -11,7 +11,9 @@
 //! package as soon as it is reported ready (`BootProgress::package_ready`);
 //! the last of those is when every service may start. The old trees:
 //! upstream removes them inline, before returning; ours in the background,
-//! timed until that task ends.
+//! timed until that task ends. And, package by package, the share of
+//! entries that kept their inode number and birth time (upstream's issue
+//! #3858), and their ctime.
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -22,6 +24,7 @@ use models::PackageId;
 
 use super::trees;
 use super::{Context, Progress, Report, Result, Row, Side, block_on, digest, leftovers};
+use crate::identity::{Kept, identities};
 use crate::{Subvolume, TreeDigest, upstream};
 
 /// The box's packages.
@@ -45,6 +48,9 @@ pub struct BootOutcome {
     pub lossless: usize,
     /// Names left under the root beside the volumes.
     pub leftovers: Vec<String>,
+    /// Per package, how many entries kept their inode number and birth
+    /// time, and their ctime.
+    pub identity: Vec<(String, Kept)>,
 }
 
 /// Both sides' boots.
@@ -116,6 +122,10 @@ fn side_run(scale: &super::Scale, side: Side) -> Result<(BootOutcome, u64)> {
         }
         expected.push(d);
     }
+    let before: Vec<_> = PACKAGES
+        .iter()
+        .map(|p| identities(&root.join(p)).ctx("reading identities"))
+        .collect::<Result<_>>()?;
     let ids: BTreeSet<PackageId> = PACKAGES
         .iter()
         .map(|p| p.parse::<PackageId>().ctx("package id"))
@@ -144,6 +154,7 @@ fn side_run(scale: &super::Scale, side: Side) -> Result<(BootOutcome, u64)> {
                 converted: 0,
                 lossless: 0,
                 leftovers: Vec::new(),
+                identity: Vec::new(),
             }
         }
         Side::Ours => block_on(async {
@@ -173,6 +184,7 @@ fn side_run(scale: &super::Scale, side: Side) -> Result<(BootOutcome, u64)> {
                 converted: 0,
                 lossless: 0,
                 leftovers: Vec::new(),
+                identity: Vec::new(),
             })
         })?,
     };
@@ -183,6 +195,12 @@ fn side_run(scale: &super::Scale, side: Side) -> Result<(BootOutcome, u64)> {
         outcome.lossless += usize::from(crate::tree_digest(&live).is_ok_and(|d| d == *want));
     }
     outcome.leftovers = leftovers(&root, &PACKAGES)?;
+    for (p, before) in PACKAGES.iter().zip(&before) {
+        let after = identities(&root.join(p)).ctx("reading identities")?;
+        outcome
+            .identity
+            .push((p.to_string(), Kept::of(before, &after)));
+    }
     Ok((outcome, extents))
 }
 
@@ -222,6 +240,14 @@ fn old_cell(o: &BootOutcome, side: Side) -> String {
     }
 }
 
+fn identity_cell(o: &BootOutcome) -> String {
+    o.identity
+        .iter()
+        .map(|(p, k)| format!("{p} {}", k.describe()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn ready_cell(o: &BootOutcome) -> String {
     o.ready
         .iter()
@@ -242,6 +268,11 @@ impl Report for BootComparison {
             )
             .timed(u.all_ready, o.all_ready),
             Row::new("  ready, package by package", ready_cell(u), ready_cell(o)),
+            Row::new(
+                "  entries keeping inode+birth / ctime",
+                identity_cell(u),
+                identity_cell(o),
+            ),
             Row::new(
                 "  old trees",
                 old_cell(u, Side::Upstream),

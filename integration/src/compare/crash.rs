@@ -59,17 +59,19 @@ pub const UPSTREAM_CONVERT_SITES: &[&str] = &[
     "upstream.convert.old-removed",
 ];
 
-/// Our conversion's crash sites at boot, in order (volume-migrate's clone
-/// method, which boot picks for a volume this small, then the background
-/// removal of the old tree).
+/// Our conversion's crash sites at boot, in order (volume-migrate's
+/// snapshot of the parent, cut down to the package, then the background
+/// removal of the rest and of the old tree).
 pub const OURS_CONVERT_SITES: &[&str] = &[
-    "migrate.created",
-    "migrate.chunk@1",
-    "migrate.entry@5",
-    "migrate.copied",
+    "migrate.parent-snapshot",
+    "migrate.carve-held",
+    "migrate.carve-set-aside@1",
+    "migrate.carve-lifted@1",
+    "migrate.rest-recorded",
     "migrate.durable",
     "migrate.exchanged",
     "migrate.old-renamed",
+    "migrate.rest-removed@1",
     "migrate.remove@1",
 ];
 

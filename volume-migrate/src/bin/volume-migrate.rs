@@ -37,8 +37,9 @@ struct Cli {
     /// later with a run without this flag).
     #[arg(long)]
     keep_old: bool,
-    /// How to convert: `auto` picks per package by the estimated cost of
-    /// each way (the dry run shows both).
+    /// How to convert: `auto` snapshots the parent for every package it
+    /// can, keeping every file's identity, and clones the others (the dry
+    /// run says why).
     #[arg(long, value_enum, default_value = "auto")]
     method: CliMethod,
 }
@@ -46,8 +47,8 @@ struct Cli {
 /// `--method`.
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum CliMethod {
-    /// Snapshot the parent for the dominant package where that costs well
-    /// under a clone; clone the others.
+    /// Snapshot the parent for every package a snapshot can serve; clone
+    /// the others.
     Auto,
     /// Clone every package.
     Clone,
@@ -186,7 +187,8 @@ fn run(cli: Cli) -> ExitCode {
             match (&entry.decision, entry.estimate) {
                 (Some(Decision::SnapshotParent), _) => println!(
                     "would convert {}: snapshot its parent subvolume and cut the snapshot down \
-                     to it: the cut {}, against a clone {}",
+                     to it, every file keeping its identity: the cut {} in the background, \
+                     against a clone {}",
                     entry.package,
                     cost(entry.cut),
                     cost(entry.clone)

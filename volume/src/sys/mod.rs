@@ -22,7 +22,7 @@
 //! `flags` inode flags, `clone` reflinks, `ioctl` argument helpers,
 //! `subvolume` the subvolume API over its backend (`native` ioctls or
 //! `btrfsutil`), `search` the b-tree search engine, `item` on-disk item
-//! layouts, `space` metadata space accounting, `fault` the injected failures of
+//! layouts, `space` metadata space accounting, `ioprio` the thread's I/O priority, `fault` the injected failures of
 //! the I/O-error sweep: every call that enters the kernel passes through
 //! [`fault::check`] first.
 
@@ -32,6 +32,7 @@ mod flags;
 mod fs;
 mod inode;
 mod ioctl;
+mod ioprio;
 pub mod item;
 mod proc;
 mod search;
@@ -48,6 +49,7 @@ pub use clone::*;
 pub use flags::*;
 pub use fs::*;
 pub use inode::{dir_parent, open_subvolume, open_tree_dir};
+pub use ioprio::IdleIo;
 pub use proc::{MountNamespace, fd_path, flock_holders, mount_namespaces, own_mount_table};
 pub use search::{
     Batch, DEFAULT_BUF_SIZE, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, search,

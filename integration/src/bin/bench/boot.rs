@@ -27,12 +27,14 @@
 
 use std::collections::BTreeSet;
 use std::fs;
+use std::os::fd::AsFd;
 use std::os::unix::fs::{FileExt, MetadataExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use integration::LoopFs;
 use integration::compare::{Progress, block_on};
+use integration::identity::{Identity, Kept, identities};
 use integration::node::{self, NodeShape};
 use models::PackageId;
 use serde::Serialize;
@@ -47,6 +49,12 @@ use crate::{Verdict, drop_caches};
 const TARGETS: [(u64, f64); 2] = [(500_000, 0.3), (2_000_000, 0.1)];
 /// Ours at the largest count within this much of ours at the smallest.
 const FLAT_WITHIN: f64 = 0.2;
+/// The longest a package may wait for its volume after the one before it
+/// (issue 20): 50 ms.
+const READY_STEP_AT_MOST: f64 = 0.05;
+/// Our background work (the rests and the old trees) against upstream's
+/// whole inline work (issue 20).
+const BACKGROUND_AT_MOST: f64 = 1.5;
 /// The extent count of the field report (PR #3533): 47 million.
 const FIELD_EXTENTS: u64 = 47_000_000;
 /// 4 KiB blocks of bitcoind's block files rewritten after the conversion.
@@ -73,6 +81,17 @@ pub struct Way {
     pub old_trees_inline: Option<f64>,
     /// How each package was converted, where the way says.
     pub methods: Vec<(String, String)>,
+    /// The longest any package waited for its volume after the one before
+    /// it was ready (the first: after the start), seconds: what each
+    /// package adds to its service's wait.
+    pub longest_ready_step: f64,
+    /// Per package, the share of its entries (below its top) that kept
+    /// their inode number and birth time through the conversion.
+    pub identity_kept: Vec<(String, f64)>,
+    /// Metadata bytes used before the conversion, and the most seen while
+    /// the old trees went (ours: sampled every 20 ms through the cleanup;
+    /// upstream: through its whole boot).
+    pub metadata: Option<(u64, u64)>,
     /// What went wrong, if anything did.
     pub error: Option<String>,
 }
@@ -84,6 +103,11 @@ pub struct FirstWrites {
     pub seconds: f64,
     /// Extents the rewritten files gained: 0 when written in place.
     pub new_extents: i64,
+    /// The 99th percentile of one write's latency (each 256th with its
+    /// fdatasync), seconds.
+    pub p99: f64,
+    /// The longest one.
+    pub max: f64,
 }
 
 /// Everything at one extent count.
@@ -246,8 +270,19 @@ fn run_way(shape: &NodeShape, kind: Kind) -> Result<WayRun> {
         old_trees_after: None,
         old_trees_inline: None,
         methods: Vec::new(),
+        longest_ready_step: 0.0,
+        identity_kept: Vec::new(),
+        metadata: None,
         error: None,
     };
+    let identities_before: Vec<(String, Identities)> = shape
+        .packages()
+        .iter()
+        .map(|p| Ok((p.to_string(), identities(&root.join(p))?)))
+        .collect::<Result<_>>()?;
+
+    let meta_fd = fs::File::open(fs.mount_point())?;
+    let metadata_before = volume::sys::metadata_space(meta_fd.as_fd())?.used;
     let mut first_during = None;
     let mut dominant_cut = None;
     let db = root.join(node::DOMINANT).join("data/main/lmdb/data.mdb");
@@ -257,9 +292,11 @@ fn run_way(shape: &NodeShape, kind: Kind) -> Result<WayRun> {
     match kind {
         Kind::Upstream => {
             let mut progress = Progress::new();
+            let sampler = MetadataPeak::start(fs.mount_point())?;
             let report =
                 integration::upstream::boot_volume_maintenance(&root, &ids, &ids, &mut progress)
                     .map_err(|e| format!("upstream's boot: {e}"))?;
+            way.metadata = Some((metadata_before, sampler.stop()?));
             way.all_ready = started.elapsed().as_secs_f64();
             way.first_ready = way.all_ready;
             way.error = report
@@ -324,20 +361,37 @@ fn run_way(shape: &NodeShape, kind: Kind) -> Result<WayRun> {
                     == db_before;
                 // bitcoind writes as soon as it may start, the cleanup
                 // running beside it (on the blocking pool).
+                let sampler = MetadataPeak::start(fs.mount_point()).map_err(|e| e.to_string())?;
                 let during = first_writes(&root, 0).map_err(|e| format!("first writes: {e}"))?;
                 if let Some(c) = b.cleanup.take() {
                     c.await
                         .map_err(|e| format!("cleanup task: {e}"))?
                         .map_err(|e| format!("cleanup: {e}"))?;
                 }
-                Ok::<_, String>((returned, started.elapsed(), during, kept))
+                let done = started.elapsed();
+                let peak = sampler.stop().map_err(|e| e.to_string())?;
+                Ok::<_, String>((returned, done, during, (kept, peak)))
             })?;
+            let (kept, peak) = kept;
+            way.metadata = Some((metadata_before, peak));
             first_during = Some(during);
             dominant_cut = Some(kept);
             let readies: Vec<Duration> = progress.ready.iter().map(|(_, t)| *t).collect();
             let all = readies.iter().max().copied().unwrap_or(returned);
             way.all_ready = all.as_secs_f64();
             way.first_ready = readies.iter().min().copied().unwrap_or(all).as_secs_f64();
+            let mut sorted = readies.clone();
+            sorted.sort();
+            way.longest_ready_step = sorted
+                .iter()
+                .scan(Duration::ZERO, |prev, &t| {
+                    let step = t.saturating_sub(*prev);
+                    *prev = t;
+                    Some(step)
+                })
+                .max()
+                .unwrap_or(all)
+                .as_secs_f64();
             way.old_trees_after = Some((cleanup_done - all).as_secs_f64());
             // How each was converted, from the plan a dry run of the same
             // box gives (the conversion itself reports to the boot only
@@ -345,6 +399,19 @@ fn run_way(shape: &NodeShape, kind: Kind) -> Result<WayRun> {
             way.methods = ready_order(&progress);
         }
     }
+    if kind == Kind::Upstream {
+        way.longest_ready_step = way.all_ready;
+    }
+    way.identity_kept = identities_before
+        .iter()
+        .map(|(p, before)| {
+            let dir = match kind {
+                Kind::Cp => root.join(format!("{p}.cp")),
+                Kind::Upstream | Kind::Ours => root.join(p),
+            };
+            Ok((p.clone(), Kept::of(before, &identities(&dir)?).shares().0))
+        })
+        .collect::<Result<_>>()?;
     let first = match kind {
         Kind::Cp => None,
         Kind::Upstream | Kind::Ours => {
@@ -388,15 +455,18 @@ fn first_writes(root: &Path, skip: u64) -> Result<FirstWrites> {
         .map(|f| fs::OpenOptions::new().write(true).open(f))
         .collect::<std::io::Result<_>>()?;
     let block = vec![0x5au8; 4096];
+    let mut latencies = Vec::with_capacity(FIRST_WRITES as usize);
     let ((), took) = timed(|| -> Result<()> {
         for i in skip..skip + FIRST_WRITES {
             let f = &open[(i % 8) as usize];
             let blocks = f.metadata()?.len() / 4096;
             let at = (i.wrapping_mul(2_654_435_761) % blocks.max(1)) * 4096;
+            let one = Instant::now();
             f.write_all_at(&block, at)?;
             if i % 256 == 255 {
                 f.sync_data()?;
             }
+            latencies.push(one.elapsed().as_secs_f64());
         }
         for f in &open {
             f.sync_data()?;
@@ -407,10 +477,51 @@ fn first_writes(root: &Path, skip: u64) -> Result<FirstWrites> {
         .iter()
         .map(|f| integration::extent_count(f))
         .sum::<std::io::Result<u64>>()?;
+    latencies.sort_by(f64::total_cmp);
+    let at = |q: f64| latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)];
     Ok(FirstWrites {
         seconds: took.as_secs_f64(),
         new_extents: after as i64 - before as i64,
+        p99: at(0.99),
+        max: latencies.last().copied().unwrap_or(0.0),
     })
+}
+
+/// Every entry below a package's top, by path.
+type Identities = std::collections::BTreeMap<PathBuf, Identity>;
+
+/// The most metadata bytes used, sampled every 20 ms on a thread of its
+/// own until [`MetadataPeak::stop`].
+struct MetadataPeak {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<std::io::Result<u64>>,
+}
+
+impl MetadataPeak {
+    fn start(mount: &Path) -> Result<MetadataPeak> {
+        let fd = fs::File::open(mount)?;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut peak = 0;
+            loop {
+                peak = peak.max(volume::sys::metadata_space(fd.as_fd())?.used);
+                if flag.load(std::sync::atomic::Ordering::Relaxed) {
+                    return Ok(peak);
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        Ok(MetadataPeak { stop, thread })
+    }
+
+    fn stop(self) -> Result<u64> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(self
+            .thread
+            .join()
+            .map_err(|_| "the metadata sampler panicked")??)
+    }
 }
 
 /// The `boot` section.
@@ -507,6 +618,77 @@ pub fn run(extent_counts: &[u64]) -> Result<Report> {
             })
             .collect::<Vec<_>>()
             .join(", "),
+    ));
+    let each = |f: &dyn Fn(&BootCase) -> (bool, String)| {
+        let all: Vec<(bool, String)> = cases.iter().map(f).collect();
+        (
+            all.iter().all(|(ok, _)| *ok),
+            all.into_iter()
+                .map(|(_, s)| s)
+                .collect::<Vec<_>>()
+                .join(", "),
+        )
+    };
+    let (ok, detail) = each(&|c| {
+        let step = c.ours.longest_ready_step;
+        (
+            step <= READY_STEP_AT_MOST,
+            format!("{} extents: {}", fmt_count(c.target_extents), secs(step)),
+        )
+    });
+    targets.push(Verdict::new(
+        format!(
+            "boot: each package's volume ready within {} of the one before it (ours)",
+            secs(READY_STEP_AT_MOST)
+        ),
+        ok,
+        detail,
+    ));
+    let (ok, detail) = each(&|c| {
+        let kept = c.ours.identity_kept.iter().all(|(_, share)| *share == 1.0);
+        let up = c.upstream.identity_kept.iter().map(|(_, s)| s).sum::<f64>()
+            / c.upstream.identity_kept.len().max(1) as f64;
+        (
+            kept,
+            format!(
+                "{} extents: ours {} of {} packages, upstream {:.0}% of entries",
+                fmt_count(c.target_extents),
+                c.ours
+                    .identity_kept
+                    .iter()
+                    .filter(|(_, s)| *s == 1.0)
+                    .count(),
+                c.ours.identity_kept.len(),
+                up * 100.0
+            ),
+        )
+    });
+    targets.push(Verdict::new(
+        "boot: every entry of every package keeps its inode number and birth time (ours)"
+            .to_owned(),
+        ok,
+        detail,
+    ));
+    let (ok, detail) = each(&|c| {
+        let ours = c.ours.old_trees_after.unwrap_or(f64::INFINITY);
+        let ratio = ours / c.upstream.all_ready;
+        (
+            ratio <= BACKGROUND_AT_MOST,
+            format!(
+                "{} extents: {} vs {}: {}",
+                fmt_count(c.target_extents),
+                secs(ours),
+                secs(c.upstream.all_ready),
+                fmt_ratio(ratio)
+            ),
+        )
+    });
+    targets.push(Verdict::new(
+        format!(
+            "boot: our background work <= {BACKGROUND_AT_MOST} x upstream's inline clone and removal"
+        ),
+        ok,
+        detail,
     ));
     if let (Some(a), Some(b)) = (cases.first(), cases.last())
         && cases.len() > 1
@@ -646,6 +828,43 @@ pub fn print(r: &Report) {
             "      ours as soon as every service may start, the cleanup running: {} ({:+} extents)",
             secs(d.seconds),
             d.new_extents
+        );
+        println!(
+            "      one write's latency (4 KiB, each 256th with fdatasync), p99 / max: ours during the cleanup {} / {}, after it {} / {}; after upstream's boot {} / {} (its services do not run during its work)",
+            secs(d.p99),
+            secs(d.max),
+            secs(o.p99),
+            secs(o.max),
+            secs(u.p99),
+            secs(u.max)
+        );
+        println!(
+            "      each package's wait after the one before: ours at most {}; upstream {} (every service waits for all)",
+            secs(c.ours.longest_ready_step),
+            secs(c.upstream.longest_ready_step)
+        );
+        let mib = |b: u64| format!("{:.0} MiB", b as f64 / f64::from(1u32 << 20));
+        for (who, w) in [("upstream", &c.upstream), ("ours", &c.ours)] {
+            if let Some((before, peak)) = w.metadata {
+                println!(
+                    "      metadata used: {who} {} before, at most {} while the old trees went (+{})",
+                    mib(before),
+                    mib(peak),
+                    mib(peak.saturating_sub(before))
+                );
+            }
+        }
+        let share = |w: &Way| {
+            w.identity_kept
+                .iter()
+                .map(|(p, s)| format!("{p} {:.0}%", s * 100.0))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        println!(
+            "      entries keeping inode number and birth time: upstream {}; ours {}",
+            share(&c.upstream),
+            share(&c.ours)
         );
     }
     if let Some(x) = &r.per_extent {
