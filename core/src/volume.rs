@@ -532,8 +532,8 @@ mod backend {
             }
         }
         let mut base = 0u64;
-        // In the schedule's order: the package converted by snapshotting
-        // the parent first.
+        // In the schedule's order: the packages converted by snapshotting
+        // the parent first, each ready in milliseconds, then the clones.
         for p in planned.iter().filter(|p| p.decision.is_some()) {
             let pkg = &p.package;
             let mut sink = |pr: &volume_migrate::Progress| {

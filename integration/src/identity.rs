@@ -27,7 +27,8 @@ pub struct Identity {
 
 /// Every entry below the top of `dir` (the top becomes a subvolume's own
 /// root in a conversion), by path from `dir`, a deferred cut's rest at the
-/// top ([`CARVE_REST`]) left out. Never follows a symlink. Fails on an
+/// top ([`CARVE_REST`], or that name with a suffix where the package had
+/// an entry of that name) left out. Never follows a symlink. Fails on an
 /// entry without a birth time (a nested subvolume's placeholder in a
 /// snapshot, or a filesystem that keeps none).
 pub fn identities(dir: &Path) -> io::Result<BTreeMap<PathBuf, Identity>> {
@@ -36,7 +37,8 @@ pub fn identities(dir: &Path) -> io::Result<BTreeMap<PathBuf, Identity>> {
     while let Some(d) = stack.pop() {
         for e in fs::read_dir(&d)? {
             let path = e?.path();
-            if d == dir && path.ends_with(CARVE_REST) {
+            let name = path.file_name().unwrap_or_default().as_encoded_bytes();
+            if d == dir && name.starts_with(CARVE_REST.as_bytes()) {
                 continue;
             }
             let x = statx(

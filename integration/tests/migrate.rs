@@ -999,9 +999,10 @@ fn snapshot_parent_survives_a_crash_at_every_step() {
     }
 }
 
-/// A failing cut (injected after the first removal) deletes the snapshot and
-/// leaves `<pkg>` untouched: the forced method reports it, Auto clones
-/// instead, except when space ran out.
+/// A failing cut (injected after the first removal, or for Auto's deferred
+/// cut after the first entry set aside) deletes the snapshot and leaves
+/// `<pkg>` untouched: the forced method reports it, Auto clones instead,
+/// except when space ran out.
 #[test]
 fn a_failed_cut_deletes_the_snapshot() {
     let Some((_fs, root)) = new_fs() else { return };
@@ -1009,8 +1010,9 @@ fn a_failed_cut_deletes_the_snapshot() {
     let before = raw(&vol);
     for (fp, method, converted) in [
         ("migrate.carve-removed@1=eio", "snapshot-parent", false),
-        ("migrate.carve-removed@1=enospc", "auto", false),
-        ("migrate.carve-removed@1=eio", "auto", true),
+        // Auto's cut is deferred: it fails while setting the rest aside.
+        ("migrate.carve-set-aside@1=enospc", "auto", false),
+        ("migrate.carve-set-aside@1=eio", "auto", true),
     ] {
         let when = format!("{fp} with {method}");
         let (killed, out) = child_with(&root, "db", fp, 1 << 20, method);

@@ -109,8 +109,12 @@ pub fn carve(
     let kept_st = sys::metadata(kept.as_fd())?;
     let kept_flags = sys::inode_flags(kept.as_fd())?;
     let kept_names = sys::read_dir_names(kept.as_fd())?;
-    let top_names = sys::read_dir_names(snapshot)?;
+    let mut top_names = sys::read_dir_names(snapshot)?;
     let hold = free_name(HOLD, &top_names, &kept_names, None);
+    if parent_rel.as_os_str().is_empty() {
+        // The kept directory is itself a top entry: it becomes the hold.
+        top_names.retain(|(entry, _, _)| entry.as_os_str() != name);
+    }
     sys::clear_stuck_flags(kept.as_fd())?;
     sys::rename_at(parent, name, snapshot, &hold)?;
     on_event(CarveEvent::Held)?;

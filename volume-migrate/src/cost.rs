@@ -15,8 +15,9 @@
 //! - lifting a top entry of the package out of the snapshot: a rename,
 //!   taken as an entry removed.
 //!
-//! Only the ratio between the ways matters to the choice, and it held
-//! across the runs made; absolute times vary with the machine. Since the
+//! They bound the rest outside the packages that every package's snapshot
+//! sheds ([`crate::REST_MAX_US`]) and give the dry run's estimates;
+//! absolute times vary with the machine. Since the
 //! copy shares small files with a helper thread, one run measured a clone
 //! at 37.75 us per entry: within the spread, so the figures stand.
 
@@ -33,13 +34,6 @@ pub const CLONE_EXTENT_US: u64 = 7;
 pub const CUT_ENTRY_US: u64 = 58;
 /// Microseconds per extent item removed from a fresh snapshot.
 pub const CUT_EXTENT_US: u64 = 3;
-
-/// [`crate::Method::Auto`] snapshots the parent when cutting it down costs
-/// at most this fraction of cloning the package: half. The cut of a boot's
-/// run is deferred besides (only renames happen before the exchange), so
-/// what the boot waits for is far less again; half keeps the background
-/// work it leaves within the clone it saves.
-pub const CUT_AT_MOST_DIVISOR: u64 = 2;
 
 /// The weights of a clone's work, for a scan's limit.
 pub(crate) const CLONE: Weights = Weights {

@@ -42,11 +42,13 @@ use std::collections::HashSet;
 use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 
 use serde::Serialize;
 use volume::failpoint::failpoint;
+use volume::layout::{MIGRATE_OLD_SUFFIX, MIGRATE_PARENT_SUFFIX, MIGRATE_SUFFIX};
 use volume::sys;
 
 use crate::Method;
@@ -175,6 +177,12 @@ pub(crate) struct Parent {
     /// The entries of the volumes root (by inode number) that hold a
     /// subvolume somewhere below them: a snapshot would leave it out.
     holding: HashSet<u64>,
+    /// The old trees (device, inode) earlier runs left in the volumes root
+    /// for removal ([`old_trees`]): shed like the rest, but
+    /// garbage, so neither weighed against the bound nor a NOCOW veto (a
+    /// run killed after converting a large package must not clone the
+    /// others for its old tree).
+    pub garbage: HashSet<(u64, u64)>,
 }
 
 impl Parent {
@@ -195,10 +203,12 @@ impl Parent {
             return Ok(Err(CloneReason::MountedInParent { mounts: hidden }));
         }
         let holding = entries_holding_subvolumes(root.as_fd(), sys::stat(volumes)?.ino)?;
+        let garbage = old_trees(volumes)?;
         Ok(Ok(Parent {
             root,
             path: path.iter().collect(),
             holding,
+            garbage,
         }))
     }
 
@@ -212,6 +222,42 @@ impl Parent {
     pub fn holds_nested(&self, ino: u64) -> bool {
         self.holding.contains(&ino)
     }
+}
+
+/// The old plain directories (device, inode) earlier runs left in the
+/// volumes root open as `volumes`: every `<pkg>.migrate-old`, and a
+/// `<pkg>.migrate` or `<pkg>.migrate-parent` that is a plain directory
+/// beside the subvolume `<pkg>` (the old directory of an exchange whose
+/// rename aside was cut short). Names only our renames make: package ids
+/// hold no dot.
+fn old_trees(volumes: BorrowedFd<'_>) -> io::Result<HashSet<(u64, u64)>> {
+    let mut out = HashSet::new();
+    for (name, kind, _) in sys::read_dir_names(volumes)? {
+        if kind != rustix::fs::FileType::Directory {
+            continue;
+        }
+        let bytes = name.as_bytes();
+        let old = if bytes.ends_with(MIGRATE_OLD_SUFFIX.as_bytes()) {
+            true
+        } else if let Some(pkg) = [MIGRATE_SUFFIX, MIGRATE_PARENT_SUFFIX]
+            .iter()
+            .find_map(|s| bytes.strip_suffix(s.as_bytes()))
+        {
+            sys::stat_at(volumes, std::ffi::OsStr::from_bytes(pkg))?
+                .is_some_and(|live| live.is_dir() && live.ino == sys::SUBVOLUME_ROOT_INO)
+        } else {
+            false
+        };
+        // The directory itself must be plain: a subvolume is another device.
+        if old
+            && let Some(st) = sys::stat_at(volumes, &name)?
+            && st.is_dir()
+            && st.ino != sys::SUBVOLUME_ROOT_INO
+        {
+            out.insert((st.dev, st.ino));
+        }
+    }
+    Ok(out)
 }
 
 /// The entries of the directory `volumes` (inode number, in the subvolume
@@ -281,7 +327,7 @@ pub(crate) fn decide(
     if carved == 0 {
         return all_clone(candidates, &CloneReason::Forced);
     }
-    let rest = match count_rest(candidates, parent.root.as_fd(), REST_MAX_US / carved) {
+    let rest = match count_rest(candidates, parent, REST_MAX_US / carved) {
         Ok(rest) => rest,
         Err(e) => {
             // A tree a conversion refuses is that package's to report: it
@@ -323,18 +369,15 @@ pub(crate) fn decide(
         .collect()
 }
 
-/// Counts the parent's tree open as `parent` outside every candidate's
-/// directory, up to `max_work` microseconds of cutting.
-fn count_rest(
-    candidates: &[Candidate],
-    parent: BorrowedFd<'_>,
-    max_work: u64,
-) -> io::Result<Counted> {
+/// Counts the parent's tree outside every candidate's directory and the
+/// old trees, up to `max_work` microseconds of cutting.
+fn count_rest(candidates: &[Candidate], parent: &Parent, max_work: u64) -> io::Result<Counted> {
     failpoint("migrate.decide")?;
-    let skip: HashSet<(u64, u64)> = candidates.iter().map(|c| c.key).collect();
+    let mut skip: HashSet<(u64, u64)> = candidates.iter().map(|c| c.key).collect();
+    skip.extend(&parent.garbage);
     let stop = AtomicBool::new(false);
     scan_within(
-        parent,
+        parent.root.as_fd(),
         Limits {
             stop: &stop,
             max_work,

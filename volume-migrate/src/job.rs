@@ -400,7 +400,9 @@ impl Job<'_, '_> {
             }
         })?;
         drop(plan.root);
-        let removal = if self.opts.defer_cut {
+        // Auto's snapshot holds every other package's tree, which no count
+        // weighed: always deferred, so the exchange waits for renames only.
+        let removal = if self.opts.defer_cut || self.opts.method == crate::Method::Auto {
             Removal::Deferred
         } else {
             Removal::Now

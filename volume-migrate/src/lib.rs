@@ -97,6 +97,8 @@ mod rest;
 #[cfg(target_os = "linux")]
 mod scan;
 #[cfg(target_os = "linux")]
+mod shed;
+#[cfg(target_os = "linux")]
 mod track;
 
 #[cfg(target_os = "linux")]

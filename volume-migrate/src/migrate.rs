@@ -27,6 +27,7 @@ use crate::job::{Job, ParentPlan, step};
 use crate::report::{Outcome, PackageReport, Planned, ReportError};
 use crate::rest::RestRecord;
 use crate::scan::{self, Limits, Weights, scan, scan_within};
+use crate::shed::Pace;
 use crate::track::Tracker;
 use crate::{Estimate, Method, Phase, ProgressSink};
 
@@ -561,7 +562,12 @@ impl Migrator {
     /// that package share their extents, so each of its first writes there
     /// is a copy (a new extent) instead of an overwrite. The rests go first,
     /// then the cloned packages' old trees, and last the old trees of the
-    /// packages converted by a cut, shared with no running service.
+    /// packages converted by a cut (whose extents only their own volumes
+    /// share, so a NOCOW first write there copies once either way).
+    ///
+    /// One package that cannot be cleaned (an unreadable record, an I/O
+    /// error, too little metadata space) stops none of the others: each is
+    /// tried, and the first error is returned once all were.
     ///
     /// The calling thread does it in the idle I/O class
     /// ([`sys::IdleIo`]), back at its own priority on return: the services
@@ -581,17 +587,26 @@ impl Migrator {
                 })
             });
         let mut done = Vec::new();
-        for pkg in &cut {
-            if self.remove_parts(pkg, false, sink)? {
-                done.push(pkg.clone());
+        let mut first_error = None;
+        let mut note = |pkg: &PackageId, r: Result<bool, Error>, done: &mut Vec<PackageId>| match r
+        {
+            Ok(true) if !done.contains(pkg) => done.push(pkg.clone()),
+            Ok(_) => {}
+            Err(e) => {
+                tracing::error!(package = %pkg, error = %e, "removing what the conversion left");
+                first_error.get_or_insert(e);
             }
+        };
+        for pkg in &cut {
+            note(pkg, self.remove_parts(pkg, false, sink), &mut done);
         }
         for pkg in cloned.iter().chain(&cut) {
-            if self.remove_old(pkg, sink)? && !done.contains(pkg) {
-                done.push(pkg.clone());
-            }
+            note(pkg, self.remove_old(pkg, sink), &mut done);
         }
-        Ok(done)
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(done),
+        }
     }
 
     /// Removes the old trees a conversion of `pkg` left: the rest a
@@ -624,7 +639,12 @@ impl Migrator {
         let _lock = self.lock(pkg)?;
         self.settle_exchanged(pkg, &names)?;
         let mut tracker = Tracker::new(pkg.clone(), Estimate::default(), sink);
-        let rest = self.remove_rest(pkg, &names, &mut tracker)?;
+        let reserve = default_reserve(&self.metadata_space(pkg)?);
+        let pace = || {
+            Pace::start(self.root_fd(), reserve)
+                .with_ctx(step(pkg, "removing what the conversion left"))
+        };
+        let rest = self.remove_rest(pkg, &names, &mut tracker, &pace)?;
         if !old
             || self
                 .kind(&names.migrate_old)
@@ -637,8 +657,10 @@ impl Migrator {
             return Ok(rest);
         }
         tracker.phase(Phase::RemoveOld);
+        let pace = pace()?;
         copy::remove_tree_at(self.root_fd(), &names.migrate_old, &mut |n| {
             tracker.entries(n);
+            pace.step(n)?;
             failpoint("migrate.remove")
         })
         .and_then(|()| sys::fsync(self.root_fd()))
@@ -650,11 +672,12 @@ impl Migrator {
 
     /// Removes what a deferred cut set aside in `<pkg>`, by its record (see
     /// the `rest` module); returns whether there was a record.
-    fn remove_rest(
-        &self,
+    fn remove_rest<'m>(
+        &'m self,
         pkg: &PackageId,
         names: &Names,
         tracker: &mut Tracker<'_>,
+        pace: &dyn Fn() -> Result<Pace<'m>, Error>,
     ) -> Result<bool, Error> {
         let root = self.root_fd();
         let Some(record) = RestRecord::read(root, &names.migrate_rest).with_ctx(|e| {
@@ -678,8 +701,10 @@ impl Migrator {
                 .with_ctx(step(pkg, "looking for the cut's rest"))?
             {
                 tracker.phase(Phase::RemoveOld);
+                let pace = pace()?;
                 carve::remove_rest(live.as_fd(), &record.name, record.root_stuck, &mut |n| {
                     tracker.entries(n);
+                    pace.step(n)?;
                     failpoint("migrate.rest-removed")
                 })
                 .and_then(|()| sys::commit(live.as_fd()))
@@ -810,10 +835,13 @@ impl Migrator {
     /// clones instead). The free metadata space must cover a node per entry
     /// removed or lifted, 128 bytes per extent item removed, of the rest
     /// outside the packages (what the snapshot holds of other packages
-    /// leaves it in the background), and the reserve. Should space be short, or the cut fail for any reason but
+    /// leaves it later), and the reserve. Auto always defers the cut
+    /// ([`MigrateOptions::defer_cut`] or not): the exchange waits for
+    /// renames only, and [`Migrator::remove_old`] sheds the rest. Should
+    /// space be short, or the cut fail for any reason but
     /// ENOSPC, Auto deletes the snapshot and clones instead (if the
     /// snapshot cannot be deleted, that is the error).
-    /// [`Method::SnapshotParent`] forces the method without the cost rule:
+    /// [`Method::SnapshotParent`] forces the method:
     /// `InvalidRequest` where the parent's root is out of reach, something
     /// is mounted inside it, the package holds nested subvolumes, or the
     /// rest of the parent holds a NOCOW or preallocated file.
@@ -997,10 +1025,22 @@ impl Migrator {
             match job.carve_parent(plan) {
                 Ok(carved) => {
                     job.swap_in(&names.migrate_parent, carved)?;
-                    job.report.method = Some(Method::SnapshotParent);
-                    job.report.outcome = Outcome::Converted;
-                    job.report.elapsed = started.elapsed();
-                    return Ok(job.report);
+                    let mut report = job.report;
+                    report.method = Some(Method::SnapshotParent);
+                    report.outcome = Outcome::Converted;
+                    if opts.method == Method::Auto && !opts.defer_cut {
+                        // Auto deferred the cut whatever the options (its
+                        // snapshot holds every other package's tree, which
+                        // nothing counted); this caller wants it gone on
+                        // return: shed now, the volume already in place.
+                        // A failure leaves garbage for the next cleanup.
+                        drop(lock);
+                        if let Err(e) = self.remove_parts(pkg, false, sink) {
+                            tracing::warn!(package = %pkg, error = %e, "removing the rest of the parent's snapshot");
+                        }
+                    }
+                    report.elapsed = started.elapsed();
+                    return Ok(report);
                 }
                 Err(failure) if forced || !failure.can_clone() => {
                     return Err(failure.into_error(pkg, &live_path));
@@ -1181,7 +1221,8 @@ impl Migrator {
             },
             _ => {
                 let stop = AtomicBool::new(false);
-                let skip = HashSet::from([(st.dev, st.ino)]);
+                let mut skip = HashSet::from([(st.dev, st.ino)]);
+                skip.extend(&parent.garbage);
                 let rest = scan_within(
                     parent.root.as_fd(),
                     Limits {

@@ -39,10 +39,13 @@ fn set(value: libc::c_long) -> io::Result<()> {
 /// scheduler honours classes (BFQ; `none` and `mq-deadline` serve requests
 /// as they come), and does not reach what btrfs's own threads write at a
 /// commit on the thread's behalf.
+/// Not `Send`: dropped on another thread, it would set that thread's.
 #[must_use = "the priority is restored when this is dropped"]
 #[derive(Debug)]
 pub struct IdleIo {
     previous: libc::c_long,
+    /// The priority is the thread's: the guard must drop where it was made.
+    _thread_bound: std::marker::PhantomData<*const ()>,
 }
 
 impl IdleIo {
@@ -50,7 +53,10 @@ impl IdleIo {
     pub fn enter() -> io::Result<IdleIo> {
         let previous = get()?;
         set(CLASS_IDLE << CLASS_SHIFT)?;
-        Ok(IdleIo { previous })
+        Ok(IdleIo {
+            previous,
+            _thread_bound: std::marker::PhantomData,
+        })
     }
 
     /// The class the calling thread is in now (0 none, 1 real time, 2
