@@ -24,6 +24,8 @@ const CHILD_CHUNK_ENV: &str = "MIGRATE_CHILD_CHUNK";
 const CHILD_METHOD_ENV: &str = "MIGRATE_CHILD_METHOD";
 /// Set: the child defers the cut's removal ([`MigrateOptions::defer_cut`]).
 const CHILD_DEFER_ENV: &str = "MIGRATE_CHILD_DEFER";
+/// Set: the child runs only `remove_all_old` (the boot's cleanup).
+const CHILD_CLEANUP_ENV: &str = "MIGRATE_CHILD_CLEANUP";
 
 fn new_fs() -> Option<(LoopFs, PathBuf)> {
     let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE), None);
@@ -348,6 +350,13 @@ fn migrate_child() {
         _ => Method::Auto,
     };
     let m = Migrator::open(&root).expect("child: open");
+    if std::env::var_os(CHILD_CLEANUP_ENV).is_some() {
+        match m.remove_all_old(&mut no_progress) {
+            Ok(done) => println!("CHILD-RESULT ok cleaned {done:?}"),
+            Err(e) => println!("CHILD-RESULT err {} {e}", e.kind.code()),
+        }
+        return;
+    }
     let r = m
         .convert(
             &p,
@@ -1501,4 +1510,80 @@ fn a_clone_shares_its_small_files_with_helpers_and_loses_nothing() {
         &raw(&stopped),
         "nothing written after the return",
     );
+}
+
+/// The boot's cleanup goes on past a package it cannot clean: with the
+/// first entry of the first package's rest failing to go (EIO), it fails
+/// with that error once every other package is done, that package's rest
+/// and record kept for the next cleanup, which removes them.
+#[test]
+fn a_cleanup_that_fails_for_one_package_still_cleans_the_others() {
+    let Some((_fs, root)) = new_fs() else { return };
+    for p in ["alpha", "bravo"] {
+        fs::create_dir_all(root.join(p).join("data/main")).unwrap();
+        populate_volume(&root.join(p), false);
+    }
+    let before: Vec<_> = ["alpha", "bravo"]
+        .iter()
+        .map(|p| raw(&root.join(p)))
+        .collect();
+    let m = Migrator::open(&root).unwrap();
+    let opts = MigrateOptions {
+        defer_cut: true,
+        remove_old: false,
+        ..MigrateOptions::default()
+    };
+    let reports = m.run(&opts, &mut no_progress, &mut |_| {}).unwrap();
+    assert!(
+        reports
+            .iter()
+            .all(|r| r.method == Some(Method::SnapshotParent)),
+        "{reports:?}"
+    );
+    let rest = |p: &str| root.join(p).join(integration::identity::CARVE_REST);
+    assert!(rest("alpha").is_dir() && rest("bravo").is_dir());
+
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "migrate_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ROOT_ENV, &root)
+        .env(CHILD_PKG_ENV, "alpha")
+        .env(CHILD_CLEANUP_ENV, "1")
+        .env(volume::FAILPOINT_ENV, "migrate.rest-removed@1=eio")
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .output()
+        .expect("spawning the child");
+    let said =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("CHILD-RESULT err"),
+        "failpoints compiled in?\n{said}"
+    );
+    assert!(rest("alpha").exists(), "alpha's rest, kept: {said}");
+    assert!(fs::symlink_metadata(root.join("alpha.migrate-rest")).is_ok());
+    assert!(
+        !rest("bravo").exists(),
+        "bravo cleaned all the same: {said}"
+    );
+    assert!(
+        !root.join("bravo.migrate-old").exists(),
+        "{:?}",
+        root_names(&root)
+    );
+
+    m.remove_all_old(&mut no_progress).unwrap();
+    assert!(!rest("alpha").exists());
+    assert!(
+        migrate_names(&root).is_empty(),
+        "{:?}",
+        migrate_names(&root)
+    );
+    for (p, b) in ["alpha", "bravo"].iter().zip(&before) {
+        assert_same(&expected_after(b), &raw(&root.join(p)), p);
+    }
 }

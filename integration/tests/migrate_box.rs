@@ -341,10 +341,16 @@ const RUN_STEPS: &[&str] = &[
 /// `volume-migrate --root <root> --json`, with `failpoint` armed; returns
 /// whether it was SIGKILLed, and its output.
 fn cli_run(root: &Path, failpoint: Option<&str>) -> (bool, i32, String) {
+    cli_run_with(root, &[], failpoint)
+}
+
+/// [`cli_run`] with more arguments.
+fn cli_run_with(root: &Path, args: &[&str], failpoint: Option<&str>) -> (bool, i32, String) {
     let mut cmd = Command::new(volume_migrate_bin());
     cmd.arg("--root")
         .arg(root)
         .arg("--json")
+        .args(args)
         .env_remove("RUST_LOG")
         .stdin(Stdio::null());
     if let Some(fp) = failpoint {
@@ -424,4 +430,51 @@ fn a_run_killed_at_every_step_loses_nothing_and_redoes_nothing() {
         // Frees the case's space for the next.
         volume::delete_tree(&case).unwrap_or_else(|e| panic!("{when}: deleting the case: {e}"));
     }
+}
+
+/// One package whose rest cannot be removed stops no other's cleanup: with
+/// the first entry of the first rest failing to go (EIO), the run exits 1,
+/// every other package's rest and old tree are gone, and that package's
+/// rest and record stay for the next cleanup, which removes them; nothing
+/// of any package is lost on the way.
+#[test]
+fn a_cleanup_that_fails_for_one_package_cleans_the_others() {
+    let shape = NodeShape::small();
+    let Some(fs) = new_box_fs(&shape) else { return };
+    let root = fs.path("package-data/volumes");
+    fs::create_dir_all(&root).unwrap();
+    node::build(&root, &shape).expect("building the box");
+    let before = snapshot_of(&root, &shape);
+    let (killed, code, out) = cli_run_with(&root, &["--keep-old"], None);
+    assert!(!killed && code == 0, "the conversion ({code}):\n{out}");
+    let with_rest = |root: &Path| -> Vec<&str> {
+        shape
+            .packages()
+            .into_iter()
+            .filter(|p| root.join(p).join(REST_DIR).exists())
+            .collect()
+    };
+    assert_eq!(with_rest(&root), shape.packages(), "every rest set aside");
+
+    let (killed, code, out) = cli_run(&root, Some("migrate.rest-removed@1=eio"));
+    assert!(!killed && code == 1, "the failing cleanup ({code}):\n{out}");
+    let first = shape.packages()[0];
+    assert_eq!(
+        with_rest(&root),
+        [first],
+        "only the failing package's rest is left"
+    );
+    assert!(
+        fs::symlink_metadata(root.join(format!("{first}.migrate-rest"))).is_ok(),
+        "its record, kept"
+    );
+    let left = leftovers(&root, &shape);
+    assert!(
+        left.iter().all(|n| n.starts_with(first)),
+        "every other package cleaned: {left:?}"
+    );
+    let (killed, code, out) = cli_run(&root, None);
+    assert!(!killed && code == 0, "the next cleanup ({code}):\n{out}");
+    assert!(with_rest(&root).is_empty());
+    assert_lossless(&root, &shape, &before, "after both cleanups");
 }

@@ -205,17 +205,23 @@ pub fn remove_rest(
     if flags != lifted {
         sys::set_inode_flags(volume, lifted)?;
     }
-    match sys::rmdir_at(volume, rest) {
+    let gone = match sys::rmdir_at(volume, rest) {
         Ok(()) => {
             sys::set_times(volume, &times)?;
             // Inside the moment the root's flags are lifted.
             failpoint("migrate.rest-rmdir")?;
-            on_removed(removed + 1)?;
+            true
         }
-        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => false,
         Err(e) => return Err(e),
+    };
+    put_back_root_flags(volume, root_stuck)?;
+    // Only once the flags are back: a callback that stops the removal
+    // here leaves nothing lifted.
+    if gone {
+        on_removed(removed + 1)?;
     }
-    put_back_root_flags(volume, root_stuck)
+    Ok(())
 }
 
 /// Gives the volume's root open as `volume` the immutable and append-only

@@ -587,22 +587,30 @@ impl Migrator {
                 })
             });
         let mut done = Vec::new();
-        let mut first_error = None;
-        let mut note = |pkg: &PackageId, r: Result<bool, Error>, done: &mut Vec<PackageId>| match r
-        {
-            Ok(true) if !done.contains(pkg) => done.push(pkg.clone()),
-            Ok(_) => {}
-            Err(e) => {
-                tracing::error!(package = %pkg, error = %e, "removing what the conversion left");
-                first_error.get_or_insert(e);
-            }
-        };
+        let mut failed: Vec<(PackageId, Error)> = Vec::new();
         for pkg in &cut {
-            note(pkg, self.remove_parts(pkg, false, sink), &mut done);
+            match self.remove_parts(pkg, false, sink) {
+                Ok(true) => done.push(pkg.clone()),
+                Ok(false) => {}
+                Err(e) => failed.push((pkg.clone(), e)),
+            }
         }
+        // A package whose rest failed is left whole for the next cleanup:
+        // its old tree would meet the same wall, and be reported twice.
         for pkg in cloned.iter().chain(&cut) {
-            note(pkg, self.remove_old(pkg, sink), &mut done);
+            if failed.iter().any(|(p, _)| p == pkg) {
+                continue;
+            }
+            match self.remove_old(pkg, sink) {
+                Ok(true) if !done.contains(pkg) => done.push(pkg.clone()),
+                Ok(_) => {}
+                Err(e) => failed.push((pkg.clone(), e)),
+            }
         }
+        for (pkg, e) in &failed {
+            tracing::error!(package = %pkg, error = %e, "removing what the conversion left");
+        }
+        let first_error = failed.into_iter().next().map(|(_, e)| e);
         match first_error {
             Some(e) => Err(e),
             None => Ok(done),
@@ -640,10 +648,7 @@ impl Migrator {
         self.settle_exchanged(pkg, &names)?;
         let mut tracker = Tracker::new(pkg.clone(), Estimate::default(), sink);
         let reserve = default_reserve(&self.metadata_space(pkg)?);
-        let pace = || {
-            Pace::start(self.root_fd(), reserve)
-                .with_ctx(step(pkg, "removing what the conversion left"))
-        };
+        let pace = || Pace::start(self.root_fd(), reserve);
         let rest = self.remove_rest(pkg, &names, &mut tracker, &pace)?;
         if !old
             || self
@@ -657,7 +662,7 @@ impl Migrator {
             return Ok(rest);
         }
         tracker.phase(Phase::RemoveOld);
-        let pace = pace()?;
+        let pace = pace();
         copy::remove_tree_at(self.root_fd(), &names.migrate_old, &mut |n| {
             tracker.entries(n);
             pace.step(n)?;
@@ -677,7 +682,7 @@ impl Migrator {
         pkg: &PackageId,
         names: &Names,
         tracker: &mut Tracker<'_>,
-        pace: &dyn Fn() -> Result<Pace<'m>, Error>,
+        pace: &dyn Fn() -> Pace<'m>,
     ) -> Result<bool, Error> {
         let root = self.root_fd();
         let Some(record) = RestRecord::read(root, &names.migrate_rest).with_ctx(|e| {
@@ -701,7 +706,7 @@ impl Migrator {
                 .with_ctx(step(pkg, "looking for the cut's rest"))?
             {
                 tracker.phase(Phase::RemoveOld);
-                let pace = pace()?;
+                let pace = pace();
                 carve::remove_rest(live.as_fd(), &record.name, record.root_stuck, &mut |n| {
                     tracker.entries(n);
                     pace.step(n)?;

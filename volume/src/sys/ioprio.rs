@@ -39,6 +39,7 @@ fn set(value: libc::c_long) -> io::Result<()> {
 /// scheduler honours classes (BFQ; `none` and `mq-deadline` serve requests
 /// as they come), and does not reach what btrfs's own threads write at a
 /// commit on the thread's behalf.
+///
 /// Not `Send`: dropped on another thread, it would set that thread's.
 #[must_use = "the priority is restored when this is dropped"]
 #[derive(Debug)]
