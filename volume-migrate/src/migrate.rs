@@ -466,9 +466,12 @@ impl Migrator {
                 .collect(),
         };
         for (p, d) in planned.iter_mut().zip(decided) {
-            // For progress only: a tree it cannot count (too deep, say) is
-            // the conversion's to refuse, package by package.
-            if bytes {
+            // For progress only, so only where there is progress to show: a
+            // snapshot takes milliseconds, and a stat of each of its
+            // entries would delay every service. A tree it cannot count
+            // (too deep, say) is the conversion's to refuse, package by
+            // package.
+            if bytes && d.decision != Decision::SnapshotParent {
                 p.bytes = sys::open_dir_at(self.root_fd(), OsStr::new(p.package.as_str()))
                     .and_then(|dir| scan::bytes(dir.as_fd()))
                     .map(|est| est.bytes)

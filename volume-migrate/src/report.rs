@@ -103,7 +103,8 @@ pub struct Planned {
     /// only.
     pub estimate: Option<Estimate>,
     /// File bytes of the plain directory (each inode once), for progress
-    /// totals in bytes; 0 when not asked for.
+    /// totals in bytes; 0 when not asked for, and for a package converted
+    /// by a snapshot of the parent (milliseconds, whatever it holds).
     pub bytes: u64,
     /// Whether a partial copy from an interrupted run is there to resume.
     pub resume: bool,
