@@ -388,6 +388,20 @@ fn child_with(
     chunk: u64,
     method: &str,
 ) -> (bool, String) {
+    child_run(
+        root,
+        package,
+        failpoint,
+        &[
+            (CHILD_CHUNK_ENV, &chunk.to_string()),
+            (CHILD_METHOD_ENV, method),
+        ],
+    )
+}
+
+/// Runs the child on `package` with `failpoint` and the child settings
+/// `env`; returns whether it was SIGKILLed, and its stdout and stderr.
+fn child_run(root: &Path, package: &str, failpoint: &str, env: &[(&str, &str)]) -> (bool, String) {
     let out = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -397,8 +411,7 @@ fn child_with(
         ])
         .env(CHILD_ROOT_ENV, root)
         .env(CHILD_PKG_ENV, package)
-        .env(CHILD_CHUNK_ENV, chunk.to_string())
-        .env(CHILD_METHOD_ENV, method)
+        .envs(env.iter().copied())
         .env(volume::FAILPOINT_ENV, failpoint)
         .env_remove("RUST_LOG")
         .stdin(Stdio::null())
@@ -1110,27 +1123,17 @@ fn a_kill_as_the_rest_leaves_loses_nothing() {
     let before = raw(&vol);
     let flags = flags_and_blocks(&vol);
 
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "migrate_child",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_ROOT_ENV, &root)
-        .env(CHILD_PKG_ENV, "db")
-        .env(CHILD_METHOD_ENV, "snapshot-parent")
-        .env(CHILD_DEFER_ENV, "1")
-        .env(volume::FAILPOINT_ENV, "migrate.rest-rmdir")
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .output()
-        .expect("spawning the child");
-    let said =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert_eq!(
-        out.status.signal(),
-        Some(libc::SIGKILL),
+    let (killed, said) = child_run(
+        &root,
+        "db",
+        "migrate.rest-rmdir",
+        &[
+            (CHILD_METHOD_ENV, "snapshot-parent"),
+            (CHILD_DEFER_ENV, "1"),
+        ],
+    );
+    assert!(
+        killed,
         "not killed at migrate.rest-rmdir: failpoints compiled in?\n{said}"
     );
     assert!(is_subvolume(&vol), "converted before the kill");
@@ -1543,23 +1546,12 @@ fn a_cleanup_that_fails_for_one_package_still_cleans_the_others() {
     let rest = |p: &str| root.join(p).join(integration::identity::CARVE_REST);
     assert!(rest("alpha").is_dir() && rest("bravo").is_dir());
 
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "migrate_child",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_ROOT_ENV, &root)
-        .env(CHILD_PKG_ENV, "alpha")
-        .env(CHILD_CLEANUP_ENV, "1")
-        .env(volume::FAILPOINT_ENV, "migrate.rest-removed@1=eio")
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .output()
-        .expect("spawning the child");
-    let said =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    let (_, said) = child_run(
+        &root,
+        "alpha",
+        "migrate.rest-removed@1=eio",
+        &[(CHILD_CLEANUP_ENV, "1")],
+    );
     assert!(
         said.contains("CHILD-RESULT err"),
         "failpoints compiled in?\n{said}"

@@ -191,6 +191,25 @@ fn must_exit_with(out: &Output, code: i32, what: &str, needles: &[&str]) -> Stri
     err
 }
 
+/// The exit status of a command over several packages is `code`, and one
+/// line of its stderr names every one of `needles` (the package's line,
+/// among the others and the run's summary). Returns stderr.
+#[track_caller]
+fn must_exit_naming(out: &Output, code: i32, what: &str, needles: &[&str]) -> String {
+    let err = text(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "{what}: exit status; stdout {:?}, stderr {err:?}",
+        text(&out.stdout)
+    );
+    assert!(
+        err.lines().any(|l| needles.iter().all(|n| l.contains(n))),
+        "{what}: one line on stderr must say each of {needles:?}: {err:?}"
+    );
+    err
+}
+
 #[track_caller]
 fn deep_of(path: &Path) -> DeepDigest {
     deep::deep_digest(path).unwrap_or_else(|e| panic!("deep digest of {}: {e}", path.display()))
@@ -517,17 +536,11 @@ fn a_mount_inside_a_plain_directory_volume_is_never_crossed() {
         "the dry run must say app has a mount inside: {said}"
     );
     let out = migrate_cli(&root, &[]);
-    let err = text(&out.stderr);
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "volume-migrate with a mount inside app: stdout {:?}, stderr {err:?}",
-        text(&out.stdout)
-    );
-    assert!(
-        err.lines()
-            .any(|l| l.contains("app") && l.contains("mount")),
-        "volume-migrate must name app and the mount: {err}"
+    must_exit_naming(
+        &out,
+        1,
+        "volume-migrate with a mount inside app",
+        &["app", "mount"],
     );
     assert!(
         !is_subvolume_root(&root.join("app")),
@@ -1044,13 +1057,11 @@ fn read_only_commands_never_hang_behind_a_lock() {
         "usage busy",
         &["busy", &pid_s],
     );
-    let out = lock_wait_cli(&root, &["recover"]);
-    let err = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "recover: {err:?}");
-    assert!(
-        err.lines()
-            .any(|l| l.contains("busy") && l.contains(&pid_s)),
-        "recover must say busy is held, by pid {pid}: {err:?}"
+    must_exit_naming(
+        &lock_wait_cli(&root, &["recover"]),
+        1,
+        "recover, busy held",
+        &["busy", &pid_s],
     );
     assert!(
         !root.join("free.install-backup.tmp").exists(),
@@ -1262,17 +1273,11 @@ fn a_mount_inside_a_volume_being_deleted_is_never_deleted_with_it() {
     let mount = MountGuard::bind(&foreign, &root.join("app.delete/data/main/sub"));
 
     // The package's line, then the summary of the run.
-    let out = volume_cli(&root, &["recover"], &[]);
-    let err = text(&out.stderr);
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "recover with a mount inside: {err}"
-    );
-    assert!(
-        err.lines()
-            .any(|l| l.contains("app") && l.contains("data/main/sub is a mount point")),
-        "recover must name app and the mount: {err}"
+    must_exit_naming(
+        &volume_cli(&root, &["recover"], &[]),
+        1,
+        "recover with a mount inside",
+        &["app", "data/main/sub is a mount point"],
     );
     assert_eq!(fs::read(foreign.join("f")).unwrap(), b"foreign");
     assert!(is_subvolume_root(&foreign), "the foreign subvolume is kept");
@@ -1308,17 +1313,11 @@ fn recovery_never_exchanges_back_a_restore_whose_replaced_volume_is_in_use() {
     let mount = MountGuard::bind(&root.join("app.rollback/data/main"), &held);
     fs::write(main.join("after"), b"written after the restore").unwrap();
 
-    let out = volume_cli(&root, &["recover"], &[]);
-    let err = text(&out.stderr);
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "recover beside the mount: {err}"
-    );
-    assert!(
-        err.lines()
-            .any(|l| l.contains("app.rollback") && l.contains("in use")),
-        "recover must name the replaced volume in use: {err}"
+    must_exit_naming(
+        &volume_cli(&root, &["recover"], &[]),
+        1,
+        "recover beside the mount of the replaced volume",
+        &["app.rollback", "in use"],
     );
     assert_eq!(fs::read(main.join("state")).unwrap(), b"v1");
     assert_eq!(
