@@ -62,10 +62,10 @@ impl ChildGuard {
 
     fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
-            if self.group {
-                if let Some(pid) = rustix::process::Pid::from_raw(child.id() as i32) {
-                    let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
-                }
+            if self.group
+                && let Some(pid) = rustix::process::Pid::from_raw(child.id() as i32)
+            {
+                let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
             }
             let _ = child.kill();
             let _ = child.wait();

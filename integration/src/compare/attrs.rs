@@ -109,10 +109,10 @@ fn side_run(side: Side, root: &Path) -> Result<AttrsOutcome> {
                 .iter()
                 .map(|(p, e)| format!("failed: {p}: {e}"))
                 .collect();
-            if let Some(c) = b.cleanup.take() {
-                if let Err(e) = c.await.ctx("cleanup task")? {
-                    log.push(format!("cleanup failed: {e}"));
-                }
+            if let Some(c) = b.cleanup.take()
+                && let Err(e) = c.await.ctx("cleanup task")?
+            {
+                log.push(format!("cleanup failed: {e}"));
             }
             Ok::<_, super::Failure>(log)
         })?,

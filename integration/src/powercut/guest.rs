@@ -277,10 +277,11 @@ fn remove_stale_initramfs(cache: &Path) -> io::Result<()> {
             .strip_prefix("initramfs-")
             .and_then(|n| n.split('.').next())
             .and_then(|n| n.parse::<u32>().ok());
-        if let Some(pid) = pid {
-            if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
-                fs::remove_file(&path)?;
-            }
+        if let Some(pid) = pid
+            && pid != std::process::id()
+            && !Path::new(&format!("/proc/{pid}")).exists()
+        {
+            fs::remove_file(&path)?;
         }
     }
     Ok(())
@@ -535,10 +536,10 @@ pub fn run(
                 Ok(_) => {
                     let line = String::from_utf8_lossy(&buf);
                     let line = line.trim_end_matches(['\r', '\n']);
-                    if let Some(at) = line.find("PC-") {
-                        if tx.send(line[at..].to_owned()).is_err() {
-                            break;
-                        }
+                    if let Some(at) = line.find("PC-")
+                        && tx.send(line[at..].to_owned()).is_err()
+                    {
+                        break;
                     }
                 }
             }
