@@ -445,7 +445,7 @@ mod backend {
     }
 
     pub(super) fn ensure(root: &Path, pkg: &PackageId) -> Result<(), Error> {
-        volume::create_root(root)?;
+        volume::Root::create(root)?;
         store(root)?.ensure(pkg).map(drop)
     }
 

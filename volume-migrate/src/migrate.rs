@@ -3,7 +3,7 @@
 use std::collections::HashSet;
 use std::ffi::{OsStr, OsString};
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
@@ -145,10 +145,7 @@ pub(crate) fn is_enospc(e: &io::Error) -> bool {
 /// resolved relative to open directories, nothing is followed through a
 /// symlink, only directories and regular files are ever opened.
 pub struct Migrator {
-    root: PathBuf,
-    dir: OwnedFd,
-    dev: u64,
-    btrfs: bool,
+    root: volume::Root,
 }
 
 impl Migrator {
@@ -156,40 +153,24 @@ impl Migrator {
     /// `InvalidRequest` if it is not a directory. Works on any filesystem;
     /// off btrfs every call does nothing ([`Migrator::is_btrfs`]).
     pub fn open(root: impl AsRef<Path>) -> Result<Self, Error> {
-        let (canonical, dir) = volume::open_root(root)?;
-        let st = sys::stat(dir.as_fd()).with_ctx(|_| {
-            (
-                ErrorKind::Filesystem,
-                format!("stat of the volumes root {}", canonical.display()),
-            )
-        })?;
-        let btrfs = sys::is_btrfs(dir.as_fd()).with_ctx(|_| {
-            (
-                ErrorKind::Filesystem,
-                format!("statfs of the volumes root {}", canonical.display()),
-            )
-        })?;
         Ok(Migrator {
-            root: canonical,
-            dir,
-            dev: st.dev,
-            btrfs,
+            root: volume::Root::open(root)?,
         })
     }
 
     /// The canonical volumes root.
     pub fn root(&self) -> &Path {
-        &self.root
+        self.root.path()
     }
 
     /// Whether the root is on btrfs. If not, there is nothing to convert and
     /// every call reports nothing.
     pub fn is_btrfs(&self) -> bool {
-        self.btrfs
+        self.root.is_btrfs()
     }
 
     pub(crate) fn root_fd(&self) -> BorrowedFd<'_> {
-        self.dir.as_fd()
+        self.root.fd()
     }
 
     fn kind(&self, name: &OsStr) -> io::Result<Kind> {
@@ -233,13 +214,13 @@ impl Migrator {
     /// `<pkg>.migrate-old` or `<pkg>.migrate-rest` left by an interrupted
     /// run. Empty off btrfs.
     pub fn packages(&self) -> Result<Vec<PackageId>, Error> {
-        if !self.btrfs {
+        if !self.root.is_btrfs() {
             return Ok(Vec::new());
         }
         let entries = sys::read_dir_names(self.root_fd()).with_ctx(|_| {
             (
                 ErrorKind::Filesystem,
-                format!("reading {}", self.root.display()),
+                format!("reading {}", self.root.path().display()),
             )
         })?;
         let mut out = Vec::new();
@@ -251,7 +232,7 @@ impl Migrator {
                 Some(Err(e)) => {
                     tracing::warn!(
                         "skipped {}: not a package volume: {e}",
-                        self.root.join(&name).display()
+                        self.root.path().join(&name).display()
                     );
                     continue;
                 }
@@ -269,7 +250,7 @@ impl Migrator {
                         // convert, and no reason to stop the others.
                         tracing::warn!(
                             "skipped {}: not a directory, so not a package volume",
-                            self.root.join(&name).display()
+                            self.root.path().join(&name).display()
                         );
                         false
                     }
@@ -326,7 +307,10 @@ impl Migrator {
                 // A tree a clone refuses (too deep, a mount inside), as the
                 // run would refuse it.
                 Err(e) if volume::walk::is_too_deep(&e) || volume::walk::is_crossing(&e) => {
-                    p.refused = Some(format!("{}: {e}", self.root.join(pkg.as_str()).display()));
+                    p.refused = Some(format!(
+                        "{}: {e}",
+                        self.root.path().join(pkg.as_str()).display()
+                    ));
                     p.decision = None;
                 }
                 Err(e) => return Err(e).with_ctx(step(pkg, "scanning the volume")),
@@ -382,24 +366,27 @@ impl Migrator {
         opts: &MigrateOptions,
         bytes: bool,
     ) -> Result<Vec<Planned>, Error> {
-        if !self.btrfs {
+        if !self.root.is_btrfs() {
             return Ok(Vec::new());
         }
         // Data still in the page cache has no extents yet.
         sys::commit(self.root_fd()).with_ctx(|_| {
             (
                 ErrorKind::Filesystem,
-                format!("flushing the filesystem of {}", self.root.display()),
+                format!("flushing the filesystem of {}", self.root.path().display()),
             )
         })?;
         let mut leftovers = Vec::new();
         let mut refused = Vec::new();
         let mut candidates = Vec::new();
         let parent = match opts.method {
-            Method::Auto => Some(Parent::of(self.root_fd(), &self.root).with_ctx(|_| {
+            Method::Auto => Some(Parent::of(self.root_fd(), self.root.path()).with_ctx(|_| {
                 (
                     ErrorKind::MigrationFailed,
-                    format!("inspecting the subvolume holding {}", self.root.display()),
+                    format!(
+                        "inspecting the subvolume holding {}",
+                        self.root.path().display()
+                    ),
                 )
             })?),
             Method::Clone | Method::SnapshotParent => None,
@@ -643,7 +630,7 @@ impl Migrator {
         old: bool,
         sink: &mut dyn ProgressSink,
     ) -> Result<bool, Error> {
-        if !self.btrfs {
+        if !self.root.is_btrfs() {
             return Ok(false);
         }
         let names = Names::new(pkg)?;
@@ -893,7 +880,7 @@ impl Migrator {
             elapsed: Duration::ZERO,
             error: None,
         };
-        if !self.btrfs {
+        if !self.root.is_btrfs() {
             return Ok(report);
         }
         let names = Names::new(pkg)?;
@@ -902,7 +889,8 @@ impl Migrator {
             // A restore, snapshot or delete of the volume store cut short is
             // finished first: converting a volume a restore has recorded
             // would change the identity its recovery goes by.
-            volume::VolumeStore::open_without_recovery(&self.root)?.recover_held(pkg, &lock)?;
+            volume::VolumeStore::open_without_recovery(self.root.path())?
+                .recover_held(pkg, &lock)?;
         }
         let state = self.state(pkg, &names)?;
         let incoherent = [
@@ -917,7 +905,7 @@ impl Migrator {
                 ErrorKind::Incoherent,
                 format!(
                     "{} is neither a partial copy nor the old directory; move it away",
-                    self.root.join(name).display()
+                    self.root.path().join(name).display()
                 ),
             ));
         }
@@ -928,7 +916,7 @@ impl Migrator {
                     ErrorKind::InvalidRequest,
                     format!(
                         "{} is not a directory",
-                        self.root.join(&names.live).display()
+                        self.root.path().join(&names.live).display()
                     ),
                 ));
             }
@@ -951,7 +939,7 @@ impl Migrator {
                 .and_then(|()| sys::fsync(self.root_fd()))
                 .with_ctx(step(pkg, "removing an interrupted parent snapshot"))?;
         }
-        let live_path = self.root.join(&names.live);
+        let live_path = self.root.path().join(&names.live);
         let src = sys::open_dir_at(self.root_fd(), &names.live)
             .with_ctx(step(pkg, "opening the volume"))?;
         if let Some(why) = self.refusal(pkg, &names, src.as_fd())? {
@@ -1154,7 +1142,7 @@ impl Migrator {
         names: &Names,
         src: BorrowedFd<'_>,
     ) -> Result<Option<String>, Error> {
-        let live_path = self.root.join(&names.live);
+        let live_path = self.root.path().join(&names.live);
         let busy = volume::mounts::uses_of(&live_path).with_ctx(|_| {
             (
                 ErrorKind::Filesystem,
@@ -1169,13 +1157,13 @@ impl Migrator {
             )));
         }
         let src_st = sys::stat(src).with_ctx(step(pkg, "stat of the volume"))?;
-        if src_st.dev != self.dev
+        if src_st.dev != self.root.dev()
             || !sys::is_btrfs(src).with_ctx(step(pkg, "statfs of the volume"))?
         {
             return Ok(Some(format!(
                 "{} is on another filesystem than the volumes root {}",
                 live_path.display(),
-                self.root.display()
+                self.root.path().display()
             )));
         }
         let stuck = sys::inode_flags(src)
@@ -1203,7 +1191,7 @@ impl Migrator {
         forced: bool,
     ) -> Result<Prepared, Error> {
         let pkg = job.pkg;
-        let parent = match Parent::of(self.root_fd(), &self.root).with_ctx(step(
+        let parent = match Parent::of(self.root_fd(), self.root.path()).with_ctx(step(
             pkg,
             "inspecting the subvolume holding the volumes root",
         ))? {
@@ -1277,7 +1265,7 @@ impl Migrator {
     /// before converting; for a dry run to show beside the estimates'
     /// [`Estimate::metadata_bytes`]. Off btrfs, `None`.
     pub fn metadata_room(&self, opts: &MigrateOptions) -> Result<Option<MetadataRoom>, Error> {
-        if !self.btrfs {
+        if !self.root.is_btrfs() {
             return Ok(None);
         }
         sys::metadata_space(self.root_fd())
@@ -1292,7 +1280,7 @@ impl Migrator {
                     ErrorKind::Filesystem,
                     format!(
                         "reading the metadata space of the filesystem holding {}",
-                        self.root.display()
+                        self.root.path().display()
                     ),
                 )
             })

@@ -37,6 +37,8 @@ mod outcome;
 #[cfg(target_os = "linux")]
 pub mod record;
 #[cfg(target_os = "linux")]
+mod root;
+#[cfg(target_os = "linux")]
 mod store;
 #[cfg(target_os = "linux")]
 pub mod sys;
@@ -51,9 +53,10 @@ pub use layout::INSTALL_BACKUP_SUFFIX;
 pub use mounts::MountUse;
 pub use outcome::{Recovery, SnapshotOutcome, VolumeInfo, VolumeKind};
 #[cfg(target_os = "linux")]
+pub use root::Root;
+#[cfg(target_os = "linux")]
 pub use store::{
-    DEFAULT_REFLINK_EXTENT_LIMIT, VolumeStore, VolumeUsage, create_root, delete_tree,
-    delete_tree_at, open_locks, open_root,
+    DEFAULT_REFLINK_EXTENT_LIMIT, VolumeStore, VolumeUsage, delete_tree, delete_tree_at, open_locks,
 };
 
 /// Upstream's data directory.

@@ -60,6 +60,7 @@ use crate::lock::{LockDir, LockWait, PackageLock};
 use crate::mounts::{self, MountUse};
 use crate::outcome::{Recovery, SnapshotOutcome, VolumeInfo, VolumeKind};
 use crate::record::{self, Identity};
+use crate::root::Root;
 use crate::sys;
 use crate::usage::{self, Split, Usage};
 
@@ -148,45 +149,10 @@ fn type_name(ty: FileType) -> &'static str {
 /// are resolved relative to the root's open file descriptor and never through
 /// a symlink.
 pub struct VolumeStore {
-    root: PathBuf,
-    dir: OwnedFd,
-    btrfs: bool,
+    root: Root,
     reflink_extent_limit: u64,
     locks: LockDir,
     read_wait: LockWait,
-}
-
-/// Canonicalizes the volumes root and opens it, with the errors every
-/// caller reports: `NotFound` if it does not exist, `InvalidRequest` if it
-/// is not a directory (a symlink as the last component included).
-pub fn open_root(root: impl AsRef<Path>) -> Result<(PathBuf, OwnedFd), Error> {
-    let root = root.as_ref();
-    let canonical = sys::canonicalize(root).with_ctx(|e| {
-        let kind = if e.kind() == io::ErrorKind::NotFound {
-            ErrorKind::NotFound
-        } else {
-            ErrorKind::Filesystem
-        };
-        (kind, format!("volumes root {}", root.display()))
-    })?;
-    let dir = sys::open_dir_path(&canonical).with_ctx(|_| {
-        (
-            ErrorKind::InvalidRequest,
-            format!("volumes root {} is not a directory", canonical.display()),
-        )
-    })?;
-    Ok((canonical, dir))
-}
-
-/// Creates the volumes root `root` and its parents if missing (upstream's
-/// `mkdir -p` before its first volume).
-pub fn create_root(root: &Path) -> Result<(), Error> {
-    sys::create_dir_all(root).with_ctx(|_| {
-        (
-            ErrorKind::Filesystem,
-            format!("creating {}", root.display()),
-        )
-    })
 }
 
 /// The lock directory of the volumes root open as `dir`, with the error
@@ -237,14 +203,10 @@ impl VolumeStore {
     /// Opens the store without running recovery. Operations still recover
     /// their own package before running.
     pub fn open_without_recovery(root: impl AsRef<Path>) -> Result<Self, Error> {
-        let (root, dir) = open_root(root)?;
-        let btrfs = sys::is_btrfs(dir.as_fd())
-            .with_ctx(|_| (ErrorKind::Filesystem, format!("statfs {}", root.display())))?;
-        let locks = open_locks(&root, dir.as_fd())?;
+        let root = Root::open(root)?;
+        let locks = open_locks(root.path(), root.fd())?;
         Ok(VolumeStore {
             root,
-            dir,
-            btrfs,
             reflink_extent_limit: DEFAULT_REFLINK_EXTENT_LIMIT,
             locks,
             read_wait: LockWait::Forever,
@@ -274,22 +236,23 @@ impl VolumeStore {
 
     /// The canonical root directory.
     pub fn root(&self) -> &Path {
-        &self.root
+        self.root.path()
     }
 
     /// Whether the root is on btrfs.
     pub fn is_btrfs(&self) -> bool {
-        self.btrfs
+        self.root.is_btrfs()
     }
 
     /// `<root>/<pkg>`, the package's volume.
     pub fn volume_path(&self, pkg: &PackageId) -> PathBuf {
-        self.root.join(pkg.as_str())
+        self.root.path().join(pkg.as_str())
     }
 
     /// `<root>/<pkg>.install-backup`.
     pub fn backup_path(&self, pkg: &PackageId) -> PathBuf {
         self.root
+            .path()
             .join(format!("{pkg}{}", layout::INSTALL_BACKUP_SUFFIX))
     }
 
@@ -299,7 +262,7 @@ impl VolumeStore {
     }
 
     fn root_fd(&self) -> BorrowedFd<'_> {
-        self.dir.as_fd()
+        self.root.fd()
     }
 
     fn lock(&self, pkg: &PackageId) -> Result<PackageLock, Error> {
@@ -375,7 +338,7 @@ impl VolumeStore {
     /// How the tree `name` is stored, `None` if absent; an error naming the
     /// entry if it is not a directory (no volume or backup of ours).
     fn tree(&self, pkg: &PackageId, name: &OsStr) -> Result<Option<VolumeKind>, Error> {
-        let path = self.root.join(name);
+        let path = self.root.path().join(name);
         match self.entry(name).with_ctx(|_| {
             (
                 ErrorKind::Filesystem,
@@ -473,13 +436,13 @@ impl VolumeStore {
     /// and what to do (snapshots, renames and records need metadata space
     /// only, so a full data space never stops them).
     fn failed(&self, pkg: &PackageId, what: impl std::fmt::Display, e: io::Error) -> Error {
-        let root = self.root.display();
+        let root = self.root.path().display();
         let what = match e.raw_os_error() {
             Some(libc::ENOSPC) => {
                 // The allocator's figure, for the operator: btrfs refuses a
                 // step when what it reserves for it exceeds what is free,
                 // which can be more than the step uses.
-                let free = match self.btrfs {
+                let free = match self.root.is_btrfs() {
                     true => sys::metadata_space(self.root_fd())
                         .map(|s| {
                             format!("btrfs counts {} KiB of metadata space free", s.free() >> 10)
@@ -535,8 +498,8 @@ impl VolumeStore {
     /// Makes the empty tree `name` in the root, in one step: a subvolume on
     /// btrfs, a directory elsewhere. Not yet durable.
     fn make_tree(&self, pkg: &PackageId, name: &OsStr) -> Result<VolumeKind, Error> {
-        let path = self.root.join(name);
-        if self.btrfs {
+        let path = self.root.path().join(name);
+        if self.root.is_btrfs() {
             sys::create_subvolume(self.root_fd(), name).with_ctx(|_| {
                 (
                     ErrorKind::DiskManagement,
@@ -628,7 +591,7 @@ impl VolumeStore {
                 pkg,
                 format!(
                     "creating volume directories in {}",
-                    self.root.join(name).join("data").display()
+                    self.root.path().join(name).join("data").display()
                 ),
                 e,
             ),
@@ -649,7 +612,7 @@ impl VolumeStore {
         }
         let sync = || -> io::Result<()> {
             let live = sys::open_dir_at(self.root_fd(), &names.live)?;
-            if self.btrfs {
+            if self.root.is_btrfs() {
                 sys::commit(live.as_fd())
             } else {
                 sys::syncfs(live.as_fd())
@@ -697,7 +660,7 @@ impl VolumeStore {
                 ),
             ));
         }
-        if !self.btrfs {
+        if !self.root.is_btrfs() {
             let reason = "the volumes root is not on btrfs".to_owned();
             tracing::warn!(package = %pkg, "no install backup: {reason}");
             return Ok(SnapshotOutcome::Skipped { reason });
@@ -930,7 +893,10 @@ impl VolumeStore {
             let cleanup = self.undo_rollback(names, backup_kind);
             let e = self.failed(
                 pkg,
-                format!("{what} {}", self.root.join(&names.rollback).display()),
+                format!(
+                    "{what} {}",
+                    self.root.path().join(&names.rollback).display()
+                ),
                 e,
             );
             return Err(with_cleanup(e, cleanup, "undoing the restore"));
@@ -1003,7 +969,7 @@ impl VolumeStore {
         let id = Identity::of(copy).map_err(|e| ("reading the identity of", e))?;
         record::write(self.root_fd(), &names.rollback_id, &id.encode())
             .map_err(|e| ("recording the identity of", e))?;
-        if self.btrfs {
+        if self.root.is_btrfs() {
             sys::commit_metadata(self.root_fd())
         } else {
             self.fsync_root()
@@ -1068,7 +1034,7 @@ impl VolumeStore {
                     ErrorKind::Incoherent,
                     format!(
                         "the rollback record {} is missing",
-                        self.root.join(&names.rollback_id).display()
+                        self.root.path().join(&names.rollback_id).display()
                     ),
                 )
             })?;
@@ -1080,7 +1046,7 @@ impl VolumeStore {
                     ErrorKind::Incoherent,
                     format!(
                         "unreadable rollback record {} ({text:?})",
-                        self.root.join(&names.rollback_id).display()
+                        self.root.path().join(&names.rollback_id).display()
                     ),
                 )
             })
@@ -1171,7 +1137,7 @@ impl VolumeStore {
         if self.tree(pkg, &names.rollback)?.is_none() {
             return Ok(Vec::new());
         }
-        mounts::uses_of(&self.root.join(&names.rollback)).with_ctx(|_| {
+        mounts::uses_of(&self.root.path().join(&names.rollback)).with_ctx(|_| {
             (
                 ErrorKind::Filesystem,
                 pkg.context("reading the mount tables of every mount namespace"),
@@ -1235,7 +1201,7 @@ impl VolumeStore {
                 "the volume a restore replaced, {}, is in use, mounted at {}; the restore is \
                  complete and the replaced volume is kept until that stops: stop it, then run \
                  recover",
-                self.root.join(&names.rollback).display(),
+                self.root.path().join(&names.rollback).display(),
                 mounts::describe(&busy)
             ),
         ))
@@ -1422,7 +1388,10 @@ impl VolumeStore {
             Error::for_package(
                 pkg,
                 ErrorKind::InvalidRequest,
-                format!("{}: {e}", self.root.join(&names.migrate_rest).display()),
+                format!(
+                    "{}: {e}",
+                    self.root.path().join(&names.migrate_rest).display()
+                ),
             )
         })?;
         if rest.is_some() {
@@ -1585,7 +1554,7 @@ impl VolumeStore {
                         "{} has no rollback record and there is no backup: it may be the only \
                          copy of the data an interrupted restore was putting back; keep whichever \
                          of it and {} holds the data to keep as {}, move the other away",
-                        self.root.join(&names.rollback).display(),
+                        self.root.path().join(&names.rollback).display(),
                         self.volume_path(pkg).display(),
                         self.volume_path(pkg).display()
                     ),
@@ -1605,9 +1574,9 @@ impl VolumeStore {
                 format!(
                     "unreadable rollback record {} ({text:?}); check which of {} and {} is \
                      the right volume, then remove the record",
-                    self.root.join(&names.rollback_id).display(),
+                    self.root.path().join(&names.rollback_id).display(),
                     self.volume_path(pkg).display(),
-                    self.root.join(&names.rollback).display()
+                    self.root.path().join(&names.rollback).display()
                 ),
             )
         })?;
@@ -1647,9 +1616,9 @@ impl VolumeStore {
                 "the rollback record {} names a tree that is none of {}, {} and {}, so which \
                  holds the data to keep cannot be told: keep that one as the volume, move the \
                  others away, then remove the record",
-                self.root.join(&names.rollback_id).display(),
+                self.root.path().join(&names.rollback_id).display(),
                 self.volume_path(pkg).display(),
-                self.root.join(&names.rollback).display(),
+                self.root.path().join(&names.rollback).display(),
                 self.backup_path(pkg).display()
             ),
         ))
@@ -1686,7 +1655,7 @@ impl VolumeStore {
                     ErrorKind::InvalidRequest,
                     format!(
                         "{} is not a regular file, so no fresh-install marker; move it away",
-                        self.root.join(name).display()
+                        self.root.path().join(name).display()
                     ),
                 ));
             }
@@ -1743,7 +1712,7 @@ impl VolumeStore {
         let entries = sys::read_dir_names(self.root_fd()).with_ctx(|_| {
             (
                 ErrorKind::Filesystem,
-                format!("reading {}", self.root.display()),
+                format!("reading {}", self.root.path().display()),
             )
         })?;
         let mut pkgs = Vec::new();
@@ -1752,7 +1721,7 @@ impl VolumeStore {
                 Some(Ok(pkg)) => pkgs.push(pkg),
                 Some(Err(e)) => tracing::warn!(
                     "skipped {}: not a package volume: {e}",
-                    self.root.join(name).display()
+                    self.root.path().join(name).display()
                 ),
                 None => {}
             }
@@ -1782,13 +1751,16 @@ impl VolumeStore {
             let io_ctx = |_: &io::Error| {
                 (
                     ErrorKind::DiskManagement,
-                    pkg.context(format!("measuring {}", self.root.join(name).display())),
+                    pkg.context(format!(
+                        "measuring {}",
+                        self.root.path().join(name).display()
+                    )),
                 )
             };
             if self.tree(pkg, name)?.is_none() {
                 return Ok(None);
             }
-            if !self.btrfs {
+            if !self.root.is_btrfs() {
                 return Err(Error::for_package(
                     pkg,
                     ErrorKind::InvalidRequest,
@@ -1803,7 +1775,7 @@ impl VolumeStore {
                         ErrorKind::InvalidRequest,
                         format!(
                             "measuring {}: {e}; a plain directory is measured by walking it",
-                            self.root.join(name).display()
+                            self.root.path().join(name).display()
                         ),
                     );
                 }

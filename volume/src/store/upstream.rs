@@ -161,14 +161,14 @@ impl VolumeStore {
                                  beside its backup, and {} already exists; move that away, \
                                  then retry",
                                     self.volume_path(pkg).display(),
-                                    self.root.join(&names.restore_conflict).display()
+                                    self.root.path().join(&names.restore_conflict).display()
                                 ),
                             ));
                         }
                         actions.push(format!(
                             "kept what was written into a volume recreated during an \
                          interrupted restore of upstream's as {}",
-                            self.root.join(&names.restore_conflict).display()
+                            self.root.path().join(&names.restore_conflict).display()
                         ));
                         &names.restore_conflict
                     } else {
