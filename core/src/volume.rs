@@ -149,6 +149,14 @@ impl InstallBackup {
         }
     }
 
+    /// The package as given, valid or not, for log lines.
+    fn name(&self) -> &str {
+        match &self.pkg {
+            Ok(p) => p.as_str(),
+            Err(id) => id,
+        }
+    }
+
     /// Runs `f` (one of the backend's operations) on the volumes root and
     /// the package, off the async runtime.
     async fn run<T: Send + 'static>(
@@ -191,10 +199,10 @@ impl InstallBackup {
         let outcome = self.snapshot_outcome().await?;
         match &outcome {
             volume::SnapshotOutcome::Skipped { reason } => {
-                tracing::warn!("no install backup: {reason}");
+                tracing::warn!(package = %self.name(), "no install backup: {reason}");
             }
             volume::SnapshotOutcome::NoVolume => {
-                tracing::info!("no install backup: no volume yet (a fresh install)");
+                tracing::info!(package = %self.name(), "no install backup: no volume yet (a fresh install)");
             }
             _ => {}
         }
@@ -465,8 +473,19 @@ mod backend {
             .map(drop)
     }
 
+    /// Each package's failure is logged where it happens (by
+    /// `remove_all_old`); what stops the whole cleanup is logged here, as
+    /// nobody may await the task (upstream's call site does not).
     pub(super) fn cleanup(root: &Path) -> Result<Vec<PackageId>, Error> {
-        volume_migrate::Migrator::open(root)?.remove_all_old(&mut |_: &volume_migrate::Progress| {})
+        volume_migrate::Migrator::open(root)
+            .inspect_err(|e| {
+                tracing::error!(
+                    step = "cleanup",
+                    "opening {} for the cleanup failed: {e}",
+                    root.display()
+                )
+            })?
+            .remove_all_old(&mut |_: &volume_migrate::Progress| {})
     }
 
     pub(super) fn release_rest(root: &Path, pkg: &PackageId) -> Result<bool, Error> {
@@ -511,6 +530,18 @@ mod backend {
             ..Default::default()
         };
         let planned = migrator.schedule(&installed_listed, &opts)?;
+        // A refused package is a failed conversion (volume-migrate's own
+        // run fails it the same way): it keeps its plain directory, and it
+        // is reported, never passed over as ready.
+        for p in &planned {
+            if let Some(why) = &p.refused {
+                tracing::error!(package = %p.package, step = "conversion", "converting the volume failed: {why}");
+                failed.push((
+                    p.package.clone(),
+                    Error::new(eyre!("{why}"), ErrorKind::MigrationFailed),
+                ));
+            }
+        }
         let to_convert: BTreeSet<PackageId> = planned
             .iter()
             .filter(|p| p.decision.is_some())
@@ -546,7 +577,7 @@ mod backend {
                     let _ = tx.send(super::BootEvent::Ready(pkg.clone()));
                 }
                 Err(e) => {
-                    tracing::error!(package = %pkg, "converting the volume failed: {e}");
+                    tracing::error!(package = %pkg, step = "conversion", "converting the volume failed: {e}");
                     failed.push((pkg.clone(), e));
                 }
             }
@@ -574,6 +605,7 @@ mod backend {
         let stale = |p: &PackageId| installed.contains(p.as_str()) || !all.contains(p.as_str());
         for pkg in store.fresh_packages()?.into_iter().filter(stale) {
             if let Err(e) = store.mark_fresh(&pkg, false) {
+                tracing::error!(package = %pkg, step = "sweep", "dropping the fresh-install marker failed: {e}");
                 failed.push((pkg, e));
             }
         }
@@ -582,12 +614,13 @@ mod backend {
             if all.contains(pkg.as_str()) || info.backup.is_none() {
                 continue;
             }
-            let r = if info.volume.is_some() {
-                store.drop_backup(pkg).map(drop)
+            let (r, what) = if info.volume.is_some() {
+                (store.drop_backup(pkg).map(drop), "dropping the backup")
             } else {
-                store.restore(pkg).map(drop)
+                (store.restore(pkg).map(drop), "restoring the backup")
             };
             if let Err(e) = r {
+                tracing::error!(package = %pkg, step = "sweep", "{what} of a package no longer installed failed: {e}");
                 failed.push((pkg.clone(), e));
             }
         }
