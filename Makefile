@@ -29,7 +29,7 @@ CLI_FEATURES := volume/cli,volume-migrate/cli
 # them; a production build has none.
 TEST_FEATURES := volume/failpoints,volume-migrate/failpoints,startos-core/failpoints,$(CLI_FEATURES)
 
-.PHONY: all deps build fmt-check clippy test faults bench demo targets compare powercut
+.PHONY: all deps build fmt-check clippy test faults bench demo targets dist compare powercut
 
 all: build
 
@@ -67,7 +67,7 @@ clippy: deps
 # own: build every binary first, with the same features so nothing is rebuilt.
 # The subvolume primitives run once more on the libbtrfsutil backend: the
 # default build issues btrfs's ioctls itself, and both must agree.
-test: deps fmt-check clippy
+test: deps fmt-check clippy dist
 	$(CARGO) build --workspace --bins --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS)
 	$(CARGO) test --workspace --no-fail-fast --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS) -- --test-threads=4
 	$(CARGO) test -p volume --features volume/btrfsutil --test sys_primitives $(CARGO_TEST_FLAGS)
@@ -93,14 +93,57 @@ demo: deps
 	$(CARGO) build --release -p integration --bin startos-core-service && $(CARGO) run --release -p integration --bin demo
 
 # What upstream's pipeline builds: start-core for macOS (start-cli), the
-# crates for the musl targets of its static binaries. Needs the targets'
-# standard libraries (rustup), so it is not part of `make test`.
-TARGETS := x86_64-apple-darwin x86_64-unknown-linux-musl aarch64-unknown-linux-musl
+# crates for the musl targets of its static binaries. Checks each target whose
+# standard library is installed (`rustup target add <target>` installs one) and
+# names the others it skipped; it never downloads, so it never waits on the
+# network. Not part of `make test`.
+TARGETS := x86_64-apple-darwin x86_64-unknown-linux-musl aarch64-unknown-linux-musl \
+	riscv64gc-unknown-linux-musl
 targets:
-	rustup target add $(TARGETS)
+	@installed="$$(rustup target list --installed)"; checked=0; \
 	for t in $(TARGETS); do \
-		$(CARGO) check --target $$t -p startos-core -p upstream-call-sites -p volume -p volume-migrate || exit 1; \
-	done
+		if ! grep -qx "$$t" <<<"$$installed"; then \
+			echo "targets: skipped $$t: its standard library is not installed (rustup target add $$t)"; \
+			continue; \
+		fi; \
+		echo "targets: checking $$t"; \
+		$(CARGO) check --target $$t -p startos-core -p upstream-call-sites -p volume -p volume-migrate \
+			|| exit 1; \
+		checked=$$((checked + 1)); \
+	done; \
+	echo "targets: $$checked of $(words $(TARGETS)) checked"
+
+# The two command-line tools as static musl binaries, as an OS image takes
+# them: dist/<target>/{startos-volume,volume-migrate} and dist/SHA256SUMS.
+# x86_64 is required (its standard library is installed if missing: `make
+# test` builds it first and runs the result, integration/tests/dist.rs);
+# musl targets link statically by default; aarch64 and riscv64 are built where their standard
+# libraries are installed, linked by the toolchain's own rust-lld (musl's
+# start files ship with the target, so no cross C toolchain is needed).
+DIST_DIR ?= dist
+DIST_REQUIRED := x86_64-unknown-linux-musl
+DIST_OPTIONAL := aarch64-unknown-linux-musl riscv64gc-unknown-linux-musl
+DIST_BINS := startos-volume volume-migrate
+dist: deps
+	@grep -qx $(DIST_REQUIRED) <<<"$$(rustup target list --installed)" \
+		|| rustup target add $(DIST_REQUIRED)
+	@set -e; installed="$$(rustup target list --installed)"; rm -rf $(DIST_DIR); \
+	for t in $(DIST_REQUIRED) $(DIST_OPTIONAL); do \
+		if ! grep -qx "$$t" <<<"$$installed"; then \
+			echo "dist: skipped $$t: its standard library is not installed (rustup target add $$t)"; \
+			continue; \
+		fi; \
+		linker=""; \
+		if [ "$$t" != "$(DIST_REQUIRED)" ]; then \
+			linker="CARGO_TARGET_$$(tr 'a-z-' 'A-Z_' <<<"$$t")_LINKER=rust-lld"; \
+		fi; \
+		env $$linker $(CARGO) build --release \
+			--target $$t --features $(CLI_FEATURES) -p volume --bin startos-volume \
+			-p volume-migrate --bin volume-migrate; \
+		mkdir -p $(DIST_DIR)/$$t; \
+		for b in $(DIST_BINS); do cp "$${CARGO_TARGET_DIR:-target}/$$t/release/$$b" $(DIST_DIR)/$$t/; done; \
+	done; \
+	cd $(DIST_DIR) && sha256sum */* > SHA256SUMS && cat SHA256SUMS
 
 # Upstream's volume code (integration::upstream) against ours, scenario by
 # scenario, in one table. The crash scenarios kill the binary's own child
