@@ -49,7 +49,7 @@
 //! [`Held`], the one way an operation takes its package (names, lock, and
 //! recovery where it recovers first). The operations, one family a file:
 //! [`create`], [`snapshot`], [`restore`], [`removal`], [`recovery`] (with
-//! what upstream's own code leaves behind, [`recovery::upstream`]) and
+//! what upstream's own code leaves behind, in `recovery/upstream.rs`) and
 //! [`query`].
 
 use std::ffi::OsStr;
