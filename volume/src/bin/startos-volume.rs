@@ -281,164 +281,189 @@ mod run {
         })?;
         let store = VolumeStore::open_without_recovery(&cli.root)?
             .with_lock_wait(volume::lock::LockWait::Within(wait));
+        match op {
+            Op::Create(p, volumes) => create(&store, json, p, &volumes),
+            Op::Snapshot(p) => snapshot(&store, json, p),
+            Op::Restore(p) => restore(&store, json, p),
+            Op::Drop(p) => drop_backup(&store, json, p),
+            Op::Delete(p) => delete(&store, json, p),
+            Op::List => list(&store, json),
+            Op::Usage(p) => usage(&store, json, p),
+            Op::Recover(target) => recover(&store, json, target),
+        }
+    }
+
+    fn create(
+        store: &VolumeStore,
+        json: bool,
+        p: PackageId,
+        volumes: &[VolumeId],
+    ) -> Result<(), Error> {
+        let k = store.create(&p, volumes)?;
+        let path = store.volume_path(&p);
+        emit(
+            json,
+            json!({"package": p, "volume": k, "path": path}),
+            format!("created {} ({})", path.display(), kind(Some(k))),
+        );
+        Ok(())
+    }
+
+    fn snapshot(store: &VolumeStore, json: bool, p: PackageId) -> Result<(), Error> {
+        existing(store, &p)?;
+        let outcome = store.snapshot(&p)?;
+        let human = match &outcome {
+            SnapshotOutcome::Snapshot => {
+                format!("snapshot {}", store.backup_path(&p).display())
+            }
+            SnapshotOutcome::ReflinkCopy { extents } => format!(
+                "reflink copy {} ({extents} extents)",
+                store.backup_path(&p).display()
+            ),
+            SnapshotOutcome::Skipped { reason } => format!("no backup for {p}: {reason}"),
+            SnapshotOutcome::NoVolume => format!("no volume for {p}: nothing to back up"),
+        };
+        emit(
+            json,
+            json!({"package": p, "backup": outcome, "created": outcome.created()}),
+            human,
+        );
+        Ok(())
+    }
+
+    fn restore(store: &VolumeStore, json: bool, p: PackageId) -> Result<(), Error> {
+        existing(store, &p)?;
+        let restored = store.restore(&p)?;
+        let human = if restored {
+            format!(
+                "restored {} from its install backup",
+                store.volume_path(&p).display()
+            )
+        } else {
+            format!("no install backup for {p}: nothing restored")
+        };
+        emit(json, json!({"package": p, "restored": restored}), human);
+        Ok(())
+    }
+
+    fn drop_backup(store: &VolumeStore, json: bool, p: PackageId) -> Result<(), Error> {
+        existing(store, &p)?;
+        let dropped = store.drop_backup(&p)?;
+        let human = if dropped {
+            format!("dropped the install backup of {p}")
+        } else {
+            format!("no install backup for {p}")
+        };
+        emit(json, json!({"package": p, "dropped": dropped}), human);
+        Ok(())
+    }
+
+    fn delete(store: &VolumeStore, json: bool, p: PackageId) -> Result<(), Error> {
+        existing(store, &p)?;
+        let deleted = store.delete(&p)?;
+        let human = if deleted {
+            format!("deleted the volume of {p}")
+        } else {
+            format!("no volume for {p}")
+        };
+        emit(json, json!({"package": p, "deleted": deleted}), human);
+        Ok(())
+    }
+
+    fn list(store: &VolumeStore, json: bool) -> Result<(), Error> {
         // The list's recovery first; a package it could not recover (busy,
         // say: the library logged why) is listed without its usage.
-        let unrecovered: Vec<(PackageId, bool)> = match op {
-            Op::List => store
-                .recover_all()?
-                .into_iter()
-                .filter(|r| r.error.is_some())
-                .map(|r| (r.package, r.busy))
-                .collect(),
-            _ => Vec::new(),
-        };
-        match op {
-            Op::Create(p, volumes) => {
-                let k = store.create(&p, &volumes)?;
-                let path = store.volume_path(&p);
-                emit(
-                    json,
-                    json!({"package": p, "volume": k, "path": path}),
-                    format!("created {} ({})", path.display(), kind(Some(k))),
-                );
-            }
-            Op::Snapshot(p) => {
-                existing(&store, &p)?;
-                let outcome = store.snapshot(&p)?;
-                let human = match &outcome {
-                    SnapshotOutcome::Snapshot => {
-                        format!("snapshot {}", store.backup_path(&p).display())
+        let unrecovered: Vec<(PackageId, bool)> = store
+            .recover_all()?
+            .into_iter()
+            .filter(|r| r.error.is_some())
+            .map(|r| (r.package, r.busy))
+            .collect();
+        let list = store.list()?;
+        let mut rows = Vec::with_capacity(list.len());
+        for v in list {
+            // One package's usage that cannot be had is said, and
+            // the listing goes on.
+            let failed = unrecovered.iter().find(|(p, _)| *p == v.package);
+            let usage = match store.is_btrfs() && v.volume.or(v.backup).is_some() {
+                _ if failed.is_some() => Err(match failed {
+                    Some((_, true)) => volume::ErrorKind::Timeout,
+                    _ => volume::ErrorKind::Incoherent,
+                }),
+                true => match store.usage(&v.package) {
+                    Ok(u) => Ok(Some(u)),
+                    Err(e) => {
+                        eprintln!("startos-volume: {e}");
+                        Err(e.kind)
                     }
-                    SnapshotOutcome::ReflinkCopy { extents } => format!(
-                        "reflink copy {} ({extents} extents)",
-                        store.backup_path(&p).display()
-                    ),
-                    SnapshotOutcome::Skipped { reason } => format!("no backup for {p}: {reason}"),
-                    SnapshotOutcome::NoVolume => format!("no volume for {p}: nothing to back up"),
-                };
-                emit(
-                    json,
-                    json!({"package": p, "backup": outcome, "created": outcome.created()}),
-                    human,
-                );
-            }
-            Op::Restore(p) => {
-                existing(&store, &p)?;
-                let restored = store.restore(&p)?;
-                let human = if restored {
-                    format!(
-                        "restored {} from its install backup",
-                        store.volume_path(&p).display()
-                    )
-                } else {
-                    format!("no install backup for {p}: nothing restored")
-                };
-                emit(json, json!({"package": p, "restored": restored}), human);
-            }
-            Op::Drop(p) => {
-                existing(&store, &p)?;
-                let dropped = store.drop_backup(&p)?;
-                let human = if dropped {
-                    format!("dropped the install backup of {p}")
-                } else {
-                    format!("no install backup for {p}")
-                };
-                emit(json, json!({"package": p, "dropped": dropped}), human);
-            }
-            Op::Delete(p) => {
-                existing(&store, &p)?;
-                let deleted = store.delete(&p)?;
-                let human = if deleted {
-                    format!("deleted the volume of {p}")
-                } else {
-                    format!("no volume for {p}")
-                };
-                emit(json, json!({"package": p, "deleted": deleted}), human);
-            }
-            Op::List => {
-                let list = store.list()?;
-                let mut rows = Vec::with_capacity(list.len());
-                for v in list {
-                    // One package's usage that cannot be had is said, and
-                    // the listing goes on.
-                    let failed = unrecovered.iter().find(|(p, _)| *p == v.package);
-                    let usage = match store.is_btrfs() && v.volume.or(v.backup).is_some() {
-                        _ if failed.is_some() => Err(match failed {
-                            Some((_, true)) => volume::ErrorKind::Timeout,
-                            _ => volume::ErrorKind::Incoherent,
-                        }),
-                        true => match store.usage(&v.package) {
-                            Ok(u) => Ok(Some(u)),
-                            Err(e) => {
-                                eprintln!("startos-volume: {e}");
-                                Err(e.kind)
-                            }
-                        },
-                        false => Ok(None),
-                    };
-                    rows.push((v, usage));
-                }
-                if json {
-                    let out: Vec<_> = rows
-                        .iter()
-                        .map(|(v, u)| {
-                            json!({
-                                "package": v.package,
-                                "volume": v.volume,
-                                "backup": v.backup,
-                                "leftovers": v.leftovers,
-                                "usage": u.as_ref().ok(),
-                                "busy": u.as_ref().err() == Some(&volume::ErrorKind::Timeout),
-                            })
-                        })
-                        .collect();
-                    println!("{}", json!(out));
-                } else {
-                    print_list(&rows);
-                }
-            }
-            Op::Usage(p) => {
-                existing(&store, &p)?;
-                let u = store.usage(&p)?;
-                if json {
-                    println!("{}", json!(u));
-                } else {
-                    print_usage(&u);
-                }
-            }
-            Op::Recover(target) => {
-                let done = match &target {
-                    Some(p) => {
-                        existing(&store, p)?;
-                        vec![store.recover(p)?]
-                    }
-                    None => store.recover_all()?,
-                };
+                },
+                false => Ok(None),
+            };
+            rows.push((v, usage));
+        }
+        if json {
+            let out: Vec<_> = rows
+                .iter()
+                .map(|(v, u)| {
+                    json!({
+                        "package": v.package,
+                        "volume": v.volume,
+                        "backup": v.backup,
+                        "leftovers": v.leftovers,
+                        "usage": u.as_ref().ok(),
+                        "busy": u.as_ref().err() == Some(&volume::ErrorKind::Timeout),
+                    })
+                })
+                .collect();
+            println!("{}", json!(out));
+        } else {
+            print_list(&rows);
+        }
+        Ok(())
+    }
 
-                if json {
-                    println!("{}", json!(done));
-                } else {
-                    for r in &done {
-                        for a in &r.actions {
-                            println!("{}: {a}", r.package);
-                        }
-                    }
-                }
-                let failed: Vec<&str> = done
-                    .iter()
-                    .filter(|r| r.error.is_some())
-                    .map(|r| r.package.as_str())
-                    .collect();
-                if !failed.is_empty() {
-                    return Err(Error::new(
-                        color_eyre::eyre::eyre!(
-                            "recovery failed for {}; see the log above",
-                            failed.join(", ")
-                        ),
-                        volume::ErrorKind::Incoherent,
-                    ));
+    fn usage(store: &VolumeStore, json: bool, p: PackageId) -> Result<(), Error> {
+        existing(store, &p)?;
+        let u = store.usage(&p)?;
+        if json {
+            println!("{}", json!(u));
+        } else {
+            print_usage(&u);
+        }
+        Ok(())
+    }
+
+    fn recover(store: &VolumeStore, json: bool, target: Option<PackageId>) -> Result<(), Error> {
+        let done = match &target {
+            Some(p) => {
+                existing(store, p)?;
+                vec![store.recover(p)?]
+            }
+            None => store.recover_all()?,
+        };
+
+        if json {
+            println!("{}", json!(done));
+        } else {
+            for r in &done {
+                for a in &r.actions {
+                    println!("{}: {a}", r.package);
                 }
             }
+        }
+        let failed: Vec<&str> = done
+            .iter()
+            .filter(|r| r.error.is_some())
+            .map(|r| r.package.as_str())
+            .collect();
+        if !failed.is_empty() {
+            return Err(Error::new(
+                color_eyre::eyre::eyre!(
+                    "recovery failed for {}; see the log above",
+                    failed.join(", ")
+                ),
+                volume::ErrorKind::Incoherent,
+            ));
         }
         Ok(())
     }

@@ -31,8 +31,9 @@ use std::os::fd::{AsFd, BorrowedFd};
 use models::{Error, ErrorKind, PackageId, ResultExt};
 use rustix::fs::FileType;
 
-use super::{Entry, VolumeKind, VolumeStore};
 use crate::layout::Names;
+use crate::outcome::VolumeKind;
+use crate::store::{Entry, VolumeStore};
 use crate::sys;
 use crate::walk::{Step, Walk, is_crossing};
 

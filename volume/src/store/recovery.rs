@@ -1,0 +1,290 @@
+//! Recovery: finishing or undoing whatever a crash interrupted, for one
+//! package or all of them, from the names and records in the root alone
+//! (the states are listed in the [store's docs](super)).
+//!
+//! What upstream's own code left is resolved first ([`upstream`]): it is
+//! older than anything of ours.
+
+use std::ffi::OsStr;
+use std::io;
+
+use models::{Error, ErrorKind, PackageId, ResultExt};
+
+use super::restore::copy_kind;
+use super::{Entry, VolumeStore};
+use crate::layout::Names;
+use crate::lock::PackageLock;
+use crate::outcome::Recovery;
+use crate::record::{self, Identity};
+
+mod upstream;
+
+/// What kind of entry a leftover name of a package is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Leftover {
+    /// A tree: deleted whole.
+    Tree,
+    /// A record (a symlink): unlinked.
+    Record,
+}
+
+impl VolumeStore {
+    /// Finishes or undoes whatever a crash interrupted for `pkg`, from the
+    /// names and records on disk alone. Idempotent; a no-op costing a few
+    /// `fstatat`s when nothing is pending.
+    pub fn recover(&self, pkg: &PackageId) -> Result<Recovery, Error> {
+        let Some(names) = self.present(pkg)? else {
+            return Ok(Recovery {
+                package: pkg.clone(),
+                actions: Vec::new(),
+                error: None,
+                busy: false,
+            });
+        };
+        // A file, symlink or FIFO under the package's name is no volume of
+        // ours: refused, as by every other command on the package.
+        self.tree(pkg, &names.live)?;
+        let held = self.hold_for_read(pkg, names)?;
+        self.recover_locked(pkg, &held.names)
+    }
+
+    /// [`VolumeStore::recover`] for a caller that already holds the
+    /// package's lock (taking it again here would wait on itself):
+    /// volume-migrate, which must not convert a volume a restore is still
+    /// exchanging.
+    pub fn recover_held(&self, pkg: &PackageId, _lock: &PackageLock) -> Result<Recovery, Error> {
+        let names = Names::new(pkg)?;
+        self.recover_locked(pkg, &names)
+    }
+
+    /// [`VolumeStore::recover`] for every package with anything under the root.
+    ///
+    /// One package's failure does not stop the others: it is logged and
+    /// returned as a [`Recovery`] with its `error` set, and that package's
+    /// own operations keep failing (each recovers first) until it is fixed.
+    pub fn recover_all(&self) -> Result<Vec<Recovery>, Error> {
+        let mut out = Vec::new();
+        for pkg in self.packages()? {
+            // Not a volume, whatever its name (`list` says so): nothing to
+            // recover, and no reason to stop the others.
+            if matches!(self.entry(OsStr::new(pkg.as_str())), Ok(Entry::Other(_))) {
+                continue;
+            }
+            match self.recover(&pkg) {
+                Ok(r) if r.actions.is_empty() => {}
+                Ok(r) => out.push(r),
+                Err(e) => {
+                    tracing::error!(package = %pkg, "recovery failed: {e}");
+                    out.push(Recovery {
+                        package: pkg,
+                        actions: Vec::new(),
+                        error: Some(e.to_string()),
+                        busy: e.kind == ErrorKind::Timeout,
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    pub(super) fn recover_locked(&self, pkg: &PackageId, names: &Names) -> Result<Recovery, Error> {
+        let mut actions = Vec::new();
+        let io_ctx = |what: &'static str| {
+            move |_: &io::Error| (ErrorKind::DiskManagement, pkg.context(what))
+        };
+        // What upstream's own code left comes first: it is older than
+        // anything of ours.
+        self.recover_upstream(pkg, names, &mut actions)?;
+        // A new volume that never got its name is incomplete: discard it.
+        if self.tree(pkg, &names.create)?.is_some() {
+            self.delete_entry(&names.create)
+                .and_then(|()| self.fsync_root())
+                .with_ctx(io_ctx("deleting an incomplete new volume"))?;
+            actions.push("deleted an incomplete new volume".to_owned());
+        }
+        // A backup that never got its real name is incomplete: discard it.
+        if self.tree(pkg, &names.backup_tmp)?.is_some() {
+            self.delete_entry(&names.backup_tmp)
+                .and_then(|()| self.fsync_root())
+                .with_ctx(io_ctx("deleting a partial backup"))?;
+            actions.push("deleted an incomplete install backup".to_owned());
+        }
+        if let Some(action) = self.recover_restore(pkg, names)? {
+            actions.push(action.to_owned());
+        }
+        if self.tree(pkg, &names.backup_drop)?.is_some() {
+            self.delete_entry(&names.backup_drop)
+                .and_then(|()| self.fsync_root())
+                .with_ctx(io_ctx("deleting a dropped backup"))?;
+            actions.push("finished dropping the install backup".to_owned());
+        }
+        if self.tree(pkg, &names.backup)?.is_none() && self.tree(pkg, &names.backup_ro)?.is_some() {
+            self.delete_entry(&names.backup_ro)
+                .and_then(|()| self.fsync_root())
+                .with_ctx(io_ctx("removing the read-only record of a dropped backup"))?;
+            actions.push("removed the read-only record of a dropped backup".to_owned());
+        }
+        if self.purge_locked(pkg, names)? {
+            actions.push("deleted the volume a restore replaced".to_owned());
+        }
+        if self.tree(pkg, &names.delete)?.is_some() {
+            self.finish_delete(pkg, names)?;
+            actions.push("finished deleting the volume and its backup".to_owned());
+        }
+        // A conversion's replaced directory only ever holds data the
+        // converted volume holds too: with no volume left (an uninstall of
+        // an earlier version kept it), it is garbage.
+        if self.tree(pkg, &names.live)?.is_none() && self.tree(pkg, &names.migrate_old)?.is_some() {
+            self.delete_entry(&names.migrate_old)
+                .and_then(|()| self.fsync_root())
+                .with_ctx(io_ctx("deleting the old directory of a conversion"))?;
+            actions
+                .push("deleted the old directory of a conversion whose volume is gone".to_owned());
+        }
+        for a in &actions {
+            tracing::warn!(package = %pkg, "recovery: {a}");
+        }
+        Ok(Recovery {
+            package: pkg.clone(),
+            actions,
+            error: None,
+            busy: false,
+        })
+    }
+
+    /// Finishes or undoes an interrupted restore, from the rollback record
+    /// and the identities of the trees; returns what it did, if anything.
+    fn recover_restore(
+        &self,
+        pkg: &PackageId,
+        names: &Names,
+    ) -> Result<Option<&'static str>, Error> {
+        let io_ctx = |what: &'static str| {
+            move |_: &io::Error| (ErrorKind::DiskManagement, pkg.context(what))
+        };
+        let text = record::read(self.root_fd(), &names.rollback_id)
+            .with_ctx(io_ctx("reading the rollback record"))?;
+        let Some(text) = text else {
+            // No record: the copy was never complete, so the exchange never
+            // happened. The backup stays.
+            if self.tree(pkg, &names.rollback)?.is_none() {
+                return Ok(None);
+            }
+            if self.tree(pkg, &names.backup)?.is_none() {
+                // Never this crate's own state (a copy is made from a
+                // backup that stays until the record is gone); an earlier
+                // version's reflink restore moved its backup here, and this
+                // may be the only copy of it. Never deleted.
+                return Err(Error::for_package(
+                    pkg,
+                    ErrorKind::Incoherent,
+                    format!(
+                        "{} has no rollback record and there is no backup: it may be the only \
+                         copy of the data an interrupted restore was putting back; keep whichever \
+                         of it and {} holds the data to keep as {}, move the other away",
+                        self.root.path().join(&names.rollback).display(),
+                        self.volume_path(pkg).display(),
+                        self.volume_path(pkg).display()
+                    ),
+                ));
+            }
+            self.delete_entry(&names.rollback)
+                .and_then(|()| self.fsync_root())
+                .with_ctx(io_ctx("deleting an incomplete rollback copy"))?;
+            return Ok(Some(
+                "undid an interrupted restore (incomplete copy deleted, backup kept)",
+            ));
+        };
+        let recorded = Identity::decode(&text).ok_or_else(|| {
+            Error::for_package(
+                pkg,
+                ErrorKind::Incoherent,
+                format!(
+                    "unreadable rollback record {} ({text:?}); check which of {} and {} is \
+                     the right volume, then remove the record",
+                    self.root.path().join(&names.rollback_id).display(),
+                    self.volume_path(pkg).display(),
+                    self.root.path().join(&names.rollback).display()
+                ),
+            )
+        })?;
+        let identity = |name: &OsStr| {
+            Identity::of_entry(self.root_fd(), name)
+                .with_ctx(io_ctx("reading the identity of a tree"))
+        };
+        if identity(&names.live)? == Some(recorded) {
+            self.finish_restore(pkg, names)?;
+            return Ok(Some("finished an interrupted restore"));
+        }
+        if identity(&names.rollback)? == Some(recorded) {
+            // The exchange never happened: `<pkg>` is still the volume the
+            // restore would have replaced, and may hold what was written
+            // since (a restore that failed returned its error, and the
+            // service went on). Only the restore itself exchanges; here it
+            // is undone, the backup kept for a restore to come.
+            self.undo_rollback(names, copy_kind(&recorded))
+                .with_ctx(io_ctx("undoing an interrupted restore"))?;
+            return Ok(Some(
+                "undid an interrupted restore (it never exchanged; the volume and its backup \
+                 are as they were)",
+            ));
+        }
+        if identity(&names.backup)? == Some(recorded) && self.tree(pkg, &names.rollback)?.is_none()
+        {
+            // A reflink backup recorded but not yet moved: nothing changed.
+            record::remove(self.root_fd(), &names.rollback_id)
+                .and_then(|()| self.fsync_root())
+                .with_ctx(io_ctx("removing the rollback record"))?;
+            return Ok(Some("undid an interrupted restore (backup kept)"));
+        }
+        Err(Error::for_package(
+            pkg,
+            ErrorKind::Incoherent,
+            format!(
+                "the rollback record {} names a tree that is none of {}, {} and {}, so which \
+                 holds the data to keep cannot be told: keep that one as the volume, move the \
+                 others away, then remove the record",
+                self.root.path().join(&names.rollback_id).display(),
+                self.volume_path(pkg).display(),
+                self.root.path().join(&names.rollback).display(),
+                self.backup_path(pkg).display()
+            ),
+        ))
+    }
+
+    /// The names of `pkg` an uninstall removes beside its volume, backup and
+    /// `<pkg>.delete` (which the delete itself takes care of), each with its
+    /// kind; an error naming the first one that is not of its kind (a file
+    /// under a tree's name, say: no state of ours, left alone).
+    pub(super) fn leftovers<'n>(
+        &self,
+        pkg: &PackageId,
+        names: &'n Names,
+    ) -> Result<Vec<(&'n OsStr, Leftover)>, Error> {
+        let mut out = Vec::new();
+        for name in [
+            &names.restore_conflict,
+            &names.migrate,
+            &names.migrate_parent,
+            &names.migrate_old,
+        ] {
+            if self.tree(pkg, name)?.is_some() {
+                out.push((name.as_os_str(), Leftover::Tree));
+            }
+        }
+        let rest = record::read(self.root_fd(), &names.migrate_rest).map_err(|e| {
+            Error::for_package(
+                pkg,
+                ErrorKind::InvalidRequest,
+                format!(
+                    "{}: {e}",
+                    self.root.path().join(&names.migrate_rest).display()
+                ),
+            )
+        })?;
+        if rest.is_some() {
+            out.push((names.migrate_rest.as_os_str(), Leftover::Record));
+        }
+        Ok(out)
+    }
+}

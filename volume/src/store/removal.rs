@@ -1,0 +1,285 @@
+//! Removing what a package has: its backup ([`VolumeStore::drop_backup`]),
+//! its volume with everything else of it ([`VolumeStore::delete`]), or its
+//! live volume alone ([`VolumeStore::discard_volume`]), and deleting any
+//! tree ([`delete_tree`], [`delete_tree_at`]).
+//!
+//! A tree is renamed aside to a transient name first, so a crash never
+//! leaves a half-deleted tree under a name that says "complete"; where the
+//! rename finds no metadata space, a subvolume with none nested in it is
+//! deleted in one atomic step instead.
+
+use std::ffi::OsStr;
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::path::{Path, PathBuf};
+
+use color_eyre::eyre::eyre;
+use models::{Error, ErrorKind, PackageId, ResultExt};
+
+use super::recovery::Leftover;
+use super::{VolumeStore, is_enospc};
+use crate::failpoint::failpoint;
+use crate::layout::{self, Names};
+use crate::record;
+use crate::sys;
+
+impl VolumeStore {
+    /// Drops the install backup after a successful install: O(1), the
+    /// kernel frees its extents in the background. Returns `false` if there
+    /// was none.
+    ///
+    /// The backup is first renamed to `<pkg>.install-backup.drop`, so a crash
+    /// during a multi-subvolume delete never leaves a half-deleted tree under
+    /// the backup's name.
+    pub fn drop_backup(&self, pkg: &PackageId) -> Result<bool, Error> {
+        let Some(names) = self.present(pkg)? else {
+            return Ok(false);
+        };
+        self.tree(pkg, &names.live)?;
+        let held = self.hold_recovered(pkg, names)?;
+        self.drop_locked(pkg, &held.names)
+    }
+
+    pub(super) fn drop_locked(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
+        let io_ctx = |what: &'static str| {
+            move |_: &io::Error| (ErrorKind::DiskManagement, pkg.context(what))
+        };
+        let existed = self.tree(pkg, &names.backup)?.is_some();
+        // Looked at first: a stray under the record's name stops the drop
+        // before anything changed.
+        let record = self.tree(pkg, &names.backup_ro)?.is_some();
+        if existed {
+            match sys::rename_noreplace(self.root_fd(), &names.backup, &names.backup_drop) {
+                Ok(()) => {
+                    self.fsync_root()
+                        .and_then(|()| failpoint("drop.renamed"))
+                        .and_then(|()| self.delete_entry(&names.backup_drop))
+                        .with_ctx(io_ctx("deleting the backup"))?;
+                }
+                Err(e) if is_enospc(&e) => {
+                    if !self
+                        .one_step_delete(&names.backup)
+                        .with_ctx(io_ctx("deleting the backup"))?
+                    {
+                        return Err(self.failed(pkg, "dropping the backup", e));
+                    }
+                }
+                Err(e) => {
+                    return Err(e).with_ctx(io_ctx("moving the backup aside"));
+                }
+            }
+            tracing::info!(package = %pkg, "install backup dropped");
+        }
+        if record {
+            self.delete_entry(&names.backup_ro)
+                .and_then(|()| self.fsync_root())
+                .with_ctx(io_ctx("removing the backup's read-only record"))?;
+        }
+        Ok(existed)
+    }
+
+    /// Deletes the package's volume and its backup, on uninstall: O(1) per
+    /// subvolume, nested subvolumes included. Returns `false` if there was
+    /// nothing to delete. Refuses while anything is mounted from inside,
+    /// and refuses an entry under the package's name that is no directory.
+    ///
+    /// `<pkg>` is renamed to `<pkg>.delete` first, the commit point: after a
+    /// crash the package either still has its whole volume and backup, or
+    /// the delete goes on until nothing of it is left (the backup is
+    /// dropped, then `.delete` deleted last).
+    pub fn delete(&self, pkg: &PackageId) -> Result<bool, Error> {
+        let Some(names) = self.present(pkg)? else {
+            return Ok(false);
+        };
+        let held = self.hold_recovered(pkg, names)?;
+        let names = &held.names;
+        let io_ctx = |what: &'static str| {
+            move |_: &io::Error| (ErrorKind::DiskManagement, pkg.context(what))
+        };
+        let mut deleted = false;
+        if self.tree(pkg, &names.live)?.is_some() {
+            self.ensure_not_mounted(pkg)?;
+            // A stray under one of its names stops the delete before it
+            // starts, not half-way.
+            self.leftovers(pkg, names)?;
+            match sys::rename_noreplace(self.root_fd(), &names.live, &names.delete) {
+                Ok(()) => {
+                    self.fsync_root()
+                        .and_then(|()| failpoint("delete.renamed"))
+                        .with_ctx(io_ctx("deleting the volume"))?;
+                }
+                Err(e) if is_enospc(&e) => {
+                    // No room to rename: the backup, then the volume, each
+                    // in one atomic step. A crash in between leaves the
+                    // package with its volume and no backup, which the next
+                    // delete finishes.
+                    if !self
+                        .can_delete_in_one_step(&names.live)
+                        .with_ctx(io_ctx("inspecting the volume"))?
+                    {
+                        return Err(self.failed(pkg, "deleting the volume", e));
+                    }
+                    self.drop_locked(pkg, names)?;
+                    if !self
+                        .one_step_delete(&names.live)
+                        .with_ctx(io_ctx("deleting the volume"))?
+                    {
+                        return Err(self.failed(pkg, "deleting the volume", e));
+                    }
+                    tracing::info!(package = %pkg, "volume deleted");
+                    return Ok(true);
+                }
+                Err(e) => return Err(e).with_ctx(io_ctx("moving the volume aside")),
+            }
+            deleted = true;
+        }
+        deleted |= self.finish_delete(pkg, names)?;
+        if deleted {
+            tracing::info!(package = %pkg, "volume deleted");
+        }
+        Ok(deleted)
+    }
+
+    /// The rest of a delete once `<pkg>` is `<pkg>.delete` (or gone): the
+    /// backup, the package's other names, then `.delete` itself. Returns
+    /// whether anything was there.
+    pub(super) fn finish_delete(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
+        let dropped = self.drop_locked(pkg, names)?;
+        let io_ctx = |_: &io::Error| {
+            (
+                ErrorKind::DiskManagement,
+                pkg.context("deleting the volume"),
+            )
+        };
+        failpoint("delete.backup-dropped").with_ctx(io_ctx)?;
+        // Every other name of the package goes with it: what an interrupted
+        // restore of upstream's kept for the operator, a conversion's old
+        // trees kept with `--keep-old` or left by a crash, upstream's
+        // marker of a fresh install.
+        let mut removed = false;
+        for (name, kind) in self.leftovers(pkg, names)? {
+            match kind {
+                Leftover::Tree => self.delete_entry(name),
+                Leftover::Record => record::remove(self.root_fd(), name),
+            }
+            .with_ctx(io_ctx)?;
+            removed = true;
+        }
+        if removed {
+            self.fsync_root().with_ctx(io_ctx)?;
+        }
+        self.mark_fresh_locked(pkg, &names.fresh, false)?;
+        let pending = self.tree(pkg, &names.delete)?.is_some();
+        if pending {
+            self.delete_entry(&names.delete)
+                .and_then(|()| self.fsync_root())
+                .with_ctx(io_ctx)?;
+        }
+        Ok(dropped || removed || pending)
+    }
+
+    /// Deletes the live volume `<pkg>` only, keeping its backup: what
+    /// upstream's uninstall cleanup and fresh-install rollback ask of
+    /// `delete_tree` on a volume root, after which a restore may still put
+    /// the backup in. The volume is renamed to `<pkg>.replaced` first
+    /// (garbage to recovery, which never touches the backup for it), then
+    /// deleted: O(1) per subvolume. Returns whether there was a volume.
+    /// Refuses while anything is mounted from inside it.
+    pub fn discard_volume(&self, pkg: &PackageId) -> Result<bool, Error> {
+        let Some(names) = self.present(pkg)? else {
+            return Ok(false);
+        };
+        let held = self.hold_recovered(pkg, names)?;
+        let names = &held.names;
+        if self.tree(pkg, &names.live)?.is_none() {
+            return Ok(false);
+        }
+        self.ensure_not_mounted(pkg)?;
+        sys::rename_noreplace(self.root_fd(), &names.live, &names.replaced)
+            .and_then(|()| self.fsync_root())
+            .with_ctx(|_| {
+                (
+                    ErrorKind::DiskManagement,
+                    pkg.context("moving the volume aside"),
+                )
+            })?;
+        self.purge_locked(pkg, names)?;
+        tracing::info!(package = %pkg, "volume deleted, backup kept");
+        Ok(true)
+    }
+}
+
+/// Removes the entry `name` of the directory open as `dir` and everything
+/// below it, whatever it is: a subvolume tree in O(1) per subvolume
+/// (read-only ones made writable first), a plain directory entry by entry
+/// (nested subvolumes whole, immutable and append-only flags cleared), a
+/// file or special file by unlink; absent is fine. Never follows a symlink.
+/// Not atomic for a tree of several subvolumes or a plain directory: a
+/// crash leaves part of it.
+pub fn delete_tree_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+    match sys::stat_at(dir, name)? {
+        None => Ok(()),
+        Some(st) if st.is_dir() => {
+            let fd = sys::open_dir_at(dir, name)?;
+            if sys::mount_id(fd.as_fd())? != sys::mount_id(dir)? {
+                return Err(crate::walk::crosses_mount(PathBuf::from(name)));
+            }
+            if sys::is_subvolume(fd.as_fd())? && sys::stat(dir)?.dev != st.dev {
+                sys::make_tree_writable(fd.as_fd())?;
+                drop(fd);
+                failpoint("delete-entry.writable")?;
+                sys::delete_subvolume(dir, name, true)
+            } else {
+                drop(fd);
+                // Never follows a symlink; deletes nested subvolumes whole
+                // (a package may have made one read-only) and clears
+                // immutable and append-only flags (which a reflink copy
+                // keeps): anything less would leave a transient name, and
+                // every later recovery of the package, stuck.
+                crate::copy::remove_tree_at(dir, name, &mut |_| Ok(()))
+            }
+        }
+        Some(_) => sys::unlink_if_exists(dir, name),
+    }
+}
+
+/// Deletes whatever is at `path`, as upstream's `util::btrfs::delete_tree`:
+/// its parent is resolved as given (a trusted path), its last component
+/// never followed; absent is fine.
+///
+/// A package's volume root (`<volumes root>/<pkg>`, the one place upstream
+/// calls it) goes through [`VolumeStore::discard_volume`]: renamed aside
+/// first, so a crash never leaves half a volume under its name, then
+/// deleted in O(1) per subvolume, and its backup kept for the restore that
+/// may follow. Anything else is deleted in place ([`delete_tree_at`]).
+pub fn delete_tree(path: &Path) -> Result<(), Error> {
+    let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(Error::new(
+            eyre!("cannot delete {}: no parent directory", path.display()),
+            ErrorKind::InvalidRequest,
+        ));
+    };
+    let parent = if parent.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        parent
+    };
+    let pkg = name.to_str().and_then(|n| n.parse::<PackageId>().ok());
+    if let Some(pkg) = pkg.filter(|p| layout::check_id_len(p).is_ok()) {
+        return VolumeStore::open_without_recovery(parent)?
+            .discard_volume(&pkg)
+            .map(drop);
+    }
+    let dir = sys::open_dir_path(parent).with_ctx(|_| {
+        (
+            ErrorKind::Filesystem,
+            format!("opening {}", parent.display()),
+        )
+    })?;
+    delete_tree_at(dir.as_fd(), name).with_ctx(|_| {
+        (
+            ErrorKind::Filesystem,
+            format!("deleting {}", path.display()),
+        )
+    })
+}

@@ -1,0 +1,431 @@
+//! Rolling a volume back to its install backup ([`VolumeStore::restore`]):
+//! the rollback copy, the record of its identity, the one
+//! `RENAME_EXCHANGE` that is the commit point, and the cleanup after it.
+//!
+//! Before the exchange a failure is undone; after it, finished, here or by
+//! recovery ([`VolumeStore::recover`]), which tells the two apart from the
+//! record and the identities of the trees alone (the *restore* states of
+//! the [store's docs](super)).
+
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd};
+
+use models::{Error, ErrorKind, PackageId, ResultExt};
+
+use super::{VolumeStore, nested_counterparts, with_cleanup};
+use crate::failpoint::failpoint;
+use crate::layout::Names;
+use crate::mounts::{self, MountUse};
+use crate::outcome::VolumeKind;
+use crate::record::{self, Identity};
+use crate::sys;
+
+impl VolumeStore {
+    /// Rolls `<pkg>` back to its install backup, atomically, and removes the
+    /// backup. Returns `false` (and changes nothing) if there is no backup.
+    ///
+    /// A writable snapshot of the backup is made under `<pkg>.rollback`
+    /// (read-only nested subvolumes made read-only again), its identity is
+    /// recorded once it is complete and committed, and one renameat2
+    /// RENAME_EXCHANGE swaps it with `<pkg>`; the replaced volume is then
+    /// deleted. So `<pkg>` is never missing: before the exchange it is the
+    /// current volume, after it the restored one, whatever instant a crash
+    /// or power cut hits. Nothing is written inside either volume.
+    ///
+    /// Refuses while anything is mounted from inside `<pkg>`, in any mount
+    /// namespace. A failure before the exchange removes the copy and the
+    /// record: the disk is as before the call.
+    pub fn restore(&self, pkg: &PackageId) -> Result<bool, Error> {
+        let Some(names) = self.present(pkg)? else {
+            return Ok(false);
+        };
+        let held = self.hold_recovered(pkg, names)?;
+        let restored = self.restore_locked(pkg, &held.names)?;
+        self.purge_locked(pkg, &held.names)?;
+        Ok(restored)
+    }
+
+    /// [`VolumeStore::restore`] without deleting the replaced volume, which
+    /// is left under `<pkg>.replaced` for [`VolumeStore::purge`].
+    ///
+    /// Deleting a subvolume evicts its cached pages first (about 0.13 s per
+    /// cached GiB here), so for a database the service had in memory the
+    /// delete can take seconds: a caller restarting the old service should
+    /// do that first and purge afterwards. The restore itself is complete
+    /// when this returns; `<pkg>.replaced` is garbage that any later
+    /// operation's recovery, or `purge`, deletes.
+    pub fn restore_deferring_purge(&self, pkg: &PackageId) -> Result<bool, Error> {
+        let Some(names) = self.present(pkg)? else {
+            return Ok(false);
+        };
+        let held = self.hold_recovered(pkg, names)?;
+        self.restore_locked(pkg, &held.names)
+    }
+
+    /// Deletes the volume a restore replaced (`<pkg>.replaced`), if any:
+    /// O(1) per subvolume plus the eviction of its cached pages.
+    pub fn purge(&self, pkg: &PackageId) -> Result<bool, Error> {
+        let Some(names) = self.present(pkg)? else {
+            return Ok(false);
+        };
+        let held = self.hold(pkg, names)?;
+        self.purge_locked(pkg, &held.names)
+    }
+
+    pub(super) fn purge_locked(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
+        let io_ctx = |_: &io::Error| {
+            (
+                ErrorKind::DiskManagement,
+                pkg.context("deleting the volume a restore replaced"),
+            )
+        };
+        if self.tree(pkg, &names.replaced)?.is_none() {
+            return Ok(false);
+        }
+        self.delete_entry(&names.replaced).with_ctx(io_ctx)?;
+        failpoint("restore.replaced-deleted").with_ctx(io_ctx)?;
+        Ok(true)
+    }
+
+    fn restore_locked(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
+        // Refuses a non-directory under the package's name first.
+        self.tree(pkg, &names.live)?;
+        let Some(backup_kind) = self.tree(pkg, &names.backup)? else {
+            return Ok(false);
+        };
+        self.ensure_not_mounted(pkg)?;
+        let prepared = match backup_kind {
+            VolumeKind::Subvolume => self.prepare_rollback_copy(names),
+            VolumeKind::Directory => self.prepare_rollback_in_place(names),
+        };
+        let exchanged = prepared.and_then(|()| {
+            failpoint("restore.recorded").map_err(|e| ("exchanging the volume with", e))?;
+            self.swap_in_rollback(names)
+        });
+        if let Err((what, e)) = exchanged {
+            let cleanup = self.undo_rollback(names, backup_kind);
+            let e = self.failed(
+                pkg,
+                format!(
+                    "{what} {}",
+                    self.root.path().join(&names.rollback).display()
+                ),
+                e,
+            );
+            return Err(with_cleanup(e, cleanup, "undoing the restore"));
+        }
+        // The exchange is the commit point: from here on, a failure is
+        // finished by recovery, never undone (but for a mount of the
+        // replaced volume made meanwhile, see `undo_if_replaced_in_use`).
+        let synced = self
+            .fsync_root()
+            .and_then(|()| failpoint("restore.exchanged"))
+            .map_err(|e| self.failed(pkg, "syncing the volumes root after the exchange", e));
+        // Its own message, undone or not: no "was restored" around it.
+        if synced.is_ok() {
+            self.undo_if_replaced_in_use(pkg, names)?;
+        }
+        let finished = synced.and_then(|()| self.finish_restore(pkg, names));
+        if let Err(e) = finished {
+            if !self.is_restored(names) {
+                return Err(e);
+            }
+            let kind = e.kind;
+            return Err(Error::new(
+                e.source.wrap_err(format!(
+                    "the volume {} was restored, but cleaning up after it failed; the next \
+                     operation finishes it",
+                    self.volume_path(pkg).display()
+                )),
+                kind,
+            ));
+        }
+        tracing::info!(package = %pkg, "volume restored from install backup");
+        Ok(true)
+    }
+
+    /// Makes the rollback copy of a snapshot backup: a writable snapshot,
+    /// nested subvolumes included and the read-only ones made read-only
+    /// again, then its identity recorded and everything committed.
+    fn prepare_rollback_copy(&self, names: &Names) -> Result<(), (&'static str, io::Error)> {
+        let backup = sys::open_dir_at(self.root_fd(), &names.backup)
+            .map_err(|e| ("opening the backup for", e))?;
+        let copy = sys::snapshot_tree(backup.as_fd(), self.root_fd(), &names.rollback)
+            .map_err(|e| ("snapshotting the backup to", e))?;
+        failpoint("restore.copied").map_err(|e| ("snapshotting the backup to", e))?;
+        self.restore_read_only_flags(names, backup.as_fd(), copy.as_fd())
+            .map_err(|e| ("making read-only again the nested subvolumes of", e))?;
+        self.record_rollback(names, copy.as_fd())
+    }
+
+    /// A reflink backup is already a private copy, used as is: its identity
+    /// recorded, then renamed to `<pkg>.rollback`.
+    fn prepare_rollback_in_place(&self, names: &Names) -> Result<(), (&'static str, io::Error)> {
+        let backup = sys::open_dir_at(self.root_fd(), &names.backup)
+            .map_err(|e| ("opening the backup for", e))?;
+        self.record_rollback(names, backup.as_fd())?;
+        failpoint("restore.copied")
+            .and_then(|()| sys::rename_noreplace(self.root_fd(), &names.backup, &names.rollback))
+            .and_then(|()| self.fsync_root())
+            .map_err(|e| ("moving the backup to", e))
+    }
+
+    /// Records the identity of the complete rollback copy open as `copy`
+    /// and commits (off btrfs, where only a plain directory is ever used
+    /// in place, syncs the root), so the copy, its flags and times, and the
+    /// record are durable together before anything is exchanged.
+    fn record_rollback(
+        &self,
+        names: &Names,
+        copy: BorrowedFd<'_>,
+    ) -> Result<(), (&'static str, io::Error)> {
+        let id = Identity::of(copy).map_err(|e| ("reading the identity of", e))?;
+        record::write(self.root_fd(), &names.rollback_id, &id.encode())
+            .map_err(|e| ("recording the identity of", e))?;
+        if self.root.is_btrfs() {
+            sys::commit_metadata(self.root_fd())
+        } else {
+            self.fsync_root()
+        }
+        .map_err(|e| ("committing", e))
+    }
+
+    /// Sets the read-only flag, in the rollback copy open as `copy`, on each
+    /// nested subvolume whose counterpart in the backup open as `backup` is
+    /// listed in the backup's read-only record.
+    fn restore_read_only_flags(
+        &self,
+        names: &Names,
+        backup: BorrowedFd<'_>,
+        copy: BorrowedFd<'_>,
+    ) -> io::Result<()> {
+        let Some(ids) = record::read_set(self.root_fd(), &names.backup_ro)? else {
+            return Ok(());
+        };
+        for (n, counterpart) in nested_counterparts(backup, copy)? {
+            if ids.contains(&n.id) {
+                sys::set_read_only(sys::open_subvolume(copy, counterpart)?.as_fd(), true)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `<pkg>` is the volume a restore put in, after its exchange:
+    /// the rollback record names it, or the record is gone and so is the
+    /// backup (the restore finished; undone, the backup would be there). A
+    /// failure to read counts as not restored: the message then claims
+    /// nothing.
+    fn is_restored(&self, names: &Names) -> bool {
+        match record::read(self.root_fd(), &names.rollback_id) {
+            Ok(Some(text)) => {
+                Identity::decode(&text).is_some()
+                    && Identity::of_entry(self.root_fd(), &names.live)
+                        .ok()
+                        .flatten()
+                        == Identity::decode(&text)
+            }
+            Ok(None) => self.exists_at(&names.backup).is_ok_and(|b| !b),
+            Err(_) => false,
+        }
+    }
+
+    /// How the rollback copy of a recorded restore was made, from its
+    /// record: a subvolume is a snapshot of the backup (which stays until
+    /// the restore is done), a plain directory the reflink backup itself,
+    /// moved to `<pkg>.rollback`.
+    fn rollback_source(&self, pkg: &PackageId, names: &Names) -> Result<VolumeKind, Error> {
+        let text = record::read(self.root_fd(), &names.rollback_id)
+            .with_ctx(|_| {
+                (
+                    ErrorKind::Filesystem,
+                    pkg.context("reading the rollback record"),
+                )
+            })?
+            .ok_or_else(|| {
+                Error::for_package(
+                    pkg,
+                    ErrorKind::Incoherent,
+                    format!(
+                        "the rollback record {} is missing",
+                        self.root.path().join(&names.rollback_id).display()
+                    ),
+                )
+            })?;
+        Identity::decode(&text)
+            .map(|id| copy_kind(&id))
+            .ok_or_else(|| {
+                Error::for_package(
+                    pkg,
+                    ErrorKind::Incoherent,
+                    format!(
+                        "unreadable rollback record {} ({text:?})",
+                        self.root.path().join(&names.rollback_id).display()
+                    ),
+                )
+            })
+    }
+
+    /// Puts back what a failed restore made before its exchange: the record
+    /// goes, a snapshot copy is deleted, a reflink backup gets its name back.
+    ///
+    /// The order keeps every instant recoverable: a snapshot copy loses its
+    /// record first (without one it is garbage to recovery; with one, half
+    /// deleted, it would be swapped in), a reflink backup gets its name back
+    /// first (without a record, a plain `.rollback` beside no backup is
+    /// refused, never deleted).
+    pub(super) fn undo_rollback(&self, names: &Names, backup_kind: VolumeKind) -> io::Result<()> {
+        match backup_kind {
+            VolumeKind::Subvolume => {
+                record::remove(self.root_fd(), &names.rollback_id)?;
+                self.fsync_root()?;
+                self.delete_entry(&names.rollback)?;
+            }
+            VolumeKind::Directory => {
+                if self.exists_at(&names.rollback)? && !self.exists_at(&names.backup)? {
+                    sys::rename_noreplace(self.root_fd(), &names.rollback, &names.backup)?;
+                    self.fsync_root()?;
+                }
+                record::remove(self.root_fd(), &names.rollback_id)?;
+            }
+        }
+        self.fsync_root()
+    }
+
+    /// The one step that changes what `<pkg>` is: exchange it with the
+    /// complete rollback copy (or just rename the copy in if `<pkg>` is gone).
+    fn swap_in_rollback(&self, names: &Names) -> Result<(), (&'static str, io::Error)> {
+        let live = self
+            .exists_at(&names.live)
+            .map_err(|e| ("looking for the volume to exchange with", e))?;
+        if live {
+            sys::rename_exchange(self.root_fd(), &names.rollback, &names.live)
+        } else {
+            sys::rename_noreplace(self.root_fd(), &names.rollback, &names.live)
+        }
+        .map_err(|e| ("exchanging the volume with", e))
+    }
+
+    /// After the exchange: move the replaced volume (now `<pkg>.rollback`)
+    /// aside to `<pkg>.replaced`, drop the backup, then remove the rollback
+    /// record. Each step is idempotent, and the record goes last so recovery
+    /// can redo the rest.
+    pub(super) fn finish_restore(&self, pkg: &PackageId, names: &Names) -> Result<(), Error> {
+        self.refuse_replacing_in_use(pkg, names)?;
+        let set_aside = || -> io::Result<()> {
+            if !self.exists_at(&names.rollback)? {
+                return Ok(());
+            }
+            // Garbage from an earlier restore nobody purged.
+            self.delete_entry(&names.replaced)?;
+            sys::rename_noreplace(self.root_fd(), &names.rollback, &names.replaced)?;
+            self.fsync_root()
+        };
+        set_aside().with_ctx(|_| {
+            (
+                ErrorKind::DiskManagement,
+                pkg.context("moving the replaced volume aside"),
+            )
+        })?;
+        failpoint("restore.replaced-moved").with_ctx(|_| {
+            (
+                ErrorKind::DiskManagement,
+                pkg.context("moving the replaced volume aside"),
+            )
+        })?;
+        self.drop_locked(pkg, names)?;
+        failpoint("restore.backup-dropped")
+            .and_then(|()| record::remove(self.root_fd(), &names.rollback_id))
+            .and_then(|()| self.fsync_root())
+            .with_ctx(|_| {
+                (
+                    ErrorKind::Filesystem,
+                    pkg.context("removing the rollback record"),
+                )
+            })
+    }
+
+    /// The mounts, in any namespace, of the volume a restore replaced (now
+    /// `<pkg>.rollback`), if it is there.
+    fn replaced_in_use(&self, pkg: &PackageId, names: &Names) -> Result<Vec<MountUse>, Error> {
+        if self.tree(pkg, &names.rollback)?.is_none() {
+            return Ok(Vec::new());
+        }
+        mounts::uses_of(&self.root.path().join(&names.rollback)).with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                pkg.context("reading the mount tables of every mount namespace"),
+            )
+        })
+    }
+
+    /// The restore's own check, right after its exchange: a mount of the
+    /// replaced volume made while the restore copied (after the check
+    /// before the copy) would keep writing into a tree about to go. The
+    /// exchange is undone (exchanged back, the copy and record removed) and
+    /// the restore refused as any under a mount is; unless the restored
+    /// volume is in use too, when nothing is changed and the restore is
+    /// refused. A failure of the exchange back leaves the restore for the
+    /// next operation, which never deletes a replaced volume in use.
+    fn undo_if_replaced_in_use(&self, pkg: &PackageId, names: &Names) -> Result<(), Error> {
+        let busy = self.replaced_in_use(pkg, names)?;
+        if busy.is_empty() {
+            return Ok(());
+        }
+        let refused = |what: &str| {
+            Error::for_package(
+                pkg,
+                ErrorKind::InvalidRequest,
+                format!(
+                    "volume {} is in use, mounted at {} while the restore ran; {what}: stop the \
+                     service first, then restore again",
+                    self.volume_path(pkg).display(),
+                    mounts::describe(&busy)
+                ),
+            )
+        };
+        if !self.mount_uses(pkg)?.is_empty() {
+            return Err(refused(
+                "the restored volume is in use too, so both are kept as they are",
+            ));
+        }
+        let kind = self.rollback_source(pkg, names)?;
+        let undone = sys::rename_exchange(self.root_fd(), &names.rollback, &names.live)
+            .and_then(|()| self.fsync_root())
+            .and_then(|()| self.undo_rollback(names, kind));
+        Err(with_cleanup(
+            refused("the restore was undone"),
+            undone,
+            "undoing the restore",
+        ))
+    }
+
+    /// Before finishing a restore past its exchange, here or in recovery:
+    /// a replaced volume still in use is kept (the restore is complete, its
+    /// cleanup waits), never deleted from under the process writing to it.
+    fn refuse_replacing_in_use(&self, pkg: &PackageId, names: &Names) -> Result<(), Error> {
+        let busy = self.replaced_in_use(pkg, names)?;
+        if busy.is_empty() {
+            return Ok(());
+        }
+        Err(Error::for_package(
+            pkg,
+            ErrorKind::InvalidRequest,
+            format!(
+                "the volume a restore replaced, {}, is in use, mounted at {}; the restore is \
+                 complete and the replaced volume is kept until that stops: stop it, then run \
+                 recover",
+                self.root.path().join(&names.rollback).display(),
+                mounts::describe(&busy)
+            ),
+        ))
+    }
+}
+
+/// How a rollback copy with the recorded identity `id` was made (see
+/// [`VolumeStore::rollback_source`]).
+pub(super) fn copy_kind(id: &Identity) -> VolumeKind {
+    match id {
+        Identity::Subvolume(_) => VolumeKind::Subvolume,
+        Identity::Directory { .. } => VolumeKind::Directory,
+    }
+}
