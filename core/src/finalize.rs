@@ -17,6 +17,8 @@ use crate::notify::{Cancel, Event, Notification, Notifier};
 use crate::service::Services;
 use volume::failpoint::failpoint;
 
+mod rollback;
+
 /// What to install.
 #[derive(Debug, Clone)]
 pub struct InstallRequest {
@@ -110,13 +112,63 @@ async fn step(
     }
 }
 
-/// What a rollback did once the volume and the state were back.
-struct RolledBack {
-    /// Starting the old version again (Ok where there is none).
-    restart: Result<(), Error>,
-    /// The services stopped because they held a mount of the volume, each
-    /// with how starting it again went.
-    holders: Vec<(PackageId, Result<(), Error>)>,
+/// The version and archive `pkg` is installed at, from its state `entry`
+/// (`None` for no entry: a fresh install). Anything but `installed` or no
+/// entry is an unfinished operation, which the install refuses
+/// (`InvalidRequest`) until reconcile has finished or undone it.
+fn installed_version(
+    pkg: &PackageId,
+    entry: Option<PackageDataEntry>,
+) -> Result<Option<(String, String)>, Error> {
+    match entry {
+        None => Ok(None),
+        Some(e) if e.state_info == StateInfo::Installed => {
+            let v = e.version.clone().ok_or_else(|| {
+                Error::for_package(pkg, ErrorKind::Incoherent, "installed without a version")
+            })?;
+            Ok(Some((v, e.s9pk)))
+        }
+        Some(e) => Err(Error::for_package(
+            pkg,
+            ErrorKind::InvalidRequest,
+            format!(
+                "is {}; an unfinished operation must be reconciled first",
+                e.state_info.name()
+            ),
+        )),
+    }
+}
+
+/// The state entry that records an install's intent before anything
+/// changes: `updating` over the `old` version and archive, or `installing`
+/// with the new archive, in phase [`Phase::Stop`] with no backup taken yet.
+fn intent_entry(
+    req: &InstallRequest,
+    old: Option<&(String, String)>,
+    had_volume: bool,
+) -> PackageDataEntry {
+    let info = InstallingInfo {
+        new_version: req.version.clone(),
+        phase: Phase::Stop,
+        had_volume,
+        backup_taken: false,
+    };
+    match old {
+        Some((v, s9pk)) => PackageDataEntry {
+            state_info: StateInfo::Updating {
+                installing_info: info,
+            },
+            version: Some(v.clone()),
+            s9pk: s9pk.clone(),
+        },
+        None => PackageDataEntry {
+            state_info: StateInfo::Installing {
+                installing_info: info,
+            },
+            version: None,
+            s9pk: req.s9pk.clone(),
+        },
+    }
 }
 
 /// How far an install got, for the rollback.
@@ -231,82 +283,20 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
         let guard = self.lock(&req.package).await;
         let pkg = &req.package;
         let entry = self.db.peek().await.get(pkg).cloned();
-        let old = match entry {
-            None => None,
-            Some(e) if e.state_info == StateInfo::Installed => {
-                let v = e.version.clone().ok_or_else(|| {
-                    Error::for_package(pkg, ErrorKind::Incoherent, "installed without a version")
-                })?;
-                Some((v, e.s9pk))
-            }
-            Some(e) => {
-                return Err(Error::for_package(
-                    pkg,
-                    ErrorKind::InvalidRequest,
-                    format!(
-                        "is {}; an unfinished operation must be reconciled first",
-                        e.state_info.name()
-                    ),
-                ));
-            }
-        };
+        let old = installed_version(pkg, entry)?;
         let failed_kind = if old.is_some() {
             ErrorKind::UpdateFailed
         } else {
             ErrorKind::InstallFailed
         };
-        let (had_volume, had_backup) = {
-            let (store, p) = (self.store()?, pkg.clone());
-            blocking(move || {
-                Ok((
-                    store.volume_path(&p).exists(),
-                    store.backup_path(&p).exists(),
-                ))
-            })
-            .await?
-        };
-        if had_backup {
-            if old.is_some() {
-                // Installed, so the live volume is known good: the backup is
-                // a leftover of an earlier update whose drop did not happen.
-                let (store, p) = (self.store()?, pkg.clone());
-                blocking(move || store.drop_backup(&p)).await?;
-            } else {
-                return Err(Error::for_package(
-                    pkg,
-                    ErrorKind::Incoherent,
-                    "not installed, yet it has an install backup: run reconcile first",
-                ));
-            }
-        }
+        let had_volume = self.volume_before(pkg, old.is_some()).await?;
         let mut progress = Progress {
             phase: Phase::Stop,
             backup_taken: false,
             snapshot: SnapshotOutcome::NoVolume,
             timings: Timings::default(),
         };
-        let info = InstallingInfo {
-            new_version: req.version.clone(),
-            phase: Phase::Stop,
-            had_volume,
-            backup_taken: false,
-        };
-        let new_entry = match &old {
-            Some((v, s9pk)) => PackageDataEntry {
-                state_info: StateInfo::Updating {
-                    installing_info: info,
-                },
-                version: Some(v.clone()),
-                s9pk: s9pk.clone(),
-            },
-            None => PackageDataEntry {
-                state_info: StateInfo::Installing {
-                    installing_info: info,
-                },
-                version: None,
-                s9pk: req.s9pk.clone(),
-            },
-        };
+        let new_entry = intent_entry(req, old.as_ref(), had_volume);
         let p = pkg.clone();
         self.write_state(&mut progress.timings, move |db| {
             db.insert(p, new_entry);
@@ -330,26 +320,86 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
         }
 
         let install_done = Instant::now();
-        let (p, v, s9pk) = (pkg.clone(), req.version.clone(), req.s9pk.clone());
-        let committed = self
-            .write_state(&mut progress.timings, move |db| {
-                db.insert(
-                    p,
-                    PackageDataEntry {
-                        state_info: StateInfo::Installed,
-                        version: Some(v),
-                        s9pk,
-                    },
-                );
-                Ok(())
-            })
-            .await;
-        if let Err(e) = committed {
+        if let Err(e) = self.record_installed(req, &mut progress.timings).await {
             return Err(self
                 .roll_back(req, old, had_volume, failed_kind, &mut progress, e)
                 .await);
         }
         failpoint("finalize.committed")?;
+        Ok(self.announce(req, guard, t0, install_done, progress))
+    }
+
+    /// Whether `pkg` had a live volume before this install, once a leftover
+    /// backup is out of the way: over an installed version the live volume
+    /// is known good, so a backup beside it is a leftover of an earlier
+    /// update whose drop did not happen, and is dropped (a crash during
+    /// the drop leaves it for the next install or reconcile); with nothing
+    /// installed a backup is the only copy of something, and the install
+    /// refuses to start (`Incoherent`) until reconcile has dealt with it.
+    async fn volume_before(&self, pkg: &PackageId, installed: bool) -> Result<bool, Error> {
+        let (had_volume, had_backup) = {
+            let (store, p) = (self.store()?, pkg.clone());
+            blocking(move || {
+                Ok((
+                    store.volume_path(&p).exists(),
+                    store.backup_path(&p).exists(),
+                ))
+            })
+            .await?
+        };
+        if had_backup {
+            if installed {
+                let (store, p) = (self.store()?, pkg.clone());
+                blocking(move || store.drop_backup(&p)).await?;
+            } else {
+                return Err(Error::for_package(
+                    pkg,
+                    ErrorKind::Incoherent,
+                    "not installed, yet it has an install backup: run reconcile first",
+                ));
+            }
+        }
+        Ok(had_volume)
+    }
+
+    /// The state write that marks the install done: `installed` at the new
+    /// version. It is what lets the backup go, at once or (after a crash
+    /// right after it) by reconcile; a crash before it leaves the in-flight
+    /// state, from which reconcile restores the old version.
+    async fn record_installed(
+        &self,
+        req: &InstallRequest,
+        timings: &mut Timings,
+    ) -> Result<(), Error> {
+        let (p, v, s9pk) = (req.package.clone(), req.version.clone(), req.s9pk.clone());
+        self.write_state(timings, move |db| {
+            db.insert(
+                p,
+                PackageDataEntry {
+                    state_info: StateInfo::Installed,
+                    version: Some(v),
+                    s9pk,
+                },
+            );
+            Ok(())
+        })
+        .await
+    }
+
+    /// The success notification, the timings up to it, and only then the
+    /// backup drop, spawned holding the package's lock (`guard`). Changes
+    /// nothing on disk itself: the state already says `installed`, so a
+    /// crash before or during the drop leaves a backup that reconcile (or
+    /// the next install) drops.
+    fn announce(
+        &self,
+        req: &InstallRequest,
+        guard: tokio::sync::OwnedMutexGuard<()>,
+        t0: Instant,
+        install_done: Instant,
+        progress: Progress,
+    ) -> Finalized {
+        let pkg = &req.package;
         let at = self.notify(
             pkg,
             Event::Installed {
@@ -368,11 +418,11 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
             blocking(move || store.drop_backup(&p)).await
         });
         tracing::info!(total = ?timings.total, overhead = ?timings.overhead(), "installed");
-        Ok(Finalized {
+        Finalized {
             snapshot: progress.snapshot,
             timings,
             backup_drop,
-        })
+        }
     }
 
     #[instrument(skip_all)]
@@ -462,255 +512,6 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
         failpoint("finalize.start")?;
         progress.timings.service = t.elapsed();
         Ok(())
-    }
-
-    /// Undoes a failed install: see [`Finalizer::install`]. Returns the
-    /// error to hand back.
-    #[instrument(skip_all)]
-    async fn roll_back(
-        &self,
-        req: &InstallRequest,
-        old: Option<(String, String)>,
-        had_volume: bool,
-        failed_kind: ErrorKind,
-        progress: &mut Progress,
-        cause: Error,
-    ) -> Error {
-        let pkg = &req.package;
-        let phase = progress.phase;
-        let kind = if cause.kind == ErrorKind::Cancelled {
-            ErrorKind::Cancelled
-        } else {
-            failed_kind
-        };
-        let what = if old.is_some() { "update" } else { "install" };
-        let message = pkg.context(format!(
-            "{what} to {} failed in {phase}: {cause}",
-            req.version
-        ));
-        tracing::warn!("{message}; rolling back");
-        // Without a backup (not btrfs, or a plain directory too fragmented
-        // to copy: upstream's fallbacks) nothing can be rolled back once the
-        // old version's uninit or the new one's install has run: say so
-        // rather than claim the old data is back.
-        let unprotected =
-            old.is_some() && had_volume && !progress.backup_taken && phase > Phase::Snapshot;
-        let message = if unprotected {
-            let why = match &progress.snapshot {
-                SnapshotOutcome::Skipped { reason } => reason.clone(),
-                _ => "no backup was taken".to_owned(),
-            };
-            format!(
-                "{message}; there was no install backup ({why}), so the volume keeps what the failed {what} wrote"
-            )
-        } else {
-            message
-        };
-        match self.restore_old(pkg, old.as_ref(), had_volume).await {
-            Ok(back) => {
-                let rolled_back_to = old.map(|(v, _)| v);
-                let mut message = match back.restart {
-                    Ok(()) => message,
-                    Err(e) => format!("{message}; the old version did not start again: {e}"),
-                };
-                if !back.holders.is_empty() {
-                    let names: Vec<&str> = back.holders.iter().map(|(h, _)| h.as_str()).collect();
-                    message.push_str(&format!(
-                        "; stopped {} for the restore (holding a mount of its volume) and \
-                         started {} again",
-                        names.join(", "),
-                        if names.len() == 1 { "it" } else { "them" }
-                    ));
-                    for (h, r) in &back.holders {
-                        if let Err(e) = r {
-                            message.push_str(&format!("; {h} did not start again: {e}"));
-                        }
-                    }
-                }
-                self.notify(
-                    pkg,
-                    Event::Failed {
-                        phase,
-                        kind,
-                        message: message.clone(),
-                        rolled_back_to,
-                    },
-                );
-                // Only now delete the volume the restore replaced: that
-                // evicts its cached pages (seconds for a database the
-                // service had in memory), which neither the old service nor
-                // the notification should wait for. Garbage if it fails:
-                // the next volume operation's recovery deletes it.
-                if let Some(store) = self.store().log_err() {
-                    let p = pkg.clone();
-                    let root = store.root().to_owned();
-                    blocking(move || store.purge(&p)).await.log_err();
-                    // A backup taken before the first boot's cleanup holds
-                    // the rest its conversion set aside: removed again, so
-                    // that it pins no space past the backup.
-                    let p = pkg.clone();
-                    blocking(move || crate::volume::release_rest(&root, &p))
-                        .await
-                        .log_err();
-                }
-                Error::new(eyre!("{message}"), kind)
-            }
-            Err(e) => {
-                let message =
-                    format!("{message}; rolling back failed too, the next boot finishes it: {e}");
-                self.notify(
-                    pkg,
-                    Event::Failed {
-                        phase,
-                        kind: ErrorKind::Incoherent,
-                        message: message.clone(),
-                        rolled_back_to: None,
-                    },
-                );
-                Error::new(eyre!("{message}"), ErrorKind::Incoherent)
-            }
-        }
-    }
-
-    /// Stop, restore, state, start. An error means the volume or the state
-    /// could not be put back (the state still says in flight); what
-    /// restarting went like is in [`RolledBack`].
-    ///
-    /// Services holding a mount of the volume in a mount namespace of their
-    /// own (a dependent's container) are stopped before the restore, which
-    /// would refuse to swap the volume from under them, and started again
-    /// after it.
-    #[instrument(skip_all)]
-    async fn restore_old(
-        &self,
-        pkg: &PackageId,
-        old: Option<&(String, String)>,
-        had_volume: bool,
-    ) -> Result<RolledBack, Error> {
-        self.services.stop(pkg).await?;
-        failpoint("rollback.stopped")?;
-        // Whatever happens from here, every holder stopped is started again.
-        let mut stopped = Vec::new();
-        let back = self.put_back(pkg, old, had_volume, &mut stopped).await;
-        let restart = match (&back, old) {
-            (Ok(()), Some((v, _))) => self.services.start(pkg, v).await,
-            _ => Ok(()),
-        };
-        let holders = self.start_again(stopped).await;
-        match back {
-            Ok(()) => Ok(RolledBack { restart, holders }),
-            Err(e) => {
-                for (h, r) in holders {
-                    match r {
-                        Ok(()) => {
-                            tracing::info!(package = %pkg, holder = %h, "started again after a failed restore")
-                        }
-                        Err(e) => {
-                            tracing::error!(package = %pkg, holder = %h, "did not start again after a failed restore: {e}")
-                        }
-                    }
-                }
-                Err(e)
-            }
-        }
-    }
-
-    /// The volume and the state put back: holders of mounts of the volume
-    /// stopped (each added to `stopped` as it is), the backup restored (or
-    /// a fresh install's volume deleted), the state back to the old version.
-    async fn put_back(
-        &self,
-        pkg: &PackageId,
-        old: Option<&(String, String)>,
-        had_volume: bool,
-        stopped: &mut Vec<(PackageId, Option<String>)>,
-    ) -> Result<(), Error> {
-        self.stop_mount_holders(pkg, stopped).await?;
-        let (store, p) = (self.store()?, pkg.clone());
-        blocking(move || {
-            if !store.restore_deferring_purge(&p)? && !had_volume {
-                // A fresh install with nothing before it: the volume holds
-                // only what the failed install wrote.
-                store.delete(&p)?;
-            }
-            Ok(())
-        })
-        .await?;
-        failpoint("rollback.restored")?;
-        let p = pkg.clone();
-        let back = old.cloned();
-        self.db
-            .mutate(move |db| {
-                match back {
-                    Some((v, s9pk)) => {
-                        db.insert(
-                            p,
-                            PackageDataEntry {
-                                state_info: StateInfo::Installed,
-                                version: Some(v),
-                                s9pk,
-                            },
-                        );
-                    }
-                    None => {
-                        db.remove(&p);
-                    }
-                }
-                Ok(())
-            })
-            .await?;
-        failpoint("rollback.recorded")?;
-        Ok(())
-    }
-
-    /// Stops every service that holds a mount of `pkg`'s volume in a mount
-    /// namespace of its own, as [`Services::service_of`] names them, adding
-    /// each, with the version to start again, to `stopped` (mounts in this
-    /// process's own namespace belong to no one service).
-    async fn stop_mount_holders(
-        &self,
-        pkg: &PackageId,
-        stopped: &mut Vec<(PackageId, Option<String>)>,
-    ) -> Result<(), Error> {
-        let (store, p) = (self.store()?, pkg.clone());
-        let uses = blocking(move || store.mount_uses(&p)).await?;
-        let mut holders: Vec<PackageId> = Vec::new();
-        for u in uses.iter().filter(|u| !u.own_namespace) {
-            let holder = u.pids.iter().find_map(|pid| self.services.service_of(*pid));
-            if let Some(h) = holder.filter(|h| h != pkg && !holders.contains(h)) {
-                holders.push(h);
-            }
-        }
-        let db = self.db.peek().await;
-        for h in holders {
-            tracing::warn!(package = %pkg, holder = %h, "stopping a service that holds a mount of the volume, for the restore");
-            let version = db.get(&h).and_then(|e| e.version.clone());
-            // Listed before the stop: a stop that fails half-way still gets
-            // a start (which does nothing for a service still running).
-            stopped.push((h.clone(), version));
-            self.services.stop(&h).await?;
-        }
-        Ok(())
-    }
-
-    /// Starts again the services [`Finalizer::stop_mount_holders`] stopped.
-    async fn start_again(
-        &self,
-        holders: Vec<(PackageId, Option<String>)>,
-    ) -> Vec<(PackageId, Result<(), Error>)> {
-        let mut out = Vec::with_capacity(holders.len());
-        for (h, version) in holders {
-            let r = match &version {
-                Some(v) => self.services.start(&h, v).await,
-                None => Err(Error::for_package(
-                    &h,
-                    ErrorKind::Incoherent,
-                    "has no installed version to start",
-                )),
-            };
-            out.push((h, r));
-        }
-        out
     }
 
     /// Uninstalls `pkg`: soft keeps its volume for a later reinstall, hard

@@ -46,7 +46,7 @@ use models::PackageId;
 use rustix::fs::{AtFlags, FileType, Gid, IFlags, Mode, Timespec, Timestamps, Uid, XattrFlags};
 use volume::failpoint::failpoint;
 
-use crate::cmd::run;
+use crate::run;
 
 /// The commit of upstream's `volume.rs` this module models.
 pub const VOLUME_RS_COMMIT: &str = "48408e8c540d322412519feeec119216bb261bfa";

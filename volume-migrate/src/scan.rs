@@ -622,12 +622,12 @@ mod tests {
     /// too; a limited count stops within its limit.
     #[test]
     fn a_fragmented_files_slices_count_it_exactly() {
-        let fs = integration::fs_or_skip!(integration::LoopFs::btrfs(1 << 30));
+        let fs = test_fs::fs_or_skip!(test_fs::LoopFs::btrfs(1 << 30));
         let dir = fs.path("pkg");
         std::fs::create_dir(&dir).unwrap();
         std::fs::write(dir.join("a"), vec![1u8; 9000]).unwrap();
         let big = dir.join("big");
-        integration::make_fragmented_file(&big, 64 << 20, 12_000, 7).unwrap();
+        test_fs::make_fragmented_file(&big, 64 << 20, 12_000, 7).unwrap();
         {
             let f = std::fs::OpenOptions::new().write(true).open(&big).unwrap();
             rustix::fs::fallocate(&f, rustix::fs::FallocateFlags::KEEP_SIZE, 65 << 20, 1 << 20)

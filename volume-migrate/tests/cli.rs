@@ -5,7 +5,7 @@ use std::fs;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use integration::{LoopFs, fs_or_skip, tree_digest};
+use test_fs::{LoopFs, fs_or_skip, tree_digest};
 
 fn cli(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_volume-migrate"))
@@ -158,7 +158,7 @@ fn dry_run_and_run_say_when_the_parent_is_snapshotted() {
     let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
     let root = fs.path("volumes");
     make_volume(&root, "electrs");
-    integration::make_fragmented_file(&root.join("electrs/data/main/index"), 6000 * 8192, 6000, 3)
+    test_fs::make_fragmented_file(&root.join("electrs/data/main/index"), 6000 * 8192, 6000, 3)
         .unwrap();
     let r = root.to_str().unwrap();
     let o = cli(&["--root", r, "--dry-run"]);

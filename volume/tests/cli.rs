@@ -8,8 +8,8 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use integration::{LoopFs, TreeDigest, fs_or_skip, run, tree_digest};
 use serde_json::{Value, json};
+use test_fs::{LoopFs, TreeDigest, fs_or_skip, run, tree_digest};
 
 const BIN: &str = env!("CARGO_BIN_EXE_startos-volume");
 

@@ -11,7 +11,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use integration::{LoopFs, fs_or_skip};
+use test_fs::{LoopFs, fs_or_skip};
 use volume::sys;
 
 const SIZE: u64 = 256 << 20;

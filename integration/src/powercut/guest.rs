@@ -18,7 +18,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::cmd::run as run_cmd;
+use crate::run as run_cmd;
 
 /// Debian's meta-package whose dependency names the current cloud kernel.
 pub const KERNEL_META: &str = "linux-image-cloud-amd64";
