@@ -29,7 +29,7 @@ CLI_FEATURES := volume/cli,volume-migrate/cli
 # them; a production build has none.
 TEST_FEATURES := volume/failpoints,volume-migrate/failpoints,startos-core/failpoints,$(CLI_FEATURES)
 
-.PHONY: all deps build fmt-check clippy test faults bench demo targets dist compare powercut
+.PHONY: all deps build fmt-check clippy test faults bench demo targets dist guest-bins compare powercut
 
 all: build
 
@@ -67,7 +67,7 @@ clippy: deps
 # own: build every binary first, with the same features so nothing is rebuilt.
 # The subvolume primitives run once more on the libbtrfsutil backend: the
 # default build issues btrfs's ioctls itself, and both must agree.
-test: deps fmt-check clippy dist
+test: deps fmt-check clippy guest-bins
 	$(CARGO) build --workspace --bins --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS)
 	$(CARGO) test --workspace --no-fail-fast --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS) -- --test-threads=4
 	$(CARGO) test -p volume --features volume/btrfsutil --test sys_primitives $(CARGO_TEST_FLAGS)
@@ -80,7 +80,7 @@ faults: deps
 
 # The fuller power-cut sweep: every write state of every workload, more real
 # cuts and more recoveries inside the guest (`make test` samples them).
-powercut: deps
+powercut: deps guest-bins
 	$(CARGO) build --workspace --bins --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS)
 	POWERCUT_FULL=1 $(CARGO) test -p integration --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS) --test powercut -- --test-threads=3 --nocapture
 
@@ -144,6 +144,12 @@ dist: deps
 		for b in $(DIST_BINS); do cp "$${CARGO_TARGET_DIR:-target}/$$t/release/$$b" $(DIST_DIR)/$$t/; done; \
 	done; \
 	cd $(DIST_DIR) && sha256sum */* > SHA256SUMS && cat SHA256SUMS
+
+# What the power-cut guest runs: static binaries only, as an OS image takes
+# them, nothing of the host's copied in: startos-volume from `make dist`, and
+# the workload (library calls the tools do not offer) for the same target.
+guest-bins: dist
+	$(CARGO) build --release --target $(DIST_REQUIRED) -p integration --bin powercut-workload
 
 # Upstream's volume code (integration::upstream) against ours, scenario by
 # scenario, in one table. The crash scenarios kill the binary's own child

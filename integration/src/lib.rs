@@ -28,6 +28,7 @@
 
 pub mod compare;
 pub mod deep;
+pub mod dist;
 pub mod fmt;
 pub mod identity;
 // `gen` is a reserved word in Rust 2024: the module is `r#gen`.

@@ -4,25 +4,17 @@
 //! creates, snapshots and restores a volume on a loop-mounted btrfs.
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 use integration::{LoopFs, fs_or_skip, run, skip_or_fail};
 
-const TARGET: &str = "x86_64-unknown-linux-musl";
-
-/// `dist/` at the workspace's top, or `DIST_DIR` as `make dist` was given it.
-fn dist_dir() -> PathBuf {
-    match std::env::var_os("DIST_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../dist"),
-    }
-}
+use integration::dist::{STATIC_TARGET as TARGET, dist_dir};
 
 /// The binary `name` of the x86_64 dist, or `None` (after skipping, or a
 /// panic under CI) if `make dist` has not run.
 fn dist_bin(name: &str) -> Option<PathBuf> {
-    let bin = dist_dir().join(TARGET).join(name);
+    let bin = integration::dist::dist_bin(name);
     if bin.is_file() {
         Some(bin)
     } else {

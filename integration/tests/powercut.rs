@@ -47,23 +47,27 @@ fn cache_dir() -> PathBuf {
     Path::new(env!("CARGO_TARGET_TMPDIR")).join("powercut")
 }
 
-/// A binary of the workspace beside this test's directory (`make test`
-/// builds every binary first, with the same features).
-fn workspace_bin(name: &str) -> Result<PathBuf, String> {
-    integration::workspace_bin(name)
-        .map_err(|e| format!("{e}; build the workspace's binaries first (`make test` does)"))
-}
-
 /// The guest, prepared once per test binary. `None` (after skipping, or a
 /// panic under CI) where it cannot be.
 fn kit() -> Option<&'static GuestKit> {
     static KIT: OnceLock<Result<GuestKit, String>> = OnceLock::new();
     let kit = KIT.get_or_init(|| {
         integration::check_support(FsKind::Btrfs)?;
+        // The static binaries, as an OS image takes them (`make test`
+        // builds both first): nothing of the host's goes into the guest.
         let bins = vec![
-            workspace_bin("startos-volume")?,
-            PathBuf::from(env!("CARGO_BIN_EXE_powercut-workload")),
+            integration::dist::dist_bin("startos-volume"),
+            integration::dist::static_workspace_bin(
+                Path::new(env!("CARGO_TARGET_TMPDIR")),
+                "powercut-workload",
+            ),
         ];
+        if let Some(missing) = bins.iter().find(|b| !b.is_file()) {
+            return Err(format!(
+                "{} is missing: the guest runs static binaries (`make test` builds them)",
+                missing.display()
+            ));
+        }
         GuestKit::prepare(&cache_dir(), &bins).map_err(|e| format!("preparing the guest: {e}"))
     });
     match kit {

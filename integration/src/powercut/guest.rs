@@ -18,6 +18,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use crate::dist::STATIC_TARGET;
 use crate::run as run_cmd;
 
 /// Debian's meta-package whose dependency names the current cloud kernel.
@@ -172,25 +173,33 @@ fn module_order(moddir: &Path, wanted: &[&str]) -> io::Result<Vec<String>> {
     Ok(out)
 }
 
-/// The shared libraries `bin` loads, and its program interpreter, by `ldd`.
-fn shared_libraries(bin: &Path) -> io::Result<Vec<PathBuf>> {
-    let out = Command::new("ldd").arg(bin).output()?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        // A static binary: "not a dynamic executable".
-        return Ok(Vec::new());
+/// Whether the ELF image `bytes` names a program interpreter (a
+/// `PT_INTERP` program header): a dynamically linked binary, which would
+/// need the host's loader and libraries in the guest. A static binary,
+/// static-pie included, has none. `None` if `bytes` is not a 64-bit
+/// little-endian ELF image whose program headers lie inside it.
+fn names_interpreter(bytes: &[u8]) -> Option<bool> {
+    const PT_INTERP: u32 = 3;
+    let u16_at = |o: usize| Some(u16::from_le_bytes(bytes.get(o..o + 2)?.try_into().ok()?));
+    let u32_at = |o: usize| Some(u32::from_le_bytes(bytes.get(o..o + 4)?.try_into().ok()?));
+    let u64_at = |o: usize| Some(u64::from_le_bytes(bytes.get(o..o + 8)?.try_into().ok()?));
+    // ELF magic, ELFCLASS64, ELFDATA2LSB.
+    if bytes.get(..6)? != b"\x7fELF\x02\x01" {
+        return None;
     }
-    let mut libs = Vec::new();
-    for line in text.lines() {
-        let path = match line.split_once("=>") {
-            Some((_, rest)) => rest.split_whitespace().next(),
-            None => line.split_whitespace().next(),
-        };
-        if let Some(p) = path.filter(|p| p.starts_with('/')) {
-            libs.push(PathBuf::from(p));
+    let phoff = usize::try_from(u64_at(0x20)?).ok()?;
+    let phentsize = usize::from(u16_at(0x36)?);
+    let phnum = usize::from(u16_at(0x38)?);
+    if phentsize < 4 {
+        return None;
+    }
+    for i in 0..phnum {
+        let at = phoff.checked_add(i.checked_mul(phentsize)?)?;
+        if u32_at(at)? == PT_INTERP {
+            return Some(true);
         }
     }
-    Ok(libs)
+    Some(false)
 }
 
 /// A newc cpio archive being written: what the kernel unpacks as its
@@ -312,14 +321,15 @@ impl GuestKit {
     /// Prepares the guest under `cache`: the kernel and busybox packages
     /// (fetched and unpacked once), then an initramfs with busybox, the
     /// modules in [`MODULES`] and their dependencies, `binaries` under
-    /// `/bin` with the shared libraries `ldd` names, and the init script.
+    /// `/bin` (static ones only: nothing of the host's is copied in), and
+    /// the init script.
     ///
     /// Any failure is an error saying what is missing: the caller fails
     /// the test under `CI=true`.
     pub fn prepare(cache: &Path, binaries: &[PathBuf]) -> io::Result<GuestKit> {
         let qemu = find_program("qemu-system-x86_64")
             .ok_or_else(|| err("qemu-system-x86_64 not found (run `make deps`)"))?;
-        for tool in ["apt-get", "apt-cache", "dpkg", "ldd"] {
+        for tool in ["apt-get", "apt-cache", "dpkg"] {
             find_program(tool).ok_or_else(|| err(format!("`{tool}` not found")))?;
         }
         fs::create_dir_all(cache)?;
@@ -379,23 +389,26 @@ impl GuestKit {
             names.push('\n');
         }
         cpio.file("etc/modules.order", 0o644, names.as_bytes())?;
-        let mut libs = BTreeSet::new();
         for bin in binaries {
             let name = bin
                 .file_name()
                 .and_then(|n| n.to_str())
                 .ok_or_else(|| err(format!("bad binary path {}", bin.display())))?;
-            cpio.file(&format!("bin/{name}"), 0o755, &binary_bytes(bin, cache)?)?;
-            libs.extend(shared_libraries(bin)?);
-        }
-        for lib in libs {
-            let rel = lib
-                .strip_prefix("/")
-                .unwrap_or(&lib)
-                .to_string_lossy()
-                .into_owned();
-            let bytes = fs::read(&lib).map_err(|e| err(format!("{}: {e}", lib.display())))?;
-            cpio.file(&rel, 0o755, &bytes)?;
+            let bytes = binary_bytes(bin, cache)?;
+            // Static binaries only, as an OS image takes them: nothing of
+            // the host's is copied in, so the guest runs exactly what ships.
+            match names_interpreter(&bytes) {
+                Some(false) => {}
+                Some(true) => {
+                    return Err(err(format!(
+                        "{} is dynamically linked; the guest takes static binaries \
+                         (`make dist`, and the workload built for {STATIC_TARGET})",
+                        bin.display()
+                    )));
+                }
+                None => return Err(err(format!("{} is not a 64-bit ELF binary", bin.display()))),
+            }
+            cpio.file(&format!("bin/{name}"), 0o755, &bytes)?;
         }
         cpio.finish()?;
         fs::rename(&tmp, &initramfs)?;
@@ -608,4 +621,42 @@ pub fn run(
         return Err(err(format!("the guest failed: {fail}")));
     }
     Ok(result)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::names_interpreter;
+
+    #[test]
+    fn a_dynamic_binary_names_its_interpreter() {
+        let exe = std::env::current_exe().expect("this test's binary");
+        let bytes = std::fs::read(&exe).expect("reading it");
+        assert_eq!(names_interpreter(&bytes), Some(true), "{}", exe.display());
+    }
+
+    #[test]
+    fn malformed_images_are_no_verdict() {
+        assert_eq!(names_interpreter(b""), None);
+        assert_eq!(names_interpreter(b"#!/bin/sh\n"), None);
+        // 32-bit class.
+        assert_eq!(names_interpreter(b"\x7fELF\x01\x01\0\0"), None);
+        // A 64-bit header cut before its program-header fields.
+        assert_eq!(names_interpreter(b"\x7fELF\x02\x01\0\0\0\0"), None);
+        // Program headers said to lie past the end.
+        let mut h = vec![0u8; 64];
+        h[..6].copy_from_slice(b"\x7fELF\x02\x01");
+        h[0x20..0x28].copy_from_slice(&1000u64.to_le_bytes());
+        h[0x36..0x38].copy_from_slice(&56u16.to_le_bytes());
+        h[0x38..0x3a].copy_from_slice(&1u16.to_le_bytes());
+        assert_eq!(names_interpreter(&h), None);
+        // No program headers at all: nothing names an interpreter.
+        h[0x38..0x3a].copy_from_slice(&0u16.to_le_bytes());
+        assert_eq!(names_interpreter(&h), Some(false));
+        // One PT_INTERP header inside the image.
+        h.resize(64 + 56, 0);
+        h[0x20..0x28].copy_from_slice(&64u64.to_le_bytes());
+        h[0x38..0x3a].copy_from_slice(&1u16.to_le_bytes());
+        h[64..68].copy_from_slice(&3u32.to_le_bytes());
+        assert_eq!(names_interpreter(&h), Some(true));
+    }
 }
