@@ -107,6 +107,8 @@ mod report;
 #[cfg(target_os = "linux")]
 mod rest;
 #[cfg(target_os = "linux")]
+mod run;
+#[cfg(target_os = "linux")]
 mod scan;
 #[cfg(target_os = "linux")]
 mod shed;

@@ -1,13 +1,13 @@
-//! The [`Migrator`]: the volumes root opened for conversion, the packages
-//! under it with anything to convert, and a whole run over them (Linux
-//! only). How a run is planned is in the `plan` module, one package's
-//! conversion in `convert`, the removal of what it leaves in `cleanup`;
-//! each method that changes anything holds the package's volume lock, so
-//! what a crash leaves is the per-package state the crate docs describe.
+//! The [`Migrator`]: the volumes root opened for conversion, and the
+//! packages under it with anything to convert (Linux only). What it does
+//! with them is in the modules above this one, each adding methods: how a
+//! run is planned in `plan`, one package's conversion in `convert`, the
+//! removal of what it leaves in `cleanup`, a whole run in `run`. Each
+//! method that changes anything holds the package's volume lock, so what a
+//! crash leaves is the per-package state the crate docs describe.
 
 use std::os::fd::BorrowedFd;
 use std::path::Path;
-use std::time::Instant;
 
 use models::{Error, ErrorKind, PackageId, ResultExt};
 use volume::layout::{
@@ -16,9 +16,7 @@ use volume::layout::{
 use volume::lock::PackageLock;
 use volume::sys;
 
-use crate::ProgressSink;
 use crate::options::{MetadataRoom, MigrateOptions};
-use crate::report::{Outcome, PackageReport, ReportError};
 use crate::state::Kind;
 
 /// Converts the plain directories under one volumes root. Open it with
@@ -129,46 +127,6 @@ impl Migrator {
                 pkg.context("taking the package lock"),
             )
         })
-    }
-
-    /// Converts every package of [`Migrator::packages`] in the order of
-    /// [`Migrator::schedule`], calling `on_done` with each report as soon as
-    /// that package is done (so its service can start), then, with
-    /// `opts.remove_old`, removes the old trees. A failing package does not
-    /// stop the others: its report says why. Fails only if the root cannot
-    /// be read or the schedule cannot be made.
-    pub fn run(
-        &self,
-        opts: &MigrateOptions,
-        sink: &mut dyn ProgressSink,
-        on_done: &mut dyn FnMut(&PackageReport),
-    ) -> Result<Vec<PackageReport>, Error> {
-        let mut reports = Vec::new();
-        for planned in self.schedule_for(&self.packages()?, opts, false)? {
-            let started = Instant::now();
-            let report = self
-                .convert_planned(&planned, opts, sink)
-                .unwrap_or_else(|e| {
-                    PackageReport::failed(planned.package.clone(), started.elapsed(), &e)
-                });
-            on_done(&report);
-            reports.push(report);
-        }
-        if opts.remove_old && !opts.dry_run {
-            for r in &mut reports {
-                if r.outcome == Outcome::Failed {
-                    continue;
-                }
-                match self.remove_old(&r.package, sink) {
-                    Ok(_) => r.old_removed = true,
-                    Err(e) => {
-                        r.outcome = Outcome::Failed;
-                        r.error = Some(ReportError::from(&e));
-                    }
-                }
-            }
-        }
-        Ok(reports)
     }
 
     /// The metadata bytes the filesystem holding the root can still take,

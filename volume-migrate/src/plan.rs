@@ -7,10 +7,11 @@
 //! behind.
 
 use std::ffi::OsStr;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::AtomicBool;
 
 use models::{Error, ErrorKind, PackageId, ResultExt};
+use rustix::fs::IFlags;
 use volume::layout::Names;
 use volume::sys;
 
@@ -234,6 +235,56 @@ impl Migrator {
             },
         ));
         Ok(())
+    }
+
+    /// Why the plain directory `<pkg>` (open as `src`) cannot be converted
+    /// at all, if it cannot: something is mounted from inside it (in any
+    /// mount namespace: the conversion would leave the mount on the old
+    /// tree), it is on another filesystem than the root, or it is
+    /// immutable or append-only (the kernel renames no such directory, so
+    /// the exchange would fail after the whole copy). The same checks for
+    /// a dry run and a real one, so that they agree.
+    pub(crate) fn refusal(
+        &self,
+        pkg: &PackageId,
+        names: &Names,
+        src: BorrowedFd<'_>,
+    ) -> Result<Option<String>, Error> {
+        let live_path = self.root.path().join(&names.live);
+        let busy = volume::mounts::uses_of(&live_path).with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                pkg.context("reading the mount tables of every mount namespace"),
+            )
+        })?;
+        if !busy.is_empty() {
+            return Ok(Some(format!(
+                "{} is in use, mounted at {}; unmount it first",
+                live_path.display(),
+                volume::mounts::describe(&busy)
+            )));
+        }
+        let src_st = sys::stat(src).with_ctx(step(pkg, "stat of the volume"))?;
+        if src_st.dev != self.root.dev()
+            || !sys::is_btrfs(src).with_ctx(step(pkg, "statfs of the volume"))?
+        {
+            return Ok(Some(format!(
+                "{} is on another filesystem than the volumes root {}",
+                live_path.display(),
+                self.root.path().display()
+            )));
+        }
+        let stuck = sys::inode_flags(src)
+            .with_ctx(step(pkg, "reading the volume's inode flags"))?
+            .intersection(IFlags::IMMUTABLE | IFlags::APPEND);
+        if !stuck.is_empty() {
+            return Ok(Some(format!(
+                "{} is immutable or append-only, and the kernel renames no such \
+                 directory; clear the flag (chattr -i -a) and convert again",
+                live_path.display()
+            )));
+        }
+        Ok(None)
     }
 
     /// The file bytes of the plain directory `pkg`, for progress only: a
