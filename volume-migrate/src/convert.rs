@@ -179,19 +179,25 @@ impl Migrator {
         job.report.method = Some(Method::Clone);
         job.report.outcome = Outcome::Converted;
         if opts.defer_cut && job.report.nocow_files > 0 {
-            // Its service must not start while its NOCOW files share their
-            // extents: each first write would be a copy, for good. The
-            // conversion is done either way: a failure here is the
-            // cleanup's to finish.
-            match self.release_in_place(pkg, &names) {
-                Ok(()) => job.report.old_removed = true,
-                Err(e) => {
-                    tracing::warn!(package = %pkg, error = %e, "removing the old copies of its NOCOW files")
-                }
-            }
+            self.release_nocow(&mut job.report, &names);
         }
         job.report.elapsed = started.elapsed();
         Ok(job.report)
+    }
+
+    /// For a package just cloned with NOCOW files, under a deferred cut:
+    /// its service must not start while those files share their extents
+    /// (each first write would be a copy, for good), so their old copies go
+    /// now ([`Migrator::release_in_place`]). The conversion is done either
+    /// way: a failure is logged, and the cleanup's to finish.
+    fn release_nocow(&self, report: &mut PackageReport, names: &Names) {
+        let pkg = &report.package;
+        match self.release_in_place(pkg, names) {
+            Ok(()) => report.old_removed = true,
+            Err(e) => {
+                tracing::warn!(package = %pkg, error = %e, "removing the old copies of its NOCOW files")
+            }
+        }
     }
 
     /// Refuses a state no run of ours leaves: a `<pkg>.migrate` or

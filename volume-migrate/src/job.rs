@@ -225,9 +225,7 @@ impl Job<'_, '_> {
         // the space short.
         .and_then(|stats| watch.take(true, room, tracker, report).map(|()| stats));
         let stats = match (copied, watch.failure.take()) {
-            (Err(_), Some(ScanFailure::Space(short))) => {
-                return Err(self.abandon(dst, short.to_string()));
-            }
+            (Err(_), Some(ScanFailure::Space(short))) => return Err(self.abandon(dst, short)),
             // Final: a partial copy kept would fail the same way each run.
             (Err(e), _) | (_, Some(ScanFailure::Io(e))) if copy::is_too_deep(&e) => {
                 let why = format!("{} holds {e}", self.live_path().display());
@@ -317,7 +315,7 @@ impl Job<'_, '_> {
 
     /// Gives up a clone that cannot complete (space): the partial subvolume
     /// goes, `<pkg>` is untouched; the error says so and why.
-    fn abandon(&self, dst: OwnedFd, why: String) -> Error {
+    fn abandon(&self, dst: OwnedFd, why: impl std::fmt::Display) -> Error {
         drop(dst);
         let root = self.root.fd();
         let cleanup = copy::remove_tree_at(root, &self.names.migrate, &mut |_| Ok(()))
