@@ -168,3 +168,45 @@ impl fmt::Display for MetadataShortfall {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The line users see, pinned: it was a format string before it was a
+    /// type.
+    #[test]
+    fn a_shortfall_reads_as_before() {
+        let room = MetadataRoom {
+            free: 1000,
+            reserve: 4096,
+        };
+        let est = Estimate {
+            entries: 3,
+            extents: 5,
+            ..Estimate::default()
+        };
+        let short = room.check(&est).expect_err("short");
+        assert_eq!(
+            short.to_string(),
+            "not enough free metadata space to convert: 1000 bytes free, 7808 needed \
+             (5 extents, 3 entries, plus 4096 reserved)"
+        );
+        let pkg: PackageId = "db".parse().expect("a package id");
+        let refusal = short.refusal(&pkg);
+        assert_eq!(refusal.kind, ErrorKind::MigrationFailed);
+        assert_eq!(
+            refusal.to_string(),
+            format!("Migration Failed: package db: {short}; nothing was changed")
+        );
+        assert!(room.check(&Estimate::default()).is_err());
+        assert!(
+            MetadataRoom {
+                free: 7808,
+                reserve: 4096
+            }
+            .check(&est)
+            .is_ok()
+        );
+    }
+}

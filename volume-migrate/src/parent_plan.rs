@@ -174,3 +174,30 @@ impl fmt::Display for CutShortfall {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The line users see, pinned: it was a format string before it was a
+    /// type.
+    #[test]
+    fn a_cut_shortfall_reads_as_before() {
+        let short = CutShortfall {
+            free: 10,
+            need: 20,
+            rest: Estimate {
+                entries: 2,
+                extents: 3,
+                ..Estimate::default()
+            },
+            lifted: 4,
+            reserve: 5,
+        };
+        assert_eq!(
+            short.to_string(),
+            "not enough free metadata space to cut a snapshot of the parent down: 10 bytes \
+             free, 20 needed (2 entries and 3 extents to remove, 4 to lift, plus 5 reserved)"
+        );
+    }
+}
