@@ -369,6 +369,23 @@ pub(crate) fn decide(
         .collect()
 }
 
+/// The decisions for the candidates when the method is forced
+/// ([`Method::Clone`] or [`Method::SnapshotParent`]): nothing is counted,
+/// and a partial clone to finish says so. Reads nothing.
+pub(crate) fn forced(candidates: &[Candidate], method: Method) -> Vec<Decided> {
+    candidates
+        .iter()
+        .map(|c| Decided {
+            decision: match (method, &c.ineligible) {
+                (Method::SnapshotParent, _) => Decision::SnapshotParent,
+                (_, Some(CloneReason::Resume)) => Decision::Clone(CloneReason::Resume),
+                _ => Decision::Clone(CloneReason::Forced),
+            },
+            cut: None,
+        })
+        .collect()
+}
+
 /// Counts the parent's tree outside every candidate's directory and the
 /// old trees, up to `max_work` microseconds of cutting.
 fn count_rest(candidates: &[Candidate], parent: &Parent, max_work: u64) -> io::Result<Counted> {

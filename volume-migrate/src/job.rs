@@ -25,33 +25,30 @@ use volume::sys;
 
 use crate::carve::{self, CarveEvent, Removal};
 use crate::decide::CloneReason;
-use crate::migrate::{MetadataRoom, MigrateOptions, Migrator, is_enospc};
+use crate::errors::{is_enospc, step};
+use crate::options::{MetadataRoom, MetadataShortfall, MigrateOptions};
+use crate::parent_plan::ParentPlan;
 use crate::report::PackageReport;
 use crate::rest::RestRecord;
 use crate::scan::{self, ExtentsByInode};
+use crate::state::settle_exchanged;
 use crate::track::Tracker;
 use crate::{Estimate, Phase};
 
 /// How often a conversion starts a background commit while cloning (see
-/// [`Migrator::convert`]): often enough that the final, waited-for commit is
+/// [`crate::Migrator::convert`]): often enough that the final, waited-for commit is
 /// short, rarely enough that commits do not dominate. Measured once, with a
 /// temporary knob, on the bench's 500k-extent file: the final commit took a
 /// median of 42.6 ms at 500 ms and 18.3 ms at 250 ms, the clone 2.99 s at
 /// both.
 const BACKGROUND_COMMIT_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
 
-/// The error context for a step of `pkg`'s conversion.
-pub(crate) fn step<'a>(
-    pkg: &'a PackageId,
-    what: &'static str,
-) -> impl FnOnce(&io::Error) -> (ErrorKind, String) + 'a {
-    move |_| (ErrorKind::MigrationFailed, pkg.context(what))
-}
-
 /// One package's conversion: the plain directory open, the free space read
-/// before anything was created, progress and the report so far.
+/// before anything was created, progress and the report so far. It holds
+/// the volumes root, not the migrator: a job is one package's, and the
+/// package's lock is its caller's to hold throughout.
 pub(crate) struct Job<'a, 's> {
-    pub m: &'a Migrator,
+    pub root: &'a volume::Root,
     pub pkg: &'a PackageId,
     pub names: &'a Names,
     pub opts: &'a MigrateOptions,
@@ -61,49 +58,6 @@ pub(crate) struct Job<'a, 's> {
     pub room: MetadataRoom,
     pub tracker: Tracker<'s>,
     pub report: PackageReport,
-}
-
-/// What [`Method::SnapshotParent`](crate::Method::SnapshotParent) needs,
-/// checked just before the cut.
-pub(crate) struct ParentPlan {
-    /// The root of the subvolume holding the volumes root.
-    pub root: OwnedFd,
-    /// `<pkg>`'s path from there.
-    pub keep: PathBuf,
-    /// `<pkg>`'s inode number.
-    pub ino: u64,
-    /// What the cut touches: the rest of the subvolume, which it removes
-    /// (or sets aside), and `<pkg>`'s top entries, which it lifts.
-    pub rest: Estimate,
-    /// `<pkg>`'s top entries.
-    pub lifted: u64,
-}
-
-impl ParentPlan {
-    /// Whether the free metadata space covers the cut. Removing from a fresh
-    /// snapshot copies each shared leaf it touches on write (and adds back
-    /// references for every extent in it): at worst a leaf per entry
-    /// removed or lifted, plus the extent items, plus `reserve`. A deferred
-    /// cut spends the same later, so it is held to the same.
-    pub fn check_space(&self, space: &sys::MetadataSpace, reserve: u64) -> Result<(), String> {
-        let need = (self.rest.entries + self.lifted)
-            .saturating_mul(space.node_size)
-            .saturating_add(self.rest.extents.saturating_mul(128))
-            .saturating_add(reserve);
-        if space.free() < need {
-            return Err(format!(
-                "not enough free metadata space to cut a snapshot of the parent down: {} bytes \
-                 free, {need} needed ({} entries and {} extents to remove, {} to lift, plus {} \
-                 reserved)",
-                space.free(),
-                self.rest.entries,
-                self.rest.extents,
-                self.lifted,
-                reserve
-            ));
-        }
-        Ok(())
-    }
 }
 
 /// Why [`Job::carve_parent`] did not carve: the step that failed, and
@@ -148,8 +102,8 @@ impl CarveFailure {
 enum ScanFailure {
     /// The scan itself failed.
     Io(io::Error),
-    /// The scan's estimate does not fit in the free space: why.
-    Space(String),
+    /// The scan's estimate does not fit in the free space.
+    Space(MetadataShortfall),
 }
 
 /// The scan that runs beside a clone, feeding the progress totals and the
@@ -196,7 +150,7 @@ impl ScanWatch<'_> {
 impl Job<'_, '_> {
     /// `<pkg>`'s path, for messages.
     fn live_path(&self) -> PathBuf {
-        self.m.root().join(&self.names.live)
+        self.root.path().join(&self.names.live)
     }
 
     /// Clones `<pkg>` into the subvolume `<pkg>.migrate` (resuming the one
@@ -227,7 +181,7 @@ impl Job<'_, '_> {
 
     fn clone_with(&mut self, resume: bool, watch: &mut ScanWatch<'_>) -> Result<(), Error> {
         let pkg = self.pkg;
-        let tmp_path = self.m.root().join(&self.names.migrate);
+        let tmp_path = self.root.path().join(&self.names.migrate);
         let (dst, since) = self.open_clone_target(resume)?;
         let resumed = since.is_some();
         self.report.resumed = resumed;
@@ -271,7 +225,7 @@ impl Job<'_, '_> {
         // the space short.
         .and_then(|stats| watch.take(true, room, tracker, report).map(|()| stats));
         let stats = match (copied, watch.failure.take()) {
-            (Err(_), Some(ScanFailure::Space(why))) => return Err(self.abandon(dst, why)),
+            (Err(_), Some(ScanFailure::Space(short))) => return Err(self.abandon(dst, short)),
             // Final: a partial copy kept would fail the same way each run.
             (Err(e), _) | (_, Some(ScanFailure::Io(e))) if copy::is_too_deep(&e) => {
                 let why = format!("{} holds {e}", self.live_path().display());
@@ -317,7 +271,7 @@ impl Job<'_, '_> {
     /// replaced.
     fn open_clone_target(&self, resume: bool) -> Result<(OwnedFd, Option<(i64, i64)>), Error> {
         let pkg = self.pkg;
-        let root = self.m.root_fd();
+        let root = self.root.fd();
         if resume {
             let fd = sys::open_dir_at(root, &self.names.migrate)
                 .with_ctx(step(pkg, "opening the partial copy"))?;
@@ -349,7 +303,7 @@ impl Job<'_, '_> {
                 ErrorKind::MigrationFailed,
                 pkg.context(format!(
                     "creating subvolume {}",
-                    self.m.root().join(&self.names.migrate).display()
+                    self.root.path().join(&self.names.migrate).display()
                 )),
             )
         })?;
@@ -361,9 +315,9 @@ impl Job<'_, '_> {
 
     /// Gives up a clone that cannot complete (space): the partial subvolume
     /// goes, `<pkg>` is untouched; the error says so and why.
-    fn abandon(&self, dst: OwnedFd, why: String) -> Error {
+    fn abandon(&self, dst: OwnedFd, why: impl std::fmt::Display) -> Error {
         drop(dst);
-        let root = self.m.root_fd();
+        let root = self.root.fd();
         let cleanup = copy::remove_tree_at(root, &self.names.migrate, &mut |_| Ok(()))
             .and_then(|()| sys::commit(root));
         let msg = format!(
@@ -384,14 +338,14 @@ impl Job<'_, '_> {
     /// ([`RestRecord`]). On failure the snapshot and the record are deleted
     /// (O(1)). Returns the snapshot, open.
     pub fn carve_parent(&mut self, plan: ParentPlan) -> Result<OwnedFd, CarveFailure> {
-        let root = self.m.root_fd();
+        let root = self.root.fd();
         let names = self.names;
         self.tracker.set_estimate(Estimate {
             entries: plan.rest.entries + plan.lifted,
             ..plan.rest
         });
         self.tracker.phase(Phase::Carve);
-        let snapshot = self.m.root().join(&names.migrate_parent);
+        let snapshot = self.root.path().join(&names.migrate_parent);
         sys::snapshot(plan.root.as_fd(), root, &names.migrate_parent).map_err(|error| {
             CarveFailure {
                 what: format!("snapshotting its subvolume as {}", snapshot.display()),
@@ -459,7 +413,7 @@ impl Job<'_, '_> {
     /// `<pkg>.migrate-old`.
     pub fn swap_in(&mut self, tmp: &OsStr, dst: OwnedFd) -> Result<(), Error> {
         let pkg = self.pkg;
-        let root = self.m.root_fd();
+        let root = self.root.fd();
         // Sync: the copy must be durable before its name says "volume".
         self.tracker.phase(Phase::Sync);
         let committed = sys::commit(dst.as_fd());
@@ -474,7 +428,7 @@ impl Job<'_, '_> {
         if let Err(e) = exchanged {
             let what = format!(
                 "exchanging {} with {}",
-                self.m.root().join(tmp).display(),
+                self.root.path().join(tmp).display(),
                 self.live_path().display()
             );
             if !is_enospc(&e) {
@@ -500,7 +454,7 @@ impl Job<'_, '_> {
         }
         sys::fsync(root).with_ctx(step(pkg, "syncing the volumes root"))?;
         failpoint("migrate.exchanged").with_ctx(step(pkg, "failpoint"))?;
-        self.m.settle_exchanged(pkg, self.names)?;
+        settle_exchanged(self.root, pkg, self.names)?;
         self.tracker.phase(Phase::Done);
         tracing::info!(package = %pkg, "volume converted to a subvolume");
         Ok(())

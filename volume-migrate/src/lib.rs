@@ -83,28 +83,49 @@
 
 #[cfg(target_os = "linux")]
 mod carve;
+#[cfg(target_os = "linux")]
+mod cleanup;
+#[cfg(target_os = "linux")]
+mod convert;
 pub mod cost;
 #[cfg(target_os = "linux")]
 mod decide;
+#[cfg(target_os = "linux")]
+mod errors;
 #[cfg(target_os = "linux")]
 mod job;
 #[cfg(target_os = "linux")]
 mod migrate;
 #[cfg(target_os = "linux")]
+mod options;
+#[cfg(target_os = "linux")]
+mod parent_plan;
+#[cfg(target_os = "linux")]
+mod plan;
+#[cfg(target_os = "linux")]
 mod report;
 #[cfg(target_os = "linux")]
 mod rest;
 #[cfg(target_os = "linux")]
+mod run;
+#[cfg(target_os = "linux")]
 mod scan;
 #[cfg(target_os = "linux")]
 mod shed;
+#[cfg(target_os = "linux")]
+mod state;
 #[cfg(target_os = "linux")]
 mod track;
 
 #[cfg(target_os = "linux")]
 pub use decide::{CloneReason, Decision, REST_MAX_US};
 #[cfg(target_os = "linux")]
-pub use migrate::*;
+pub use migrate::Migrator;
+#[cfg(target_os = "linux")]
+pub use options::{
+    DEFAULT_CHUNK_BYTES, MAX_RESERVE_BYTES, MIN_RESERVE_BYTES, MetadataRoom, MigrateOptions,
+    default_reserve,
+};
 #[cfg(target_os = "linux")]
 pub use report::{Outcome, PackageReport, Planned, ReportError};
 

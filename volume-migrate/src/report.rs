@@ -79,6 +79,34 @@ pub struct PackageReport {
     pub error: Option<ReportError>,
 }
 
+impl PackageReport {
+    /// `package` with `outcome`, nothing done yet.
+    pub(crate) fn new(package: PackageId, outcome: Outcome) -> PackageReport {
+        PackageReport {
+            package,
+            outcome,
+            estimate: None,
+            method: None,
+            resumed: false,
+            bytes_cloned: 0,
+            entries_reused: 0,
+            nocow_files: 0,
+            old_removed: false,
+            elapsed: Duration::ZERO,
+            error: None,
+        }
+    }
+
+    /// `package` failed with `error` after `elapsed`.
+    pub(crate) fn failed(package: PackageId, elapsed: Duration, error: &Error) -> PackageReport {
+        PackageReport {
+            elapsed,
+            error: Some(ReportError::from(error)),
+            ..PackageReport::new(package, Outcome::Failed)
+        }
+    }
+}
+
 fn ser_ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_f64(d.as_secs_f64())
 }

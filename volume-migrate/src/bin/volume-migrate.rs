@@ -8,11 +8,9 @@
 //! every event is one JSON object per line on stdout.
 
 #[cfg(target_os = "linux")]
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
-#[cfg(target_os = "linux")]
-use std::time::{Duration, Instant};
 
 use clap::Parser;
 
@@ -105,8 +103,7 @@ fn json_line(value: serde_json::Value) {
 
 #[cfg(target_os = "linux")]
 fn run(cli: Cli) -> ExitCode {
-    use serde_json::json;
-    use volume_migrate::{Decision, Method, MigrateOptions, Migrator, Outcome, Progress};
+    use volume_migrate::{Method, Migrator};
 
     let method = match cli.method {
         CliMethod::Auto => Method::Auto,
@@ -136,14 +133,34 @@ fn run(cli: Cli) -> ExitCode {
             migrator.root().display()
         );
         if cli.json {
-            json_line(json!({"event": "not-btrfs", "root": migrator.root(), "message": msg}));
+            json_line(
+                serde_json::json!({"event": "not-btrfs", "root": migrator.root(), "message": msg}),
+            );
         } else {
             println!("{msg}");
         }
         return ExitCode::SUCCESS;
     }
-
     if cli.dry_run {
+        dry_run::run(&migrator, method, cli.json)
+    } else {
+        convert::run(&migrator, method, cli.keep_old, cli.json)
+    }
+}
+
+/// `--dry-run`: the plan, one line (or JSON object) per package, and the
+/// metadata space it needs against what is free. Changes nothing.
+#[cfg(target_os = "linux")]
+mod dry_run {
+    use std::process::ExitCode;
+
+    use serde_json::json;
+    use volume_migrate::cost::Cost;
+    use volume_migrate::{Decision, Method, MigrateOptions, Migrator, Planned};
+
+    use super::{human_bytes, json_line};
+
+    pub(super) fn run(migrator: &Migrator, method: Method, json: bool) -> ExitCode {
         let plan = match migrator.plan_with(&MigrateOptions {
             method,
             ..MigrateOptions::default()
@@ -155,74 +172,10 @@ fn run(cli: Cli) -> ExitCode {
             }
         };
         for entry in &plan {
-            let cost = |c: Option<volume_migrate::cost::Cost>| {
-                c.map_or_else(|| "not counted".to_owned(), |c| c.to_string())
-            };
-            if cli.json {
-                // A clone's duration; snapshotting the parent takes milliseconds.
-                let est_secs = entry
-                    .estimate
-                    .filter(|_| entry.method() != Some(Method::SnapshotParent))
-                    .map(|e| e.duration().as_secs_f64());
-                json_line(json!({
-                    "event": "plan",
-                    "package": entry.package,
-                    "estimate": entry.estimate,
-                    "method": entry.method(),
-                    "decision": entry.decision,
-                    "clone_cost": entry.clone,
-                    "cut_cost": entry.cut,
-                    "estimated_seconds": est_secs,
-                    "metadata_bytes": entry.estimate.map(|e| e.metadata_bytes()),
-                    "resume": entry.resume,
-                    "old_pending": entry.old_pending,
-                    "refused": entry.refused,
-                }));
-                continue;
-            }
-            if let Some(why) = &entry.refused {
-                println!("would refuse {}: {why}", entry.package);
-                continue;
-            }
-            match (&entry.decision, entry.estimate) {
-                (Some(Decision::SnapshotParent), _) => println!(
-                    "would convert {}: snapshot its parent subvolume and cut the snapshot down \
-                     to it, every file keeping its identity: the cut {} in the background, \
-                     against a clone {}",
-                    entry.package,
-                    cost(entry.cut),
-                    cost(entry.clone)
-                ),
-                (Some(Decision::Clone(reason)), Some(e)) => println!(
-                    "would convert {}: clone, {} entries, {} files, {}, {} extents{}, about \
-                     {:.1} s{}; not by snapshotting the parent: {reason} (a cut {})",
-                    entry.package,
-                    e.entries,
-                    e.files,
-                    human_bytes(e.bytes),
-                    e.extents,
-                    if e.nested_subvolumes > 0 {
-                        format!(", {} nested subvolumes", e.nested_subvolumes)
-                    } else {
-                        String::new()
-                    },
-                    e.duration().as_secs_f64(),
-                    if entry.resume {
-                        " (resuming an interrupted run)"
-                    } else {
-                        ""
-                    },
-                    cost(entry.cut),
-                ),
-                _ => println!(
-                    "would finish {}: an interrupted run's leftovers{}",
-                    entry.package,
-                    if entry.old_pending {
-                        ", old trees to remove"
-                    } else {
-                        ""
-                    }
-                ),
+            if json {
+                json_line(entry_json(entry));
+            } else {
+                print_entry(entry);
             }
         }
         // Packages convert one after another, so together they need the
@@ -241,10 +194,10 @@ fn run(cli: Cli) -> ExitCode {
         };
         let (free, reserve) = (room.map(|r| r.free), room.map_or(0, |r| r.reserve));
         let short = free.is_some_and(|f| f < needed.saturating_add(reserve));
-        if plan.is_empty() && !cli.json {
+        if plan.is_empty() && !json {
             println!("nothing to convert");
         }
-        if !cli.json
+        if !json
             && needed > 0
             && let Some(free) = free
         {
@@ -260,7 +213,7 @@ fn run(cli: Cli) -> ExitCode {
                 }
             );
         }
-        if cli.json {
+        if json {
             json_line(json!({
                 "event": "summary",
                 "dry_run": true,
@@ -271,139 +224,277 @@ fn run(cli: Cli) -> ExitCode {
                 "enough_space": !short,
             }));
         }
-        return ExitCode::SUCCESS;
+        ExitCode::SUCCESS
     }
 
-    let tty = !cli.json && std::io::stderr().is_terminal();
-    let mut last_line = Instant::now() - Duration::from_secs(1);
-    let mut last_json = Instant::now() - Duration::from_secs(1);
-    let json = cli.json;
-    let mut last_phase = None;
-    let mut sink = |p: &Progress| {
-        if json {
-            // Every phase change, and at most two clone reports a second.
-            let changed = last_phase != Some((p.package.clone(), p.phase));
-            if changed || last_json.elapsed() >= Duration::from_millis(500) {
-                last_json = Instant::now();
-                last_phase = Some((p.package.clone(), p.phase));
-                json_line(json!({"event": "progress", "progress": p}));
-            }
-        } else if tty && last_line.elapsed() >= Duration::from_millis(100) {
-            last_line = Instant::now();
-            let eta = p
-                .eta
-                .map(|d| format!("ETA {}s", d.as_secs()))
-                .unwrap_or_else(|| "ETA ?".to_owned());
-            // Totals arrive when the scan beside the clone finishes.
-            let total = |n: String| if p.totals_known { n } else { "?".to_owned() };
-            let line = format!(
-                "{} {:?}: {}/{} {}/{} extents {}/{} entries {eta}",
-                p.package,
-                p.phase,
-                human_bytes(p.bytes_done),
-                total(human_bytes(p.bytes_total)),
-                p.extents_done,
-                total(p.extents_total.to_string()),
-                p.entries_done,
-                total(p.entries_total.to_string()),
-            );
-            let mut err = std::io::stderr().lock();
-            let _ = write!(err, "\r\x1b[2K{line}");
-            let _ = err.flush();
+    fn cost(c: Option<Cost>) -> String {
+        c.map_or_else(|| "not counted".to_owned(), |c| c.to_string())
+    }
+
+    /// One package of the plan as a JSON object.
+    fn entry_json(entry: &Planned) -> serde_json::Value {
+        // A clone's duration; snapshotting the parent takes milliseconds.
+        let est_secs = entry
+            .estimate
+            .filter(|_| entry.method() != Some(Method::SnapshotParent))
+            .map(|e| e.duration().as_secs_f64());
+        json!({
+            "event": "plan",
+            "package": entry.package,
+            "estimate": entry.estimate,
+            "method": entry.method(),
+            "decision": entry.decision,
+            "clone_cost": entry.clone,
+            "cut_cost": entry.cut,
+            "estimated_seconds": est_secs,
+            "metadata_bytes": entry.estimate.map(|e| e.metadata_bytes()),
+            "resume": entry.resume,
+            "old_pending": entry.old_pending,
+            "refused": entry.refused,
+        })
+    }
+
+    /// One package of the plan as a line.
+    fn print_entry(entry: &Planned) {
+        if let Some(why) = &entry.refused {
+            println!("would refuse {}: {why}", entry.package);
+            return;
         }
+        match (&entry.decision, entry.estimate) {
+            (Some(Decision::SnapshotParent), _) => println!(
+                "would convert {}: snapshot its parent subvolume and cut the snapshot down \
+                 to it, every file keeping its identity: the cut {} in the background, \
+                 against a clone {}",
+                entry.package,
+                cost(entry.cut),
+                cost(entry.clone)
+            ),
+            (Some(Decision::Clone(reason)), Some(e)) => println!(
+                "would convert {}: clone, {} entries, {} files, {}, {} extents{}, about \
+                 {:.1} s{}; not by snapshotting the parent: {reason} (a cut {})",
+                entry.package,
+                e.entries,
+                e.files,
+                human_bytes(e.bytes),
+                e.extents,
+                if e.nested_subvolumes > 0 {
+                    format!(", {} nested subvolumes", e.nested_subvolumes)
+                } else {
+                    String::new()
+                },
+                e.duration().as_secs_f64(),
+                if entry.resume {
+                    " (resuming an interrupted run)"
+                } else {
+                    ""
+                },
+                cost(entry.cut),
+            ),
+            _ => println!(
+                "would finish {}: an interrupted run's leftovers{}",
+                entry.package,
+                if entry.old_pending {
+                    ", old trees to remove"
+                } else {
+                    ""
+                }
+            ),
+        }
+    }
+}
+
+/// The conversion: progress while it goes, a line (or JSON object) per
+/// package as soon as it is done, then a summary; exit 1 if any failed.
+#[cfg(target_os = "linux")]
+mod convert {
+    use std::io::{IsTerminal, Write};
+    use std::process::ExitCode;
+    use std::time::{Duration, Instant};
+
+    use models::PackageId;
+    use serde_json::json;
+    use volume_migrate::{
+        Method, MigrateOptions, Migrator, Outcome, PackageReport, Phase, Progress,
     };
-    let mut printed_failures = Vec::new();
-    let mut on_done = |r: &volume_migrate::PackageReport| {
+
+    use super::{human_bytes, json_line};
+
+    pub(super) fn run(migrator: &Migrator, method: Method, keep_old: bool, json: bool) -> ExitCode {
+        let tty = !json && std::io::stderr().is_terminal();
+        let mut progress = ProgressOut {
+            json,
+            tty,
+            last_line: Instant::now() - Duration::from_secs(1),
+            last_json: Instant::now() - Duration::from_secs(1),
+            last_phase: None,
+        };
+        let mut done = DoneOut {
+            json,
+            tty,
+            printed_failures: Vec::new(),
+        };
+        let opts = MigrateOptions {
+            remove_old: !keep_old,
+            method,
+            // Every package is ready before any old tree is removed.
+            defer_cut: true,
+            ..MigrateOptions::default()
+        };
+        let reports = match migrator.run(
+            &opts,
+            &mut |p: &Progress| progress.show(p),
+            &mut |r: &PackageReport| done.show(r),
+        ) {
+            Ok(r) => r,
+            Err(e) => {
+                if tty {
+                    eprint!("\r\x1b[2K");
+                }
+                eprintln!("volume-migrate: {e}");
+                return ExitCode::from(1);
+            }
+        };
         if tty {
             eprint!("\r\x1b[2K");
         }
-        if json {
-            json_line(json!({"event": "package", "report": r}));
-            return;
-        }
-        match (&r.outcome, &r.error) {
-            (Outcome::Failed, Some(e)) => {
-                eprintln!("volume-migrate: {}", e.message);
-                printed_failures.push(r.package.clone());
-            }
-            (Outcome::Converted, _) => println!(
-                "converted {}: {} in {:.1} s{}",
-                r.package,
-                match (r.method, r.estimate) {
-                    (Some(Method::SnapshotParent), _) =>
-                        "a snapshot of its parent subvolume, cut down to it".to_owned(),
-                    (_, Some(e)) => format!(
-                        "{} entries, {}, {} extents",
-                        e.entries,
-                        human_bytes(e.bytes),
-                        e.extents
-                    ),
-                    _ => String::new(),
-                },
-                r.elapsed.as_secs_f64(),
-                if r.resumed {
-                    format!(" (resumed; {} cloned now)", human_bytes(r.bytes_cloned))
-                } else {
-                    String::new()
+        summary(&reports, json, &done.printed_failures)
+    }
+
+    /// Progress: on a terminal one updating line on stderr, at most ten a
+    /// second; with `--json`, every phase change and at most two clone
+    /// reports a second.
+    struct ProgressOut {
+        json: bool,
+        tty: bool,
+        last_line: Instant,
+        last_json: Instant,
+        last_phase: Option<(PackageId, Phase)>,
+    }
+
+    impl ProgressOut {
+        fn show(&mut self, p: &Progress) {
+            if self.json {
+                let changed = self.last_phase != Some((p.package.clone(), p.phase));
+                if changed || self.last_json.elapsed() >= Duration::from_millis(500) {
+                    self.last_json = Instant::now();
+                    self.last_phase = Some((p.package.clone(), p.phase));
+                    json_line(json!({"event": "progress", "progress": p}));
                 }
-            ),
-            (Outcome::Finished, _) => println!("finished {}: interrupted run completed", r.package),
-            _ => {}
+            } else if self.tty && self.last_line.elapsed() >= Duration::from_millis(100) {
+                self.last_line = Instant::now();
+                let eta = p
+                    .eta
+                    .map(|d| format!("ETA {}s", d.as_secs()))
+                    .unwrap_or_else(|| "ETA ?".to_owned());
+                // Totals arrive when the scan beside the clone finishes.
+                let total = |n: String| if p.totals_known { n } else { "?".to_owned() };
+                let line = format!(
+                    "{} {:?}: {}/{} {}/{} extents {}/{} entries {eta}",
+                    p.package,
+                    p.phase,
+                    human_bytes(p.bytes_done),
+                    total(human_bytes(p.bytes_total)),
+                    p.extents_done,
+                    total(p.extents_total.to_string()),
+                    p.entries_done,
+                    total(p.entries_total.to_string()),
+                );
+                let mut err = std::io::stderr().lock();
+                let _ = write!(err, "\r\x1b[2K{line}");
+                let _ = err.flush();
+            }
         }
-    };
-    let opts = MigrateOptions {
-        remove_old: !cli.keep_old,
-        method,
-        // Every package is ready before any old tree is removed.
-        defer_cut: true,
-        ..MigrateOptions::default()
-    };
-    let reports = match migrator.run(&opts, &mut sink, &mut on_done) {
-        Ok(r) => r,
-        Err(e) => {
-            if tty {
+    }
+
+    /// Each package as soon as it is done: a line on stdout, a failure on
+    /// stderr (remembered, so the summary does not repeat it), or with
+    /// `--json` its report.
+    struct DoneOut {
+        json: bool,
+        tty: bool,
+        printed_failures: Vec<PackageId>,
+    }
+
+    impl DoneOut {
+        fn show(&mut self, r: &PackageReport) {
+            if self.tty {
                 eprint!("\r\x1b[2K");
             }
-            eprintln!("volume-migrate: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    if tty {
-        eprint!("\r\x1b[2K");
-    }
-    let failed = reports
-        .iter()
-        .filter(|r| r.outcome == Outcome::Failed)
-        .count();
-    let converted = reports
-        .iter()
-        .filter(|r| matches!(r.outcome, Outcome::Converted | Outcome::Finished))
-        .count();
-    if json {
-        json_line(json!({
-            "event": "summary",
-            "dry_run": false,
-            "converted": converted,
-            "failed": failed,
-            "old_removed": reports.iter().filter(|r| r.old_removed).count(),
-        }));
-    } else if reports.is_empty() {
-        println!("nothing to convert");
-    } else {
-        // Failures to remove an old directory come after `on_done`.
-        for r in &reports {
+            if self.json {
+                json_line(json!({"event": "package", "report": r}));
+                return;
+            }
             match (&r.outcome, &r.error) {
-                (Outcome::Failed, Some(e)) if !printed_failures.contains(&r.package) => {
+                (Outcome::Failed, Some(e)) => {
                     eprintln!("volume-migrate: {}", e.message);
+                    self.printed_failures.push(r.package.clone());
+                }
+                (Outcome::Converted, _) => println!(
+                    "converted {}: {} in {:.1} s{}",
+                    r.package,
+                    match (r.method, r.estimate) {
+                        (Some(Method::SnapshotParent), _) =>
+                            "a snapshot of its parent subvolume, cut down to it".to_owned(),
+                        (_, Some(e)) => format!(
+                            "{} entries, {}, {} extents",
+                            e.entries,
+                            human_bytes(e.bytes),
+                            e.extents
+                        ),
+                        _ => String::new(),
+                    },
+                    r.elapsed.as_secs_f64(),
+                    if r.resumed {
+                        format!(" (resumed; {} cloned now)", human_bytes(r.bytes_cloned))
+                    } else {
+                        String::new()
+                    }
+                ),
+                (Outcome::Finished, _) => {
+                    println!("finished {}: interrupted run completed", r.package)
                 }
                 _ => {}
             }
         }
     }
-    if failed > 0 {
-        ExitCode::from(1)
-    } else {
-        ExitCode::SUCCESS
+
+    /// The end of a run: the summary, the failures not printed yet, and
+    /// the exit code.
+    fn summary(reports: &[PackageReport], json: bool, printed: &[PackageId]) -> ExitCode {
+        let failed = reports
+            .iter()
+            .filter(|r| r.outcome == Outcome::Failed)
+            .count();
+        let converted = reports
+            .iter()
+            .filter(|r| matches!(r.outcome, Outcome::Converted | Outcome::Finished))
+            .count();
+        if json {
+            json_line(json!({
+                "event": "summary",
+                "dry_run": false,
+                "converted": converted,
+                "failed": failed,
+                "old_removed": reports.iter().filter(|r| r.old_removed).count(),
+            }));
+        } else if reports.is_empty() {
+            println!("nothing to convert");
+        } else {
+            // Failures to remove an old directory come after `on_done`.
+            for r in reports {
+                match (&r.outcome, &r.error) {
+                    (Outcome::Failed, Some(e)) if !printed.contains(&r.package) => {
+                        eprintln!("volume-migrate: {}", e.message);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if failed > 0 {
+            ExitCode::from(1)
+        } else {
+            ExitCode::SUCCESS
+        }
     }
 }
 

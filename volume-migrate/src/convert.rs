@@ -1,0 +1,433 @@
+//! Converting one package ([`Migrator::convert`], [`Migrator::convert_planned`]):
+//! the state on disk checked again, leftovers of an interrupted run
+//! finished or dropped, the checks before anything is created (mounts,
+//! filesystem, flags, free space), then a [`Job`] that snapshots the parent
+//! or clones, and the exchange.
+//!
+//! At every instant `<pkg>` is either the complete original directory or
+//! the complete, durable subvolume (see the crate docs for the states a
+//! crash leaves, and what the next run does with each).
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
+
+use models::{Error, ErrorKind, PackageId, ResultExt};
+use volume::copy;
+use volume::layout::Names;
+use volume::sys;
+
+use crate::decide::{CloneReason, Decision};
+use crate::errors::step;
+use crate::job::Job;
+use crate::migrate::Migrator;
+use crate::options::{MetadataRoom, MigrateOptions};
+use crate::parent_plan::ParentPlan;
+use crate::report::{Outcome, PackageReport, Planned};
+use crate::rest::RestRecord;
+use crate::scan::scan;
+use crate::state::{Kind, State, settle_exchanged};
+use crate::track::Tracker;
+use crate::{Estimate, Method, Phase, ProgressSink};
+
+impl Migrator {
+    /// Converts `<pkg>`, if it is a plain directory, into a subvolume with
+    /// the same contents and attributes, leaving the old directory as
+    /// `<pkg>.migrate-old` for [`Migrator::remove_old`]: the
+    /// [`Migrator::schedule`] of this one package, then
+    /// [`Migrator::convert_planned`]. Resumes or finishes whatever an
+    /// interrupted run left. Off btrfs, or with `<pkg>` already a
+    /// subvolume, does nothing.
+    ///
+    /// Refuses (`InvalidRequest`, naming the package) while anything is
+    /// mounted from inside `<pkg>`, and when `<pkg>` is on another
+    /// filesystem than the root. Refuses (`MigrationFailed`) when free
+    /// space is short. A reflink shares data, so no data space is needed
+    /// (inline file data lives in metadata): only metadata grows. The free
+    /// metadata space, read from btrfs's allocator before anything is
+    /// created (free space in metadata block groups beyond the global
+    /// reserve, plus unallocated device space over the metadata profile's
+    /// copies; see [`sys::MetadataSpace`]), must cover the estimated new
+    /// metadata, 128 bytes per extent item plus 1 KiB per entry, plus
+    /// `opts.reserve_bytes`. The estimate can miss, so an ENOSPC during the
+    /// copy removes the partial subvolume and leaves `<pkg>` untouched. Other
+    /// errors during the copy keep the partial copy for the next run.
+    ///
+    /// The scan that counts entries, bytes and extents (a stat and a tree
+    /// search per file) runs on a second thread while the clone starts, so
+    /// it costs no wall time: progress totals (and the ETA) arrive when it
+    /// finishes ([`crate::Progress::totals_known`]). The reserve alone is checked
+    /// before anything is created; the full estimate as soon as the scan
+    /// has it, and if short the clone stops there, the partial subvolume is
+    /// removed, and `<pkg>` is untouched, as for an ENOSPC. A dry run scans
+    /// only.
+    ///
+    /// The method ([`MigrateOptions::method`]): [`Method::Auto`] resumes an
+    /// interrupted clone, and otherwise snapshots the parent subvolume
+    /// wherever a snapshot can serve (see [`Decision`] for every reason it
+    /// clones instead). The free metadata space must cover a node per entry
+    /// removed or lifted, 128 bytes per extent item removed, of the rest
+    /// outside the packages (what the snapshot holds of other packages
+    /// leaves it later), and the reserve. Auto always defers the cut
+    /// ([`MigrateOptions::defer_cut`] or not): the exchange waits for
+    /// renames only, and [`Migrator::remove_old`] sheds the rest. Should
+    /// space be short, or the cut fail for any reason but
+    /// ENOSPC, Auto deletes the snapshot and clones instead (if the
+    /// snapshot cannot be deleted, that is the error).
+    /// [`Method::SnapshotParent`] forces the method:
+    /// `InvalidRequest` where the parent's root is out of reach, something
+    /// is mounted inside it, the package holds nested subvolumes, or the
+    /// rest of the parent holds a NOCOW or preallocated file.
+    ///
+    /// A crash at any point leaves `<pkg>` complete (old or new); see the
+    /// crate docs for what the next run does.
+    pub fn convert(
+        &self,
+        pkg: &PackageId,
+        opts: &MigrateOptions,
+        sink: &mut dyn ProgressSink,
+    ) -> Result<PackageReport, Error> {
+        let planned = self
+            .schedule_for(std::slice::from_ref(pkg), opts, false)?
+            .pop()
+            .unwrap_or_else(|| Planned::undecided(pkg.clone(), false, false));
+        self.convert_planned(&planned, opts, sink)
+    }
+
+    /// Converts one package of a [`Migrator::schedule`] as planned (the
+    /// state on disk is checked again first: the plan may be stale); see
+    /// [`Migrator::convert`] for everything else.
+    pub fn convert_planned(
+        &self,
+        planned: &Planned,
+        opts: &MigrateOptions,
+        sink: &mut dyn ProgressSink,
+    ) -> Result<PackageReport, Error> {
+        let pkg = &planned.package;
+        let started = Instant::now();
+        let mut report = PackageReport::new(pkg.clone(), Outcome::AlreadySubvolume);
+        if !self.root.is_btrfs() {
+            return Ok(report);
+        }
+        let names = Names::new(pkg)?;
+        let lock = self.lock(pkg)?;
+        if !opts.dry_run {
+            // A restore, snapshot or delete of the volume store cut short is
+            // finished first: converting a volume a restore has recorded
+            // would change the identity its recovery goes by.
+            volume::VolumeStore::open_without_recovery(self.root.path())?
+                .recover_held(pkg, &lock)?;
+        }
+        let state = State::read(&self.root, pkg, &names)?;
+        self.check_coherent(pkg, &names, &state)?;
+        if state.live != Kind::Dir {
+            if !opts.dry_run && settle_exchanged(&self.root, pkg, &names)? {
+                report.outcome = Outcome::Finished;
+            }
+            report.elapsed = started.elapsed();
+            return Ok(report);
+        }
+
+        // `<pkg>` is a plain directory.
+        let src = self.open_plain(pkg, &names, &state, opts.dry_run)?;
+        // Scan: data still in the page cache has no extents yet, so flush.
+        let mut tracker = Tracker::new(pkg.clone(), Estimate::default(), sink);
+        tracker.phase(Phase::Scan);
+        sys::commit(src.as_fd()).with_ctx(step(pkg, "flushing the volume"))?;
+        if opts.dry_run {
+            let (estimate, _) = scan(src.as_fd(), &AtomicBool::new(false))
+                .with_ctx(step(pkg, "scanning the volume"))?;
+            report.estimate = Some(estimate);
+            report.outcome = Outcome::WouldConvert;
+            report.elapsed = started.elapsed();
+            return Ok(report);
+        }
+        let (space, room) = self.room_for(pkg, src.as_fd(), opts)?;
+        let mut job = Job {
+            root: &self.root,
+            pkg,
+            names: &names,
+            opts,
+            src,
+            space,
+            room,
+            tracker,
+            report,
+        };
+
+        let resume = state.tmp == Kind::Subvolume;
+        if self.carve_as_planned(&mut job, planned, resume)? {
+            let mut report = job.report;
+            report.method = Some(Method::SnapshotParent);
+            report.outcome = Outcome::Converted;
+            if opts.method == Method::Auto && !opts.defer_cut {
+                // Auto deferred the cut whatever the options (its
+                // snapshot holds every other package's tree, which
+                // nothing counted); this caller wants it gone on
+                // return: shed now, the volume already in place.
+                // A failure leaves garbage for the next cleanup.
+                drop(lock);
+                if let Err(e) = self.remove_parts(pkg, false, sink) {
+                    tracing::warn!(package = %pkg, error = %e, "removing the rest of the parent's snapshot");
+                }
+            }
+            report.elapsed = started.elapsed();
+            return Ok(report);
+        }
+        job.clone_volume(resume)?;
+        job.report.method = Some(Method::Clone);
+        job.report.outcome = Outcome::Converted;
+        if opts.defer_cut && job.report.nocow_files > 0 {
+            self.release_nocow(&mut job.report, &names);
+        }
+        job.report.elapsed = started.elapsed();
+        Ok(job.report)
+    }
+
+    /// For a package just cloned with NOCOW files, under a deferred cut:
+    /// its service must not start while those files share their extents
+    /// (each first write would be a copy, for good), so their old copies go
+    /// now ([`Migrator::release_in_place`]). The conversion is done either
+    /// way: a failure is logged, and the cleanup's to finish.
+    fn release_nocow(&self, report: &mut PackageReport, names: &Names) {
+        let pkg = &report.package;
+        match self.release_in_place(pkg, names) {
+            Ok(()) => report.old_removed = true,
+            Err(e) => {
+                tracing::warn!(package = %pkg, error = %e, "removing the old copies of its NOCOW files")
+            }
+        }
+    }
+
+    /// Refuses a state no run of ours leaves: a `<pkg>.migrate` or
+    /// `<pkg>.migrate-parent` that is neither a partial copy nor the old
+    /// directory (`Incoherent`), or a `<pkg>` that is no directory
+    /// (`InvalidRequest`). Reads nothing: `state` was read.
+    fn check_coherent(&self, pkg: &PackageId, names: &Names, state: &State) -> Result<(), Error> {
+        let incoherent = [
+            (&names.migrate, state.tmp),
+            (&names.migrate_parent, state.parent),
+        ]
+        .into_iter()
+        .find(|&(_, kind)| kind == Kind::Other || (state.live, kind) == (Kind::Dir, Kind::Dir));
+        if let Some((name, _)) = incoherent {
+            return Err(Error::for_package(
+                pkg,
+                ErrorKind::Incoherent,
+                format!(
+                    "{} is neither a partial copy nor the old directory; move it away",
+                    self.root.path().join(name).display()
+                ),
+            ));
+        }
+        if state.live == Kind::Other {
+            return Err(Error::for_package(
+                pkg,
+                ErrorKind::InvalidRequest,
+                format!(
+                    "{} is not a directory",
+                    self.root.path().join(&names.live).display()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Opens the plain directory `<pkg>` for its conversion, first dropping
+    /// an interrupted cut (unless `dry_run`), and refuses it
+    /// (`InvalidRequest`) where no method can convert it.
+    fn open_plain(
+        &self,
+        pkg: &PackageId,
+        names: &Names,
+        state: &State,
+        dry_run: bool,
+    ) -> Result<OwnedFd, Error> {
+        if state.parent == Kind::Subvolume && !dry_run {
+            // An interrupted cut, holding a copy of the whole parent: drop it
+            // (O(1): a new snapshot costs nothing), and its record.
+            copy::remove_tree_at(self.root_fd(), &names.migrate_parent, &mut |_| Ok(()))
+                .and_then(|()| volume::record::remove(self.root_fd(), &names.migrate_rest))
+                .and_then(|()| sys::fsync(self.root_fd()))
+                .with_ctx(step(pkg, "removing an interrupted parent snapshot"))?;
+        }
+        let src = sys::open_dir_at(self.root_fd(), &names.live)
+            .with_ctx(step(pkg, "opening the volume"))?;
+        if let Some(why) = self.refusal(pkg, names, src.as_fd())? {
+            return Err(Error::for_package(pkg, ErrorKind::InvalidRequest, why));
+        }
+        Ok(src)
+    }
+
+    /// The free metadata space, read once before anything is created (the
+    /// estimate is checked against it when the scan has it), and the room
+    /// it leaves with `opts`' reserve. The reserve alone is checked now, so
+    /// a volumes root short of it is never touched; if short, the package
+    /// (open as `src`) is counted too, so the refusal gives what it really
+    /// needs.
+    fn room_for(
+        &self,
+        pkg: &PackageId,
+        src: BorrowedFd<'_>,
+        opts: &MigrateOptions,
+    ) -> Result<(sys::MetadataSpace, MetadataRoom), Error> {
+        let space = self.metadata_space(pkg)?;
+        let room = MetadataRoom::of(&space, opts);
+        if room.check(&Estimate::default()).is_err() {
+            let (estimate, _) =
+                scan(src, &AtomicBool::new(false)).with_ctx(step(pkg, "scanning the volume"))?;
+            return Err(room.shortfall(&estimate).refusal(pkg));
+        }
+        Ok((space, room))
+    }
+
+    /// Converts `job` by snapshotting the parent, if the plan says so and
+    /// it still can, up to the exchange; returns whether it did. False:
+    /// clone instead (a snapshot taken is gone again). With the method
+    /// forced ([`Method::SnapshotParent`]), every reason not to is the
+    /// error, and a partial clone is removed first.
+    fn carve_as_planned(
+        &self,
+        job: &mut Job<'_, '_>,
+        planned: &Planned,
+        resume: bool,
+    ) -> Result<bool, Error> {
+        let (pkg, names) = (job.pkg, job.names);
+        let forced = job.opts.method == Method::SnapshotParent;
+        let Some(plan) = self.parent_plan(job, planned, forced, resume)? else {
+            return Ok(false);
+        };
+        if forced && resume {
+            copy::remove_tree_at(self.root_fd(), &names.migrate, &mut |_| Ok(()))
+                .with_ctx(step(pkg, "removing a partial copy"))?;
+        }
+        match job.carve_parent(plan) {
+            Ok(carved) => {
+                job.swap_in(&names.migrate_parent, carved)?;
+                Ok(true)
+            }
+            Err(failure) if forced || !failure.can_clone() => {
+                Err(failure.into_error(pkg, &self.root.path().join(&names.live)))
+            }
+            Err(failure) => {
+                tracing::warn!(package = %pkg, "cutting a parent snapshot failed, cloning instead: {}", failure.reason());
+                Ok(false)
+            }
+        }
+    }
+
+    /// What the cut needs, where the plan decided on a snapshot of the
+    /// parent (and, unless forced, no partial clone is there to finish) and
+    /// the checks just before it still allow one.
+    fn parent_plan(
+        &self,
+        job: &Job<'_, '_>,
+        planned: &Planned,
+        forced: bool,
+        resume: bool,
+    ) -> Result<Option<ParentPlan>, Error> {
+        match &planned.decision {
+            Some(Decision::SnapshotParent) if forced || !resume => {}
+            _ => return Ok(None),
+        }
+        let pkg = job.pkg;
+        let prepared = ParentPlan::prepare(
+            &self.root,
+            pkg,
+            &job.names.live,
+            job.src.as_fd(),
+            planned.cut,
+            forced,
+        )?;
+        let reason = match prepared {
+            Ok(plan) => match plan.check_space(&job.space, job.room.reserve) {
+                Ok(()) => return Ok(Some(plan)),
+                Err(short) if forced => {
+                    return Err(Error::for_package(
+                        pkg,
+                        ErrorKind::MigrationFailed,
+                        format!("{short}; nothing was changed"),
+                    ));
+                }
+                Err(short) => CloneReason::Space {
+                    why: short.to_string(),
+                },
+            },
+            Err(reason) => reason,
+        };
+        if forced {
+            return Err(Error::for_package(
+                pkg,
+                ErrorKind::InvalidRequest,
+                format!(
+                    "cannot convert {} by snapshotting its parent: {reason}",
+                    self.root.path().join(&job.names.live).display()
+                ),
+            ));
+        }
+        tracing::info!(package = %pkg, "cloning, not snapshotting the parent: {reason}");
+        Ok(None)
+    }
+
+    /// Removes, for the cloned package `pkg`, every other copy of its old
+    /// files: `<pkg>.migrate-old`, and `pkg`'s old directory inside each
+    /// deferred cut's rest (verified by the rest's record, under the path
+    /// the volumes root has in the parent subvolume). Everything removed is
+    /// garbage already, so a crash part-way leaves only less for
+    /// [`Migrator::remove_old`]. Holds each other package's lock while in
+    /// its volume.
+    fn release_in_place(&self, pkg: &PackageId, names: &Names) -> Result<(), Error> {
+        let root = self.root_fd();
+        if Kind::of(&self.root, &names.migrate_old)
+            .with_ctx(step(pkg, "inspecting the old directory"))?
+            != Kind::Absent
+        {
+            copy::remove_tree_at(root, &names.migrate_old, &mut |_| Ok(()))
+                .and_then(|()| sys::fsync(root))
+                .with_ctx(step(pkg, "removing the old directory"))?;
+        }
+        let Some((_, volumes_path)) =
+            sys::subvolume_root_of(root).with_ctx(step(pkg, "finding the parent subvolume"))?
+        else {
+            return Ok(());
+        };
+        let old: PathBuf = volumes_path.iter().collect();
+        for other in self.packages()? {
+            if &other == pkg {
+                continue;
+            }
+            let theirs = Names::new(&other)?;
+            let Ok(Some(record)) = RestRecord::read(root, &theirs.migrate_rest) else {
+                continue;
+            };
+            let _lock = self.lock(&other)?;
+            if Kind::of(&self.root, &theirs.live).with_ctx(step(&other, "inspecting the volume"))?
+                != Kind::Subvolume
+            {
+                continue;
+            }
+            let live = sys::open_dir_at(root, &theirs.live)
+                .with_ctx(step(&other, "opening the volume"))?;
+            if !record
+                .is_in(live.as_fd())
+                .with_ctx(step(&other, "looking for the cut's rest"))?
+            {
+                continue;
+            }
+            let in_rest = Path::new(&record.name).join(&old);
+            let dir = match sys::open_beneath(live.as_fd(), &in_rest) {
+                Ok(dir) => dir,
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
+                Err(e) => {
+                    return Err(e).with_ctx(step(pkg, "opening its old copy in a cut's rest"));
+                }
+            };
+            copy::remove_tree_at(dir.as_fd(), &names.live, &mut |_| Ok(()))
+                .and_then(|()| sys::commit(live.as_fd()))
+                .with_ctx(step(pkg, "removing its old copy from a cut's rest"))?;
+            tracing::info!(package = %pkg, rest_of = %other, "old copies of its NOCOW files removed");
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,327 @@
+//! Planning a run: which packages there are to convert, how each is to be
+//! converted ([`Migrator::schedule`], by the rule of the `decide` module),
+//! in which order, and for a dry run what each costs ([`Migrator::plan`]).
+//!
+//! Reads only (besides a commit of the filesystem, so that data still in
+//! the page cache has its extents): a crash while planning leaves nothing
+//! behind.
+
+use std::ffi::OsStr;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::AtomicBool;
+
+use models::{Error, ErrorKind, PackageId, ResultExt};
+use rustix::fs::IFlags;
+use volume::layout::Names;
+use volume::sys;
+
+use crate::cost::Cost;
+use crate::decide::{self, Candidate, CloneReason, Decided, Decision, Parent};
+use crate::errors::step;
+use crate::migrate::Migrator;
+use crate::options::MigrateOptions;
+use crate::report::Planned;
+use crate::scan::{self, scan};
+use crate::state::{Kind, State};
+use crate::{Estimate, Method};
+
+/// The packages of a schedule, sorted by what there is to do, before
+/// anything is decided.
+#[derive(Default)]
+struct Survey {
+    /// Plain directories to decide for, each with what deciding needs.
+    candidates: Vec<(Planned, Candidate)>,
+    /// Plain directories no method can convert, with the reason.
+    refused: Vec<Planned>,
+    /// Packages with only an interrupted run's leftovers to finish.
+    leftovers: Vec<Planned>,
+}
+
+impl Migrator {
+    /// What a run would do (a dry run): [`Migrator::schedule`] of every
+    /// package of [`Migrator::packages`], with each plain directory also
+    /// scanned whole ([`Planned::estimate`]), in the order a run takes
+    /// them. Changes nothing (it commits the filesystem, so that data still
+    /// in the page cache has its extents; nothing anyone can see).
+    pub fn plan(&self) -> Result<Vec<Planned>, Error> {
+        self.plan_with(&MigrateOptions::default())
+    }
+
+    /// [`Migrator::plan`] for a run with `opts` (its method).
+    pub fn plan_with(&self, opts: &MigrateOptions) -> Result<Vec<Planned>, Error> {
+        let mut planned = self.schedule_for(&self.packages()?, opts, true)?;
+        for p in &mut planned {
+            if p.decision.is_some() {
+                self.estimate(p)?;
+            }
+        }
+        shed_costs(&mut planned);
+        Ok(planned)
+    }
+
+    /// Scans the plain directory of `p` whole, for its estimate and the
+    /// cost of a clone; refuses it, as the run would, where a clone
+    /// cannot serve and nothing else does.
+    fn estimate(&self, p: &mut Planned) -> Result<(), Error> {
+        let pkg = &p.package;
+        let fd = sys::open_dir_at(self.root_fd(), OsStr::new(pkg.as_str()))
+            .with_ctx(step(pkg, "opening the volume"))?;
+        match scan(fd.as_fd(), &AtomicBool::new(false)) {
+            Ok((est, _)) => {
+                p.clone = Some(Cost::clone_of(&est, true));
+                p.estimate = Some(est);
+            }
+            // A snapshot has no depth bound: the estimate is unknown,
+            // the decision stands.
+            Err(e)
+                if volume::walk::is_too_deep(&e)
+                    && p.decision == Some(Decision::SnapshotParent) => {}
+            // A tree a clone refuses (too deep, a mount inside), as the
+            // run would refuse it.
+            Err(e) if volume::walk::is_too_deep(&e) || volume::walk::is_crossing(&e) => {
+                p.refused = Some(format!(
+                    "{}: {e}",
+                    self.root.path().join(pkg.as_str()).display()
+                ));
+                p.decision = None;
+            }
+            Err(e) => return Err(e).with_ctx(step(pkg, "scanning the volume")),
+        }
+        Ok(())
+    }
+
+    /// Decides how each of `packages` is to be converted, all in one run, by
+    /// `opts.method` (for [`Method::Auto`], the rule in the `decide`
+    /// module's docs: every package a snapshot can serve is converted by
+    /// snapshotting the parent), and in which order: those by name, then
+    /// the clones by name. Plain directories under the root that are not
+    /// in `packages` count as the rest of the parent, as anything else
+    /// there. Packages with nothing to convert but leftovers are listed
+    /// with no decision; those with nothing at all are left out. Reads
+    /// only; counts nothing of the packages, and the rest outside them only
+    /// up to [`crate::REST_MAX_US`].
+    pub fn schedule(
+        &self,
+        packages: &[PackageId],
+        opts: &MigrateOptions,
+    ) -> Result<Vec<Planned>, Error> {
+        self.schedule_for(packages, opts, true)
+    }
+
+    /// [`Migrator::schedule`]; `bytes`: also count the file bytes of every
+    /// plain directory the decision did not count whole.
+    pub(crate) fn schedule_for(
+        &self,
+        packages: &[PackageId],
+        opts: &MigrateOptions,
+        bytes: bool,
+    ) -> Result<Vec<Planned>, Error> {
+        if !self.root.is_btrfs() {
+            return Ok(Vec::new());
+        }
+        // Data still in the page cache has no extents yet.
+        sys::commit(self.root_fd()).with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                format!("flushing the filesystem of {}", self.root.path().display()),
+            )
+        })?;
+        let parent = match opts.method {
+            Method::Auto => Some(self.parent()?),
+            Method::Clone | Method::SnapshotParent => None,
+        };
+        let mut survey = Survey::default();
+        for pkg in packages {
+            self.survey(pkg, parent.as_ref(), &mut survey)?;
+        }
+        let Survey {
+            candidates,
+            refused,
+            leftovers,
+        } = survey;
+        let (mut planned, cands): (Vec<Planned>, Vec<Candidate>) = candidates.into_iter().unzip();
+        let decided: Vec<Decided> = match &parent {
+            Some(parent) => decide::decide(&cands, parent),
+            None => decide::forced(&cands, opts.method),
+        };
+        for (p, d) in planned.iter_mut().zip(decided) {
+            // For progress only, so only where there is progress to show: a
+            // snapshot takes milliseconds, and a stat of each of its
+            // entries would delay every service.
+            if bytes && d.decision != Decision::SnapshotParent {
+                p.bytes = self.count_bytes(&p.package);
+            }
+            p.decision = Some(d.decision);
+            p.cut = d.cut;
+        }
+        planned.extend(refused);
+        // The snapshots first, each in milliseconds, so that no service
+        // waits for a clone; then the clones, by name.
+        planned.sort_by_key(|p| {
+            (
+                p.decision != Some(Decision::SnapshotParent),
+                p.package.clone(),
+            )
+        });
+        planned.extend(leftovers);
+        Ok(planned)
+    }
+
+    /// The subvolume holding the volumes root, or why no package can be
+    /// converted by snapshotting it.
+    fn parent(&self) -> Result<Result<Parent, CloneReason>, Error> {
+        Parent::of(self.root_fd(), self.root.path()).with_ctx(|_| {
+            (
+                ErrorKind::MigrationFailed,
+                format!(
+                    "inspecting the subvolume holding {}",
+                    self.root.path().display()
+                ),
+            )
+        })
+    }
+
+    /// Files `pkg` into `survey` by what its names hold: a plain directory
+    /// to decide for (with its identity and whether a snapshot could serve
+    /// it at all), one refused whatever the method, leftovers only, or
+    /// nothing (left out).
+    fn survey(
+        &self,
+        pkg: &PackageId,
+        parent: Option<&Result<Parent, CloneReason>>,
+        survey: &mut Survey,
+    ) -> Result<(), Error> {
+        let names = Names::new(pkg)?;
+        let state = State::read(&self.root, pkg, &names)?;
+        let planned = Planned::undecided(
+            pkg.clone(),
+            state.live == Kind::Dir && state.tmp == Kind::Subvolume,
+            state.old_pending(),
+        );
+        if state.live != Kind::Dir {
+            if state.old_pending() || state.tmp != Kind::Absent || state.parent != Kind::Absent {
+                survey.leftovers.push(planned);
+            }
+            return Ok(());
+        }
+        let dir = sys::open_dir_at(self.root_fd(), &names.live)
+            .with_ctx(step(pkg, "opening the volume"))?;
+        // Refused whatever the method: not decided, and the run fails
+        // it with the reason (its tree is part of the rest every
+        // snapshot sheds).
+        if let Some(why) = self.refusal(pkg, &names, dir.as_fd())? {
+            survey.refused.push(Planned {
+                refused: Some(why),
+                ..planned
+            });
+            return Ok(());
+        }
+        let st = sys::stat(dir.as_fd()).with_ctx(step(pkg, "stat of the volume"))?;
+        // `refusal` already turned away a volume on another filesystem.
+        let ineligible = if planned.resume {
+            Some(CloneReason::Resume)
+        } else if let Some(Ok(p)) = parent
+            && p.holds_nested(st.ino)
+        {
+            Some(CloneReason::NestedSubvolumes)
+        } else {
+            None
+        };
+        survey.candidates.push((
+            planned,
+            Candidate {
+                key: (st.dev, st.ino),
+                ineligible,
+            },
+        ));
+        Ok(())
+    }
+
+    /// Why the plain directory `<pkg>` (open as `src`) cannot be converted
+    /// at all, if it cannot: something is mounted from inside it (in any
+    /// mount namespace: the conversion would leave the mount on the old
+    /// tree), it is on another filesystem than the root, or it is
+    /// immutable or append-only (the kernel renames no such directory, so
+    /// the exchange would fail after the whole copy). The same checks for
+    /// a dry run and a real one, so that they agree.
+    pub(crate) fn refusal(
+        &self,
+        pkg: &PackageId,
+        names: &Names,
+        src: BorrowedFd<'_>,
+    ) -> Result<Option<String>, Error> {
+        let live_path = self.root.path().join(&names.live);
+        let busy = volume::mounts::uses_of(&live_path).with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                pkg.context("reading the mount tables of every mount namespace"),
+            )
+        })?;
+        if !busy.is_empty() {
+            return Ok(Some(format!(
+                "{} is in use, mounted at {}; unmount it first",
+                live_path.display(),
+                volume::mounts::describe(&busy)
+            )));
+        }
+        let src_st = sys::stat(src).with_ctx(step(pkg, "stat of the volume"))?;
+        if src_st.dev != self.root.dev()
+            || !sys::is_btrfs(src).with_ctx(step(pkg, "statfs of the volume"))?
+        {
+            return Ok(Some(format!(
+                "{} is on another filesystem than the volumes root {}",
+                live_path.display(),
+                self.root.path().display()
+            )));
+        }
+        let stuck = sys::inode_flags(src)
+            .with_ctx(step(pkg, "reading the volume's inode flags"))?
+            .intersection(IFlags::IMMUTABLE | IFlags::APPEND);
+        if !stuck.is_empty() {
+            return Ok(Some(format!(
+                "{} is immutable or append-only, and the kernel renames no such \
+                 directory; clear the flag (chattr -i -a) and convert again",
+                live_path.display()
+            )));
+        }
+        Ok(None)
+    }
+
+    /// The file bytes of the plain directory `pkg`, for progress only: a
+    /// tree it cannot count (too deep, say) is the conversion's to refuse,
+    /// package by package, so here it counts 0.
+    fn count_bytes(&self, pkg: &PackageId) -> u64 {
+        sys::open_dir_at(self.root_fd(), OsStr::new(pkg.as_str()))
+            .and_then(|dir| scan::bytes(dir.as_fd()))
+            .map(|est| est.bytes)
+            .unwrap_or_else(|e| {
+                tracing::warn!(package = %pkg, error = %e, "counting the volume's bytes");
+                0
+            })
+    }
+}
+
+/// What each snapshot of a dry run's plan sheds in the background: the rest
+/// outside the packages, which the schedule counted, and every other
+/// package.
+fn shed_costs(planned: &mut [Planned]) {
+    let all = planned
+        .iter()
+        .filter_map(|p| p.estimate)
+        .fold(Estimate::default(), |acc, e| acc.plus(&e));
+    for p in planned {
+        if let (Some(cut), Some(own)) = (p.cut, p.estimate) {
+            let others = Estimate {
+                entries: all.entries - own.entries,
+                extents: all.extents - own.extents,
+                ..Estimate::default()
+            };
+            let outside = Estimate {
+                entries: cut.entries,
+                extents: cut.extents,
+                ..Estimate::default()
+            };
+            p.cut = Some(Cost::cut_of(&others.plus(&outside), 0, !cut.at_least));
+        }
+    }
+}

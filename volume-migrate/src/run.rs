@@ -1,0 +1,56 @@
+//! A whole run ([`Migrator::run`]): every package in the order of the
+//! schedule, each reported as soon as it is done so that its service can
+//! start, then the old trees. Each package is converted, and its old trees
+//! removed, under its own lock, so a crash between packages leaves the
+//! finished ones converted and the next run resumes with the next.
+
+use std::time::Instant;
+
+use models::Error;
+
+use crate::ProgressSink;
+use crate::migrate::Migrator;
+use crate::options::MigrateOptions;
+use crate::report::{Outcome, PackageReport, ReportError};
+
+impl Migrator {
+    /// Converts every package of [`Migrator::packages`] in the order of
+    /// [`Migrator::schedule`], calling `on_done` with each report as soon as
+    /// that package is done (so its service can start), then, with
+    /// `opts.remove_old`, removes the old trees. A failing package does not
+    /// stop the others: its report says why. Fails only if the root cannot
+    /// be read or the schedule cannot be made.
+    pub fn run(
+        &self,
+        opts: &MigrateOptions,
+        sink: &mut dyn ProgressSink,
+        on_done: &mut dyn FnMut(&PackageReport),
+    ) -> Result<Vec<PackageReport>, Error> {
+        let mut reports = Vec::new();
+        for planned in self.schedule_for(&self.packages()?, opts, false)? {
+            let started = Instant::now();
+            let report = self
+                .convert_planned(&planned, opts, sink)
+                .unwrap_or_else(|e| {
+                    PackageReport::failed(planned.package.clone(), started.elapsed(), &e)
+                });
+            on_done(&report);
+            reports.push(report);
+        }
+        if opts.remove_old && !opts.dry_run {
+            for r in &mut reports {
+                if r.outcome == Outcome::Failed {
+                    continue;
+                }
+                match self.remove_old(&r.package, sink) {
+                    Ok(_) => r.old_removed = true,
+                    Err(e) => {
+                        r.outcome = Outcome::Failed;
+                        r.error = Some(ReportError::from(&e));
+                    }
+                }
+            }
+        }
+        Ok(reports)
+    }
+}
