@@ -9,7 +9,8 @@ use std::sync::{Mutex, PoisonError};
 
 use rustix::fs::FileType;
 use volume::copy;
-use volume::sys::{self, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, Searcher, item};
+use volume::sys::item::{ExtentType, InodeItem};
+use volume::sys::{self, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, Searcher};
 use volume::walk::{Step, Walk};
 
 use crate::Estimate;
@@ -388,23 +389,23 @@ impl<'a> Scan<'a> {
                 }
                 next = key.successor();
                 if key.item_type == INODE_ITEM_KEY {
+                    let inode = InodeItem::parse(body).ok();
                     cur.seen = true;
-                    cur.size = item::le64(body, item::INODE_SIZE).unwrap_or(0);
+                    cur.size = inode.map_or(0, |i| i.size);
                     t.est.files += 1;
                     t.est.bytes += cur.size;
-                    // A body too short for the flags (never from a sane
-                    // kernel) counts as NOCOW: it can veto a snapshot,
-                    // never wrongly allow one.
+                    // A malformed inode item (never from a sane kernel)
+                    // counts as NOCOW: it can veto a snapshot, never
+                    // wrongly allow one.
                     if t.limits.in_place {
-                        cur.in_place |= item::le64(body, item::INODE_FLAGS)
-                            .is_none_or(|flags| flags & item::INODE_NODATACOW != 0);
+                        cur.in_place |= inode.is_none_or(|i| i.nodatacow());
                     }
                 } else if key.item_type == EXTENT_DATA_KEY && cur.seen {
                     if !t.allows(0, 1) {
                         stopped = true;
                         break 'search;
                     }
-                    cur.in_place |= body.get(item::TYPE) == Some(&item::TYPE_PREALLOC);
+                    cur.in_place |= ExtentType::of(body) == Ok(ExtentType::Prealloc);
                     cur.extents += 1;
                     t.est.extents += 1;
                     // (An item at the last offset has nothing after it.)
@@ -558,7 +559,7 @@ fn count_slice(
         let (mut n, mut prealloc) = (0, false);
         for (_, body) in batch.iter() {
             n += 1;
-            prealloc |= body.get(item::TYPE) == Some(&item::TYPE_PREALLOC);
+            prealloc |= ExtentType::of(body) == Ok(ExtentType::Prealloc);
         }
         {
             let mut s = shared.lock().unwrap_or_else(PoisonError::into_inner);

@@ -21,7 +21,8 @@ use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
-use crate::sys::{EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, Searcher, item};
+use crate::sys::item::InodeItem;
+use crate::sys::{EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, Searcher};
 
 /// `BTRFS_FIRST_FREE_OBJECTID`: a subvolume's root directory; file inode
 /// numbers follow it.
@@ -387,9 +388,9 @@ fn work<S>(
                     break;
                 }
                 if key.item_type == INODE_ITEM_KEY
-                    && let Some(size) = item::le64(body, item::INODE_SIZE)
+                    && let Ok(inode) = InodeItem::parse(body)
                 {
-                    r.inode = Some((key.objectid, size));
+                    r.inode = Some((key.objectid, inode.size));
                 }
                 keep += 1;
                 last = Some(key);
