@@ -10,7 +10,8 @@ use std::sync::{Mutex, PoisonError};
 use rustix::fs::FileType;
 use volume::copy;
 use volume::sys::item::{ExtentType, InodeItem};
-use volume::sys::{self, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, Searcher};
+use volume::sys::{self, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher};
+use volume::usage::sweep;
 use volume::walk::{Step, Walk};
 
 use crate::Estimate;
@@ -168,7 +169,7 @@ const SLICE_AFTER: u64 = 2048;
 /// 2.48-2.83 s on one thread, 1.25 s on two, 1.12-1.33 s on four, 0.97 s
 /// on eight; four take most of the gain without a thread per core's worth
 /// of buffers more.
-const SLICES: u64 = 4;
+const SLICES: usize = 4;
 
 struct Scan<'a> {
     tally: Tally<'a>,
@@ -415,7 +416,7 @@ impl<'a> Scan<'a> {
                         // The rest of this file's items, in this buffer
                         // too, go to the slices; the search goes on after
                         // its last one.
-                        if extents_sliced(dir, ino, rest, cur.size, t, &mut cur)?.is_break() {
+                        if extents_sliced(dir, ino, rest, t, &mut cur)?.is_break() {
                             stopped = true;
                             break 'search;
                         }
@@ -449,136 +450,64 @@ struct Slicing<'t, 'a> {
     file: &'t mut FileItems,
     /// The limit was reached: every slice ends.
     stopped: bool,
-    /// A slice failed: the others end too, their count moot.
-    failed: bool,
 }
 
 /// Counts the extent items of the regular file `ino`, in the subvolume of
-/// `dir`, at offsets from `from` on, into `t` and `file`: [`SLICES`]
-/// searches at once, each over its share of the offsets up to the file's
-/// `size` (the last also past it, where preallocated extents may lie).
-/// Each slice adds a buffer's items at a time, under one lock, and only
-/// if the limit allows them: what a stopped count reports is items it
-/// read, a lower bound. `Break` when the limit stopped it. A slice whose thread cannot
-/// be started is counted on this one.
+/// `dir`, at offsets from `from` on, into `t` and `file`: one ranged
+/// sweep ([`sweep::sweep_range`]) on [`SLICES`] threads, each starting on
+/// its share of the offsets up to the file's size (the last also past it,
+/// where preallocated extents may lie). Each slice adds a buffer's items
+/// at a time, under one lock, and only if the limit allows them: what a
+/// stopped count reports is items it read, a lower bound. `Break` when the
+/// limit stopped it. A slice whose thread cannot be started is counted by
+/// the others.
 fn extents_sliced(
     dir: BorrowedFd<'_>,
     ino: u64,
     from: u64,
-    size: u64,
     t: &mut Tally<'_>,
     file: &mut FileItems,
 ) -> io::Result<ControlFlow<()>> {
     let stop = t.limits.stop;
-    let step = size.saturating_sub(from).div_ceil(SLICES).max(1);
-    let mut ranges = Vec::new();
-    let mut lo = from;
-    while ranges.len() + 1 < SLICES as usize && lo < size {
-        let Some(next) = lo.checked_add(step) else {
-            break;
-        };
-        ranges.push((lo, next - 1));
-        lo = next;
-    }
-    ranges.push((lo, u64::MAX));
+    let at = |offset| ItemKey {
+        objectid: ino,
+        item_type: EXTENT_DATA_KEY,
+        offset,
+    };
+    let range = KeyRange {
+        min: at(from),
+        max: at(u64::MAX),
+    };
     let shared = Mutex::new(Slicing {
         tally: t,
         file,
         stopped: false,
-        failed: false,
     });
-    let last = ranges.len().saturating_sub(1);
-    let results: Vec<io::Result<()>> = std::thread::scope(|scope| {
-        let mut local = Vec::new();
-        let mut handles = Vec::new();
-        for (j, &(lo, hi)) in ranges.iter().enumerate() {
-            let shared = &shared;
-            let work = move || {
-                let r = count_slice(dir, ino, lo, hi, stop, shared);
-                if r.is_err() {
-                    shared.lock().unwrap_or_else(PoisonError::into_inner).failed = true;
-                }
-                r
-            };
-            if j == last {
-                local.push(work);
-                continue;
-            }
-            match std::thread::Builder::new()
-                .name("volume-count".to_owned())
-                .spawn_scoped(scope, work)
-            {
-                Ok(h) => handles.push(h),
-                Err(_) => local.push(work),
-            }
+    let count = |_: &mut (), items: sweep::Items<'_>| {
+        if stop.load(Ordering::Relaxed) {
+            return Err(io::ErrorKind::Interrupted.into());
         }
-        let mut results: Vec<io::Result<()>> = local.into_iter().map(|w| w()).collect();
-        for h in handles {
-            match h.join() {
-                Ok(r) => results.push(r),
-                Err(panic) => std::panic::resume_unwind(panic),
-            }
+        let n = items.len() as u64;
+        let prealloc = items
+            .iter()
+            .any(|(_, body)| ExtentType::of(body) == Ok(ExtentType::Prealloc));
+        let mut s = shared.lock().unwrap_or_else(PoisonError::into_inner);
+        if s.stopped || !s.tally.allows(0, n) {
+            s.stopped = true;
+            return Ok(ControlFlow::Break(()));
         }
-        results
-    });
-    results.into_iter().collect::<io::Result<()>>()?;
+        s.tally.est.extents += n;
+        s.file.extents += n;
+        s.file.in_place |= prealloc;
+        Ok(ControlFlow::Continue(()))
+    };
+    sweep::sweep_range(dir, 0, range, SLICES, || (), count)?;
     let shared = shared.into_inner().unwrap_or_else(PoisonError::into_inner);
     Ok(if shared.stopped {
         ControlFlow::Break(())
     } else {
         ControlFlow::Continue(())
     })
-}
-
-/// One slice of [`extents_sliced`]: the items of `ino` at offsets
-/// `lo..=hi`.
-fn count_slice(
-    dir: BorrowedFd<'_>,
-    ino: u64,
-    lo: u64,
-    hi: u64,
-    stop: &AtomicBool,
-    shared: &Mutex<Slicing<'_, '_>>,
-) -> io::Result<()> {
-    let at = |offset| ItemKey {
-        objectid: ino,
-        item_type: EXTENT_DATA_KEY,
-        offset,
-    };
-    let max = at(hi);
-    let mut from = at(lo);
-    let mut searcher = Searcher::default();
-    loop {
-        if stop.load(Ordering::Relaxed) {
-            return Err(io::ErrorKind::Interrupted.into());
-        }
-        let batch = searcher.fill(dir, from, max, u32::MAX)?;
-        let Some((last, _)) = batch.iter().last() else {
-            return Ok(());
-        };
-        let (mut n, mut prealloc) = (0, false);
-        for (_, body) in batch.iter() {
-            n += 1;
-            prealloc |= ExtentType::of(body) == Ok(ExtentType::Prealloc);
-        }
-        {
-            let mut s = shared.lock().unwrap_or_else(PoisonError::into_inner);
-            if s.stopped || s.failed {
-                return Ok(());
-            }
-            if !s.tally.allows(0, n) {
-                s.stopped = true;
-                return Ok(());
-            }
-            s.tally.est.extents += n;
-            s.file.extents += n;
-            s.file.in_place |= prealloc;
-        }
-        match last.successor() {
-            Some(next) if next <= max => from = next,
-            _ => return Ok(()),
-        }
-    }
 }
 
 impl Tally<'_> {
