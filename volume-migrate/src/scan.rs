@@ -390,42 +390,25 @@ impl<'a> Scan<'a> {
                 }
                 next = key.successor();
                 if key.item_type == INODE_ITEM_KEY {
-                    let inode = InodeItem::parse(body).ok();
-                    cur.seen = true;
-                    cur.size = inode.map_or(0, |i| i.size);
-                    t.est.files += 1;
-                    t.est.bytes += cur.size;
-                    // A malformed inode item (never from a sane kernel)
-                    // counts as NOCOW: it can veto a snapshot, never
-                    // wrongly allow one.
-                    if t.limits.in_place {
-                        cur.in_place |= inode.is_none_or(|i| i.nodatacow());
-                    }
+                    t.inode_item(&mut cur, body);
                 } else if key.item_type == EXTENT_DATA_KEY && cur.seen {
-                    if !t.allows(0, 1) {
-                        stopped = true;
-                        break 'search;
-                    }
-                    cur.in_place |= ExtentType::of(body) == Ok(ExtentType::Prealloc);
-                    cur.extents += 1;
-                    t.est.extents += 1;
-                    // (An item at the last offset has nothing after it.)
-                    if let Some(rest) = key.offset.checked_add(1)
-                        && cur.extents == SLICE_AFTER
-                    {
-                        // The rest of this file's items, in this buffer
-                        // too, go to the slices; the search goes on after
-                        // its last one.
-                        if extents_sliced(dir, ino, rest, t, &mut cur)?.is_break() {
+                    match t.extent_item(dir, ino, key, body, &mut cur)? {
+                        Extent::Counted => {}
+                        Extent::Stopped => {
                             stopped = true;
                             break 'search;
                         }
-                        next = ItemKey {
-                            offset: u64::MAX,
-                            ..key
+                        // The rest of this file's items, in this buffer
+                        // too, went to the slices; the search goes on
+                        // after its last one.
+                        Extent::Sliced => {
+                            next = ItemKey {
+                                offset: u64::MAX,
+                                ..key
+                            }
+                            .successor();
+                            break;
                         }
-                        .successor();
-                        break;
                     }
                 }
             }
@@ -510,7 +493,61 @@ fn extents_sliced(
     })
 }
 
+/// What one extent item of a batch's file did to the count.
+enum Extent {
+    /// Counted.
+    Counted,
+    /// Counted, and the rest of the file's items with it, by
+    /// [`extents_sliced`].
+    Sliced,
+    /// Not counted: the limit is reached.
+    Stopped,
+}
+
 impl Tally<'_> {
+    /// A file's inode item: its size, and whether it is NOCOW.
+    fn inode_item(&mut self, cur: &mut FileItems, body: &[u8]) {
+        let inode = InodeItem::parse(body).ok();
+        cur.seen = true;
+        cur.size = inode.map_or(0, |i| i.size);
+        self.est.files += 1;
+        self.est.bytes += cur.size;
+        // A malformed inode item (never from a sane kernel) counts as
+        // NOCOW: it can veto a snapshot, never wrongly allow one.
+        if self.limits.in_place {
+            cur.in_place |= inode.is_none_or(|i| i.nodatacow());
+        }
+    }
+
+    /// The extent item at `key` of the regular file `ino`, in the
+    /// subvolume of `dir`: counted if the limit allows it. Once the file
+    /// has [`SLICE_AFTER`] of them, the rest are counted by slices.
+    fn extent_item(
+        &mut self,
+        dir: BorrowedFd<'_>,
+        ino: u64,
+        key: ItemKey,
+        body: &[u8],
+        cur: &mut FileItems,
+    ) -> io::Result<Extent> {
+        if !self.allows(0, 1) {
+            return Ok(Extent::Stopped);
+        }
+        cur.in_place |= ExtentType::of(body) == Ok(ExtentType::Prealloc);
+        cur.extents += 1;
+        self.est.extents += 1;
+        // (An item at the last offset has nothing after it.)
+        if let Some(rest) = key.offset.checked_add(1)
+            && cur.extents == SLICE_AFTER
+        {
+            if extents_sliced(dir, ino, rest, self, cur)?.is_break() {
+                return Ok(Extent::Stopped);
+            }
+            return Ok(Extent::Sliced);
+        }
+        Ok(Extent::Counted)
+    }
+
     /// A file of a batch is counted: its extents, once per inode.
     fn finish_file(&mut self, dev: u64, ino: u64, file: FileItems) {
         if !file.seen {
