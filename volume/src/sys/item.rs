@@ -71,7 +71,7 @@ const INODE_REF_NAME: usize = 10;
 
 /// What is wrong with an item body (see [`ItemError`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Problem {
+pub(crate) enum Problem {
     /// Shorter than the fixed part of its type.
     Short,
     /// Too short for the length of the name it carries.
@@ -90,9 +90,9 @@ pub enum Problem {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ItemError {
     /// The item, as messages name it (`"ROOT_REF"`, `"inode"`...).
-    pub item: &'static str,
+    pub(crate) item: &'static str,
     /// What is wrong with it.
-    pub problem: Problem,
+    pub(crate) problem: Problem,
 }
 
 impl ItemError {
@@ -219,11 +219,11 @@ impl FileExtent {
 pub struct InodeItem {
     /// The transaction that made the inode, which a file handle carries
     /// to tell a reused number apart.
-    pub generation: u64,
+    pub(crate) generation: u64,
     /// The file's size in bytes.
     pub size: u64,
     /// Its mode (type and permissions).
-    pub mode: u32,
+    pub(crate) mode: u32,
     /// Its btrfs inode flags.
     pub flags: u64,
 }
@@ -249,7 +249,7 @@ impl InodeItem {
     }
 
     /// Whether it is a regular file.
-    pub fn is_regular(&self) -> bool {
+    pub(crate) fn is_regular(&self) -> bool {
         self.mode & libc::S_IFMT == libc::S_IFREG
     }
 }
