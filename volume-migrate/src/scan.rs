@@ -9,7 +9,9 @@ use std::sync::{Mutex, PoisonError};
 
 use rustix::fs::FileType;
 use volume::copy;
-use volume::sys::{self, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, Searcher, item};
+use volume::sys::item::{ExtentType, InodeItem};
+use volume::sys::{self, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher};
+use volume::usage::sweep;
 use volume::walk::{Step, Walk};
 
 use crate::Estimate;
@@ -167,7 +169,7 @@ const SLICE_AFTER: u64 = 2048;
 /// 2.48-2.83 s on one thread, 1.25 s on two, 1.12-1.33 s on four, 0.97 s
 /// on eight; four take most of the gain without a thread per core's worth
 /// of buffers more.
-const SLICES: u64 = 4;
+const SLICES: usize = 4;
 
 struct Scan<'a> {
     tally: Tally<'a>,
@@ -388,42 +390,25 @@ impl<'a> Scan<'a> {
                 }
                 next = key.successor();
                 if key.item_type == INODE_ITEM_KEY {
-                    cur.seen = true;
-                    cur.size = item::le64(body, item::INODE_SIZE).unwrap_or(0);
-                    t.est.files += 1;
-                    t.est.bytes += cur.size;
-                    // A body too short for the flags (never from a sane
-                    // kernel) counts as NOCOW: it can veto a snapshot,
-                    // never wrongly allow one.
-                    if t.limits.in_place {
-                        cur.in_place |= item::le64(body, item::INODE_FLAGS)
-                            .is_none_or(|flags| flags & item::INODE_NODATACOW != 0);
-                    }
+                    t.inode_item(&mut cur, body);
                 } else if key.item_type == EXTENT_DATA_KEY && cur.seen {
-                    if !t.allows(0, 1) {
-                        stopped = true;
-                        break 'search;
-                    }
-                    cur.in_place |= body.get(item::TYPE) == Some(&item::TYPE_PREALLOC);
-                    cur.extents += 1;
-                    t.est.extents += 1;
-                    // (An item at the last offset has nothing after it.)
-                    if let Some(rest) = key.offset.checked_add(1)
-                        && cur.extents == SLICE_AFTER
-                    {
-                        // The rest of this file's items, in this buffer
-                        // too, go to the slices; the search goes on after
-                        // its last one.
-                        if extents_sliced(dir, ino, rest, cur.size, t, &mut cur)?.is_break() {
+                    match t.extent_item(dir, ino, key, body, &mut cur)? {
+                        Extent::Counted => {}
+                        Extent::Stopped => {
                             stopped = true;
                             break 'search;
                         }
-                        next = ItemKey {
-                            offset: u64::MAX,
-                            ..key
+                        // The rest of this file's items, in this buffer
+                        // too, went to the slices; the search goes on
+                        // after its last one.
+                        Extent::Sliced => {
+                            next = ItemKey {
+                                offset: u64::MAX,
+                                ..key
+                            }
+                            .successor();
+                            break;
                         }
-                        .successor();
-                        break;
                     }
                 }
             }
@@ -448,79 +433,58 @@ struct Slicing<'t, 'a> {
     file: &'t mut FileItems,
     /// The limit was reached: every slice ends.
     stopped: bool,
-    /// A slice failed: the others end too, their count moot.
-    failed: bool,
 }
 
 /// Counts the extent items of the regular file `ino`, in the subvolume of
-/// `dir`, at offsets from `from` on, into `t` and `file`: [`SLICES`]
-/// searches at once, each over its share of the offsets up to the file's
-/// `size` (the last also past it, where preallocated extents may lie).
-/// Each slice adds a buffer's items at a time, under one lock, and only
-/// if the limit allows them: what a stopped count reports is items it
-/// read, a lower bound. `Break` when the limit stopped it. A slice whose thread cannot
-/// be started is counted on this one.
+/// `dir`, at offsets from `from` on, into `t` and `file`: one ranged
+/// sweep ([`sweep::sweep_range`]) on [`SLICES`] threads, each starting on
+/// its share of the offsets up to the file's size (the last also past it,
+/// where preallocated extents may lie). Each slice adds a buffer's items
+/// at a time, under one lock, and only if the limit allows them: what a
+/// stopped count reports is items it read, a lower bound. `Break` when the
+/// limit stopped it. A slice whose thread cannot be started is counted by
+/// the others.
 fn extents_sliced(
     dir: BorrowedFd<'_>,
     ino: u64,
     from: u64,
-    size: u64,
     t: &mut Tally<'_>,
     file: &mut FileItems,
 ) -> io::Result<ControlFlow<()>> {
     let stop = t.limits.stop;
-    let step = size.saturating_sub(from).div_ceil(SLICES).max(1);
-    let mut ranges = Vec::new();
-    let mut lo = from;
-    while ranges.len() + 1 < SLICES as usize && lo < size {
-        let Some(next) = lo.checked_add(step) else {
-            break;
-        };
-        ranges.push((lo, next - 1));
-        lo = next;
-    }
-    ranges.push((lo, u64::MAX));
+    let at = |offset| ItemKey {
+        objectid: ino,
+        item_type: EXTENT_DATA_KEY,
+        offset,
+    };
+    let range = KeyRange {
+        min: at(from),
+        max: at(u64::MAX),
+    };
     let shared = Mutex::new(Slicing {
         tally: t,
         file,
         stopped: false,
-        failed: false,
     });
-    let last = ranges.len().saturating_sub(1);
-    let results: Vec<io::Result<()>> = std::thread::scope(|scope| {
-        let mut local = Vec::new();
-        let mut handles = Vec::new();
-        for (j, &(lo, hi)) in ranges.iter().enumerate() {
-            let shared = &shared;
-            let work = move || {
-                let r = count_slice(dir, ino, lo, hi, stop, shared);
-                if r.is_err() {
-                    shared.lock().unwrap_or_else(PoisonError::into_inner).failed = true;
-                }
-                r
-            };
-            if j == last {
-                local.push(work);
-                continue;
-            }
-            match std::thread::Builder::new()
-                .name("volume-count".to_owned())
-                .spawn_scoped(scope, work)
-            {
-                Ok(h) => handles.push(h),
-                Err(_) => local.push(work),
-            }
+    let count = |_: &mut (), items: sweep::Items<'_>| {
+        if stop.load(Ordering::Relaxed) {
+            return Err(io::ErrorKind::Interrupted.into());
         }
-        let mut results: Vec<io::Result<()>> = local.into_iter().map(|w| w()).collect();
-        for h in handles {
-            match h.join() {
-                Ok(r) => results.push(r),
-                Err(panic) => std::panic::resume_unwind(panic),
-            }
+        let n = items.len() as u64;
+        let prealloc = items
+            .iter()
+            .any(|(_, body)| ExtentType::of(body) == Ok(ExtentType::Prealloc));
+        let mut s = shared.lock().unwrap_or_else(PoisonError::into_inner);
+        if s.stopped || !s.tally.allows(0, n) {
+            s.stopped = true;
+            return Ok(ControlFlow::Break(()));
         }
-        results
-    });
-    results.into_iter().collect::<io::Result<()>>()?;
+        s.tally.est.extents += n;
+        s.file.extents += n;
+        s.file.in_place |= prealloc;
+        Ok(ControlFlow::Continue(()))
+    };
+    sweep::sweep_range(dir, 0, range, SLICES, || (), count)?;
     let shared = shared.into_inner().unwrap_or_else(PoisonError::into_inner);
     Ok(if shared.stopped {
         ControlFlow::Break(())
@@ -529,58 +493,61 @@ fn extents_sliced(
     })
 }
 
-/// One slice of [`extents_sliced`]: the items of `ino` at offsets
-/// `lo..=hi`.
-fn count_slice(
-    dir: BorrowedFd<'_>,
-    ino: u64,
-    lo: u64,
-    hi: u64,
-    stop: &AtomicBool,
-    shared: &Mutex<Slicing<'_, '_>>,
-) -> io::Result<()> {
-    let at = |offset| ItemKey {
-        objectid: ino,
-        item_type: EXTENT_DATA_KEY,
-        offset,
-    };
-    let max = at(hi);
-    let mut from = at(lo);
-    let mut searcher = Searcher::default();
-    loop {
-        if stop.load(Ordering::Relaxed) {
-            return Err(io::ErrorKind::Interrupted.into());
-        }
-        let batch = searcher.fill(dir, from, max, u32::MAX)?;
-        let Some((last, _)) = batch.iter().last() else {
-            return Ok(());
-        };
-        let (mut n, mut prealloc) = (0, false);
-        for (_, body) in batch.iter() {
-            n += 1;
-            prealloc |= body.get(item::TYPE) == Some(&item::TYPE_PREALLOC);
-        }
-        {
-            let mut s = shared.lock().unwrap_or_else(PoisonError::into_inner);
-            if s.stopped || s.failed {
-                return Ok(());
-            }
-            if !s.tally.allows(0, n) {
-                s.stopped = true;
-                return Ok(());
-            }
-            s.tally.est.extents += n;
-            s.file.extents += n;
-            s.file.in_place |= prealloc;
-        }
-        match last.successor() {
-            Some(next) if next <= max => from = next,
-            _ => return Ok(()),
-        }
-    }
+/// What one extent item of a batch's file did to the count.
+enum Extent {
+    /// Counted.
+    Counted,
+    /// Counted, and the rest of the file's items with it, by
+    /// [`extents_sliced`].
+    Sliced,
+    /// Not counted: the limit is reached.
+    Stopped,
 }
 
 impl Tally<'_> {
+    /// A file's inode item: its size, and whether it is NOCOW.
+    fn inode_item(&mut self, cur: &mut FileItems, body: &[u8]) {
+        let inode = InodeItem::parse(body).ok();
+        cur.seen = true;
+        cur.size = inode.map_or(0, |i| i.size);
+        self.est.files += 1;
+        self.est.bytes += cur.size;
+        // A malformed inode item (never from a sane kernel) counts as
+        // NOCOW: it can veto a snapshot, never wrongly allow one.
+        if self.limits.in_place {
+            cur.in_place |= inode.is_none_or(|i| i.nodatacow());
+        }
+    }
+
+    /// The extent item at `key` of the regular file `ino`, in the
+    /// subvolume of `dir`: counted if the limit allows it. Once the file
+    /// has [`SLICE_AFTER`] of them, the rest are counted by slices.
+    fn extent_item(
+        &mut self,
+        dir: BorrowedFd<'_>,
+        ino: u64,
+        key: ItemKey,
+        body: &[u8],
+        cur: &mut FileItems,
+    ) -> io::Result<Extent> {
+        if !self.allows(0, 1) {
+            return Ok(Extent::Stopped);
+        }
+        cur.in_place |= ExtentType::of(body) == Ok(ExtentType::Prealloc);
+        cur.extents += 1;
+        self.est.extents += 1;
+        // (An item at the last offset has nothing after it.)
+        if let Some(rest) = key.offset.checked_add(1)
+            && cur.extents == SLICE_AFTER
+        {
+            if extents_sliced(dir, ino, rest, self, cur)?.is_break() {
+                return Ok(Extent::Stopped);
+            }
+            return Ok(Extent::Sliced);
+        }
+        Ok(Extent::Counted)
+    }
+
     /// A file of a batch is counted: its extents, once per inode.
     fn finish_file(&mut self, dev: u64, ino: u64, file: FileItems) {
         if !file.seen {

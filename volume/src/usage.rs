@@ -20,7 +20,8 @@ use std::os::fd::BorrowedFd;
 
 use serde::Serialize;
 
-use crate::sys::{self, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, item};
+use crate::sys::item::{ExtentType, FileExtent, InodeItem};
+use crate::sys::{self, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher};
 use crate::walk::{Visit, walk_files};
 
 pub use crate::extents::count_tree_extents;
@@ -200,9 +201,8 @@ impl Tally {
     fn item(&mut self, key: ItemKey, body: &[u8]) -> io::Result<()> {
         match key.item_type {
             INODE_ITEM_KEY => {
-                if item::le32(body, item::INODE_MODE)
-                    .is_some_and(|m| m & libc::S_IFMT == libc::S_IFREG)
-                {
+                // A malformed inode item is no regular file's.
+                if InodeItem::parse(body).is_ok_and(|inode| inode.is_regular()) {
                     self.files += 1;
                 }
                 Ok(())
@@ -213,42 +213,31 @@ impl Tally {
     }
 
     fn extent(&mut self, body: &[u8]) -> io::Result<()> {
-        let bad = || io::Error::new(io::ErrorKind::InvalidData, "malformed file extent item");
-        if body.len() < item::DISK_BYTENR {
-            return Err(bad());
-        }
-        let le64 = |at| item::le64(body, at).ok_or_else(bad);
-        let ram_bytes = le64(item::RAM_BYTES)?;
-        let mut slot = usize::from(body[item::COMPRESSION]);
-        match body[item::TYPE] {
-            item::TYPE_INLINE => {
-                let b = &mut self.by_type[slot];
-                b.disk += (body.len() - item::INLINE_HEADER) as u64;
-                b.uncompressed += ram_bytes;
-                b.referenced += ram_bytes;
-                self.inline += 1;
-                return Ok(());
-            }
-            item::TYPE_PREALLOC => slot = PREALLOC_SLOT,
-            _ => {}
-        }
-        if body.len() != item::REGULAR_LEN {
-            return Err(bad());
-        }
-        let disk_bytenr = le64(item::DISK_BYTENR)?;
-        if disk_bytenr == 0 {
+        let extent = FileExtent::parse(body)?;
+        let slot = match extent.extent_type {
+            ExtentType::Prealloc => PREALLOC_SLOT,
+            ExtentType::Inline | ExtentType::Regular => usize::from(extent.compression),
+        };
+        let Some(disk) = extent.disk else {
+            let b = &mut self.by_type[slot];
+            b.disk += extent.inline_len;
+            b.uncompressed += extent.ram_bytes;
+            b.referenced += extent.ram_bytes;
+            self.inline += 1;
+            return Ok(());
+        };
+        if disk.disk_bytenr == 0 {
             return Ok(()); // a hole
         }
         self.extents.insert(
-            disk_bytenr,
+            disk.disk_bytenr,
             Extent {
-                disk: le64(item::DISK_NUM_BYTES)?,
-                uncompressed: ram_bytes,
+                disk: disk.disk_num_bytes,
+                uncompressed: extent.ram_bytes,
                 slot: slot as u16,
             },
         );
-        let b = &mut self.by_type[slot];
-        b.referenced += le64(item::NUM_BYTES)?;
+        self.by_type[slot].referenced += disk.num_bytes;
         self.refs += 1;
         Ok(())
     }

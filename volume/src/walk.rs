@@ -424,8 +424,12 @@ fn read_entries(fd: BorrowedFd<'_>) -> io::Result<Vec<DirEntry>> {
 }
 
 /// Calls `file(parent_dir, inode)` for every regular file below `dir`,
-/// depth first, at any depth, never across a mount. Returns `Visit::Stop`
-/// if the callback stopped it.
+/// depth first, never across a mount, through one [`Walk`]: iterative and
+/// within [`FD_BUDGET`] descriptors at any depth. No depth limit: a
+/// volume's usage and extent count must work on any tree its package made
+/// (a copy refuses one deeper than its own bound itself). Returns
+/// `Visit::Stop` if the callback stopped it. Reads only: a crash leaves
+/// nothing behind.
 pub fn walk_files(
     dir: BorrowedFd<'_>,
     file: &mut dyn FnMut(BorrowedFd<'_>, u64) -> io::Result<Visit>,

@@ -25,7 +25,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 use super::fs::{is_btrfs, stat};
 use super::ioctl::{ensure_btrfs, malformed};
-use super::item::{self, InodeRef};
+use super::item::{self, InodeItem, InodeRef};
 use super::search::{INODE_ITEM_KEY, KeyRange, Searcher};
 use super::subvolume::{SUBVOLUME_ROOT_INO, subvolume_info};
 
@@ -46,22 +46,24 @@ struct FileHandle {
 /// `fs`, from its inode item; `NotFound` if the tree has no such inode.
 fn generation(fs: BorrowedFd<'_>, tree: u64, ino: u64) -> io::Result<u64> {
     let mut found = None;
-    let mut bad = false;
+    let mut bad = None;
     Searcher::default().search_tree(
         fs,
         tree,
         KeyRange::inode_items(ino, INODE_ITEM_KEY),
         |key, body| {
             if key.objectid == ino && key.item_type == INODE_ITEM_KEY {
-                found = item::le64(body, item::INODE_GENERATION);
-                bad = found.is_none();
+                match InodeItem::parse(body) {
+                    Ok(inode) => found = Some(inode.generation),
+                    Err(e) => bad = Some(e),
+                }
                 return ControlFlow::Break(());
             }
             ControlFlow::Continue(())
         },
     )?;
-    if bad {
-        return Err(malformed("short inode item"));
+    if let Some(e) = bad {
+        return Err(e.into());
     }
     found.ok_or_else(|| {
         io::Error::new(
@@ -151,7 +153,7 @@ pub fn dir_parent(fs: BorrowedFd<'_>, tree: u64, ino: u64) -> io::Result<Option<
         },
     )?;
     if let Some(e) = bad {
-        return Err(e);
+        return Err(e.into());
     }
     found.map(Some).ok_or_else(|| {
         io::Error::new(

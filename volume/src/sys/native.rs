@@ -336,7 +336,7 @@ fn root_refs(searcher: &mut Searcher, fd: BorrowedFd<'_>, parent: u64) -> io::Re
         },
     )?;
     match bad {
-        Some(e) => Err(e),
+        Some(e) => Err(e.into()),
         None => Ok(refs),
     }
 }

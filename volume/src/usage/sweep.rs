@@ -17,11 +17,13 @@
 //! Nothing is written: a failure leaves nothing behind.
 
 use std::io;
+use std::ops::ControlFlow;
 use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
-use crate::sys::{EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, Searcher, item};
+use crate::sys::item::InodeItem;
+use crate::sys::{Batch, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher};
 
 /// `BTRFS_FIRST_FREE_OBJECTID`: a subvolume's root directory; file inode
 /// numbers follow it.
@@ -59,6 +61,9 @@ struct Range {
     next: ItemKey,
     end: ItemKey,
     done: bool,
+    /// Whether a thread took it: one that could not be started leaves its
+    /// range for another to adopt whole.
+    claimed: bool,
     /// The inode number and size of the last inode item read in this range,
     /// so that a file's remaining extents can be bisected by offset.
     inode: Option<(u64, u64)>,
@@ -70,6 +75,7 @@ impl Range {
             next,
             end,
             done: next > end,
+            claimed: false,
             inode: None,
         }
     }
@@ -81,11 +87,13 @@ impl Range {
             return None;
         }
         let (lo, hi) = (self.next, self.end);
+        // No file has a number below the first inode's.
+        let first = lo.objectid.max(FIRST_INODE);
         let top = hi.objectid.min(highest);
-        if lo.objectid < top {
-            let n = top - lo.objectid;
+        if first < top {
+            let n = top - first;
             let at = ItemKey {
-                objectid: lo.objectid + n.div_ceil(2),
+                objectid: first + n.div_ceil(2),
                 item_type: 0,
                 offset: 0,
             };
@@ -123,7 +131,7 @@ impl Range {
 enum Work {
     /// More of the range it was reading.
     Continue(ItemKey, ItemKey),
-    /// A range newly split off another thread's.
+    /// A range newly split off another thread's, or adopted whole.
     New(ItemKey, ItemKey),
     /// Nothing: the sweep is over.
     Stop,
@@ -133,10 +141,13 @@ enum Work {
 struct Plan {
     ranges: Mutex<Vec<Range>>,
     /// Signalled whenever a range moves on, ends or is split, and when a
-    /// thread fails: an idle thread waits on it for something to take.
+    /// thread fails or stops the sweep: an idle thread waits on it for
+    /// something to take.
     changed: Condvar,
     highest: u64,
     failed: AtomicBool,
+    /// A visitor broke off: every thread ends, without an error.
+    stopped: AtomicBool,
 }
 
 impl Plan {
@@ -145,17 +156,27 @@ impl Plan {
     }
 
     /// What thread `me` reads next: the rest of its range, or, once that is
-    /// done, a new range split off another, waiting while none can be split
-    /// off yet (the last file's size is known only once its inode item is
-    /// read). `Stop` once every range is done, or a thread failed.
+    /// done, a range no thread took, or a new range split off another,
+    /// waiting while none can be split off yet (the last file's size is
+    /// known only once its inode item is read). `Stop` once every range is
+    /// done, or a thread failed or stopped the sweep.
     fn take_work(&self, me: usize) -> Work {
         let mut ranges = self.lock();
+        ranges[me].claimed = true;
         loop {
-            if self.failed.load(Ordering::Relaxed) {
+            if self.failed.load(Ordering::Relaxed) || self.stopped.load(Ordering::Relaxed) {
                 return Work::Stop;
             }
             if !ranges[me].done {
                 return Work::Continue(ranges[me].next, ranges[me].end);
+            }
+            if let Some(orphan) = ranges.iter().position(|r| !r.claimed && !r.done) {
+                ranges[me] = Range {
+                    claimed: true,
+                    ..ranges[orphan]
+                };
+                ranges[orphan].done = true;
+                return Work::New(ranges[me].next, ranges[me].end);
             }
             if self.steal(&mut ranges, me) {
                 return Work::New(ranges[me].next, ranges[me].end);
@@ -170,8 +191,11 @@ impl Plan {
         }
     }
 
-    fn fail(&self) {
-        self.failed.store(true, Ordering::Relaxed);
+    /// Ends every thread at its next [`Plan::take_work`]: `failed` for an
+    /// error, else a visitor's stop.
+    fn end(&self, failed: bool) {
+        let flag = if failed { &self.failed } else { &self.stopped };
+        flag.store(true, Ordering::Relaxed);
         let _guard = self.lock();
         self.changed.notify_all();
     }
@@ -196,10 +220,44 @@ impl Plan {
         let inode = ranges[victim].inode.filter(|&(ino, _)| ino == at.objectid);
         ranges[me] = Range {
             inode,
+            claimed: ranges[me].claimed,
             ..Range::new(at, end)
         };
         true
     }
+}
+
+/// The items of one search that fall in a thread's range, in key order:
+/// what a sweep's visitor is handed at a time.
+#[derive(Clone, Copy)]
+pub struct Items<'a> {
+    batch: Batch<'a>,
+    len: usize,
+}
+
+impl<'a> Items<'a> {
+    /// How many.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Each item's key and raw body.
+    pub fn iter(&self) -> impl Iterator<Item = (ItemKey, &'a [u8])> + use<'a> {
+        self.batch.iter().take(self.len)
+    }
+}
+
+/// What [`sweep_range`] read.
+pub struct Swept<S> {
+    /// Each range's state with its first key, in key order (see [`sweep`]).
+    pub ranges: Vec<(ItemKey, S)>,
+    /// Whether a visitor broke off: the ranges then hold a part only.
+    pub stopped: bool,
 }
 
 /// Reads every item of the tree `tree` (0: that of the subvolume holding
@@ -225,87 +283,158 @@ where
     I: Fn() -> S + Sync,
     V: Fn(&mut S, ItemKey, &[u8]) -> io::Result<()> + Sync,
 {
+    let each = |state: &mut S, items: Items<'_>| {
+        for (key, body) in items.iter() {
+            visit(state, key, body)?;
+        }
+        Ok(ControlFlow::Continue(()))
+    };
+    Ok(sweep_range(fd, tree, KeyRange::all(), threads, init, each)?.ranges)
+}
+
+/// [`sweep`] of the items in `range` alone, fed to `visit` a search's
+/// worth at a time, which may break off: then every thread ends at its
+/// next search, and what was read is returned as
+/// [`Swept::stopped`]. The threads start on equal shares of the range's
+/// inode numbers or, for a range within one inode, of that file's extent
+/// offsets up to its size, as ranges are split later on. A thread that
+/// cannot be started leaves its share to the others (the caller's thread
+/// sweeps if none can be).
+pub fn sweep_range<S, I, V>(
+    fd: BorrowedFd<'_>,
+    tree: u64,
+    range: KeyRange,
+    threads: usize,
+    init: I,
+    visit: V,
+) -> io::Result<Swept<S>>
+where
+    S: Send,
+    I: Fn() -> S + Sync,
+    V: Fn(&mut S, Items<'_>) -> io::Result<ControlFlow<()>> + Sync,
+{
     /// Stops the other threads when its thread unwinds: they would
     /// otherwise wait forever for the dead thread's range.
     struct FailOnPanic<'a>(&'a Plan);
     impl Drop for FailOnPanic<'_> {
         fn drop(&mut self) {
             if std::thread::panicking() {
-                self.0.fail();
+                self.0.end(true);
             }
         }
     }
 
     let threads = threads.max(1);
-    let plan = first_ranges(fd, tree, threads)?;
+    let plan = first_ranges(fd, tree, range, threads)?;
+    let worker = |me: usize| {
+        let _guard = FailOnPanic(&plan);
+        let out = work(fd, tree, &plan, me, &init, &visit);
+        if out.is_err() {
+            plan.end(true);
+        }
+        out
+    };
     let per_thread = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..threads)
-            .map(|me| {
-                let (plan, init, visit) = (&plan, &init, &visit);
-                scope.spawn(move || {
-                    let _guard = FailOnPanic(plan);
-                    let out = work(fd, tree, plan, me, init, visit);
-                    if out.is_err() {
-                        plan.fail();
-                    }
-                    out
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .map(|w| match w.join() {
-                Ok(out) => out,
+        let mut unstarted = None;
+        let mut workers = Vec::with_capacity(threads);
+        for me in 0..threads {
+            let worker = &worker;
+            match std::thread::Builder::new()
+                .name("volume-sweep".to_owned())
+                .spawn_scoped(scope, move || worker(me))
+            {
+                Ok(w) => workers.push(w),
+                Err(_) => {
+                    unstarted.get_or_insert(me);
+                }
+            }
+        }
+        let mut out: Vec<_> = unstarted.map(&worker).into_iter().collect();
+        for w in workers {
+            match w.join() {
+                Ok(o) => out.push(o),
                 Err(panic) => std::panic::resume_unwind(panic),
-            })
-            .collect::<io::Result<Vec<_>>>()
+            }
+        }
+        out.into_iter().collect::<io::Result<Vec<_>>>()
     })?;
     let mut ranges: Vec<(ItemKey, S)> = per_thread.into_iter().flatten().collect();
     ranges.sort_by_key(|&(start, _)| start);
-    Ok(ranges)
+    Ok(Swept {
+        ranges,
+        stopped: plan.stopped.load(Ordering::Relaxed),
+    })
 }
 
-/// Equal slices of the inode numbers in use, one per thread; the first
-/// starts at the very first key, the last ends at the very last.
-fn first_ranges(fd: BorrowedFd<'_>, tree: u64, threads: usize) -> io::Result<Plan> {
-    const FIRST: ItemKey = ItemKey {
-        objectid: 0,
-        item_type: 0,
+/// `range` cut into `threads` (some maybe empty, done from the start) by
+/// the rule that later splits follow: the largest part halved, again and
+/// again.
+fn first_ranges(
+    fd: BorrowedFd<'_>,
+    tree: u64,
+    range: KeyRange,
+    threads: usize,
+) -> io::Result<Plan> {
+    let (lo, hi) = (range.min, range.max);
+    let (highest, inode) = if lo.objectid == hi.objectid {
+        let ino = lo.objectid;
+        (ino, inode_size(fd, tree, ino)?.map(|size| (ino, size)))
+    } else {
+        let highest = highest_inode(fd, tree)?.unwrap_or(FIRST_INODE);
+        (highest.min(hi.objectid), None)
+    };
+    Ok(Plan::cut(range, highest, inode, threads))
+}
+
+impl Plan {
+    /// [`first_ranges`] once the highest inode (and, for a range within
+    /// one inode, its number and size) is known.
+    fn cut(range: KeyRange, highest: u64, inode: Option<(u64, u64)>, threads: usize) -> Plan {
+        let (lo, hi) = (range.min, range.max);
+        let mut whole = Range::new(lo, hi);
+        whole.inode = inode;
+        let done = Range {
+            done: true,
+            ..Range::new(lo, hi)
+        };
+        let plan = Plan {
+            ranges: Mutex::new(vec![done; threads.max(1)]),
+            changed: Condvar::new(),
+            highest,
+            failed: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
+        };
+        {
+            let mut ranges = plan.lock();
+            ranges[0] = whole;
+            for me in 1..threads {
+                if !plan.steal(&mut ranges, me) {
+                    break;
+                }
+            }
+        }
+        plan
+    }
+}
+
+/// The size of inode `ino` in the tree, from its inode item: one search.
+fn inode_size(fd: BorrowedFd<'_>, tree: u64, ino: u64) -> io::Result<Option<u64>> {
+    let at = ItemKey {
+        objectid: ino,
+        item_type: INODE_ITEM_KEY,
         offset: 0,
     };
-    const LAST: ItemKey = ItemKey {
-        objectid: u64::MAX,
-        item_type: u8::MAX,
+    let max = ItemKey {
         offset: u64::MAX,
+        ..at
     };
-    let highest = highest_inode(fd, tree)?.unwrap_or(FIRST_INODE);
-    let span = u128::from(highest - FIRST_INODE + 1);
-    let mut ranges = Vec::with_capacity(threads);
-    let mut start = FIRST;
-    for k in 1..=threads {
-        let end = if k == threads {
-            LAST
-        } else {
-            let cut = FIRST_INODE + (span * k as u128 / threads as u128) as u64;
-            ItemKey {
-                objectid: cut,
-                item_type: 0,
-                offset: 0,
-            }
-            .predecessor()
-            .unwrap_or(FIRST)
-        };
-        ranges.push(Range::new(start, end));
-        if let Some(next) = end.successor() {
-            start = start.max(next);
-        }
-    }
-    Ok(Plan {
-        ranges: Mutex::new(ranges),
-        changed: Condvar::new(),
-        highest,
-        failed: AtomicBool::new(false),
-    })
+    let mut searcher = Searcher::new(BUF_SIZE);
+    let batch = searcher.fill_tree(fd, tree, at, max, 1)?;
+    Ok(batch
+        .iter()
+        .find(|(key, _)| key.objectid == ino && key.item_type == INODE_ITEM_KEY)
+        .and_then(|(_, body)| InodeItem::parse(body).ok())
+        .map(|inode| inode.size))
 }
 
 /// The highest inode number with an item in the tree, found with one-item
@@ -359,7 +488,7 @@ fn work<S>(
     plan: &Plan,
     me: usize,
     init: &(impl Fn() -> S + Sync),
-    visit: &(impl Fn(&mut S, ItemKey, &[u8]) -> io::Result<()> + Sync),
+    visit: &(impl Fn(&mut S, Items<'_>) -> io::Result<ControlFlow<()>> + Sync),
 ) -> io::Result<Vec<(ItemKey, S)>> {
     let mut searcher = Searcher::new(BUF_SIZE);
     let mut done = Vec::new();
@@ -387,9 +516,9 @@ fn work<S>(
                     break;
                 }
                 if key.item_type == INODE_ITEM_KEY
-                    && let Some(size) = item::le64(body, item::INODE_SIZE)
+                    && let Ok(inode) = InodeItem::parse(body)
                 {
-                    r.inode = Some((key.objectid, size));
+                    r.inode = Some((key.objectid, inode.size));
                 }
                 keep += 1;
                 last = Some(key);
@@ -404,8 +533,10 @@ fn work<S>(
             keep
         };
         if let Some((_, state)) = current.as_mut() {
-            for (key, body) in batch.iter().take(keep) {
-                visit(state, key, body)?;
+            let items = Items { batch, len: keep };
+            if visit(state, items)?.is_break() {
+                plan.end(false);
+                break;
             }
         }
     }
@@ -465,6 +596,7 @@ mod tests {
             changed: Condvar::new(),
             highest: 1000,
             failed: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
         };
         let mut ranges = plan.ranges.lock().expect("lock");
         assert!(plan.steal(&mut ranges, 1));
@@ -472,5 +604,61 @@ mod tests {
         assert_eq!(ranges[1].next, key(628, 0, 0));
         assert_eq!(ranges[1].end, key(u64::MAX, 255, u64::MAX));
         assert!(!ranges[1].done);
+    }
+    fn shares(plan: &Plan) -> Vec<(ItemKey, ItemKey)> {
+        let mut v: Vec<_> = plan
+            .lock()
+            .iter()
+            .filter(|r| !r.done)
+            .map(|r| (r.next, r.end))
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn a_tree_starts_in_equal_shares_of_its_inodes() {
+        let all = KeyRange::all();
+        let s = shares(&Plan::cut(all, 256 + 4000, None, 4));
+        assert_eq!(s.len(), 4);
+        assert_eq!(s[0].0, key(0, 0, 0), "the first starts at the first key");
+        assert_eq!(s[3].1, all.max, "the last ends at the last key");
+        let cuts: Vec<u64> = s[1..].iter().map(|(from, _)| from.objectid).collect();
+        assert_eq!(cuts, [1256, 2256, 3256]);
+        for w in s.windows(2) {
+            assert_eq!(w[0].1.successor(), Some(w[1].0), "disjoint and contiguous");
+        }
+    }
+
+    #[test]
+    fn one_file_starts_in_shares_of_its_offsets_the_last_past_its_end() {
+        let range = KeyRange {
+            min: key(300, EXTENT_DATA_KEY, 4 << 20),
+            max: key(300, EXTENT_DATA_KEY, u64::MAX),
+        };
+        let s = shares(&Plan::cut(range, 300, Some((300, 12 << 20)), 4));
+        let starts: Vec<u64> = s.iter().map(|(from, _)| from.offset).collect();
+        assert_eq!(starts, [4 << 20, 6 << 20, 8 << 20, 10 << 20]);
+        assert_eq!(s[3].1, range.max);
+        // Too small to share: one thread reads it, the others idle.
+        let s = shares(&Plan::cut(
+            range,
+            300,
+            Some((300, (4 << 20) + (512 << 10))),
+            4,
+        ));
+        assert_eq!(s, [(range.min, range.max)]);
+    }
+
+    #[test]
+    fn a_share_whose_thread_never_started_is_adopted_whole() {
+        let plan = Plan::cut(KeyRange::all(), 256 + 4000, None, 2);
+        let theirs = plan.lock()[1];
+        plan.lock()[0].done = true;
+        match plan.take_work(0) {
+            Work::New(from, end) => assert_eq!((from, end), (theirs.next, theirs.end)),
+            _ => panic!("thread 0 must adopt thread 1's share"),
+        }
+        assert!(plan.lock()[1].done, "adopted: no one else reads it");
     }
 }
