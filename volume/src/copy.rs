@@ -377,58 +377,12 @@ impl Copier<'_, '_> {
             && self.opts.nested_subvolumes
             && st.st_ino == sys::SUBVOLUME_ROOT_INO
             && sys::is_btrfs(src_dir)?;
-        // What an earlier, interrupted copy left under this name, if it can
-        // be kept: the same type, and a source unchanged since.
-        let mut existing = None;
-        let found = if self.opts.resume {
-            sys::metadata_at_if_exists(dst_dir, name)?
-        } else {
-            None
-        };
-        if let Some(dst_st) = found {
-            let dst_ty = FileType::from_raw_mode(dst_st.st_mode);
-            let changed = self.opts.changed_since.is_some_and(|t| ctime(&st) >= t);
-            let keep = !changed
-                && dst_ty == ty
-                && match ty {
-                    FileType::Directory => is_subvolume_root(&dst_st, dst_dir)? == nested,
-                    FileType::RegularFile => true,
-                    _ => false,
-                };
-            if keep {
-                existing = Some(dst_st);
-            } else {
-                remove_tree_at(dst_dir, name, &mut |_| Ok(()))?;
-                self.stats.entries_discarded += 1;
-            }
-        }
-        if ty != FileType::Directory && st.st_nlink > 1 {
-            let key = (st.st_dev, st.st_ino);
-            if let Some(first) = self.links.get(&key) {
-                let holder = sys::open_tree_dir(self.root, first.tree, first.dir)?;
-                let (holder, leaf) = (holder.as_fd(), first.name.as_os_str());
-                if let Some(dst_st) = &existing {
-                    let first_st = sys::metadata_at(holder, leaf)?;
-                    if (first_st.st_dev, first_st.st_ino) == (dst_st.st_dev, dst_st.st_ino) {
-                        self.stats.entries += 1;
-                        self.stats.entries_reused += 1;
-                        (self.progress)(CopyEvent::Entry { rel })?;
-                        return Ok(Placed::Done);
-                    }
-                    remove_tree_at(dst_dir, name, &mut |_| Ok(()))?;
-                    self.stats.entries_discarded += 1;
-                }
-                link_to(holder, leaf, dst_dir, name)?;
-                self.stats.entries += 1;
-                (self.progress)(CopyEvent::Entry { rel })?;
-                return Ok(Placed::Done);
-            }
-            let first = FirstLink {
-                tree: sys::subvolume_info(dst_dir)?.id,
-                dir: sys::stat(dst_dir)?.ino,
-                name: name.to_owned(),
-            };
-            self.links.insert(key, first);
+        let existing = self.kept_from_earlier_copy(dst_dir, name, &st, ty, nested)?;
+        if ty != FileType::Directory
+            && st.st_nlink > 1
+            && let Some(placed) = self.link_to_first(dst_dir, name, rel, &st, existing.as_ref())?
+        {
+            return Ok(placed);
         }
         self.stats.entries += 1;
         if existing.is_some() {
@@ -477,14 +431,104 @@ impl Copier<'_, '_> {
                 .copy_file(&file, fresh)?;
                 Ok(Placed::Done)
             }
+            _ => self.copy_special(walk, dst_dir, name, rel, &st, ty),
+        }
+    }
+
+    /// What an earlier, interrupted copy left under `name`, if it can be
+    /// kept: the same type, and a source unchanged since. Anything else
+    /// there is removed (and counted), so the entry is made afresh.
+    fn kept_from_earlier_copy(
+        &mut self,
+        dst_dir: BorrowedFd<'_>,
+        name: &OsStr,
+        st: &Stat,
+        ty: FileType,
+        nested: bool,
+    ) -> io::Result<Option<Stat>> {
+        if !self.opts.resume {
+            return Ok(None);
+        }
+        let Some(dst_st) = sys::metadata_at_if_exists(dst_dir, name)? else {
+            return Ok(None);
+        };
+        let dst_ty = FileType::from_raw_mode(dst_st.st_mode);
+        let changed = self.opts.changed_since.is_some_and(|t| ctime(st) >= t);
+        let keep = !changed
+            && dst_ty == ty
+            && match ty {
+                FileType::Directory => is_subvolume_root(&dst_st, dst_dir)? == nested,
+                FileType::RegularFile => true,
+                _ => false,
+            };
+        if keep {
+            return Ok(Some(dst_st));
+        }
+        remove_tree_at(dst_dir, name, &mut |_| Ok(()))?;
+        self.stats.entries_discarded += 1;
+        Ok(None)
+    }
+
+    /// For a file of several names: a later name is linked to the copy of
+    /// the first (`Some`, done), or kept where an earlier copy already
+    /// linked it; the first name is recorded for the others and copied
+    /// (`None`).
+    fn link_to_first(
+        &mut self,
+        dst_dir: BorrowedFd<'_>,
+        name: &OsStr,
+        rel: &Path,
+        st: &Stat,
+        existing: Option<&Stat>,
+    ) -> io::Result<Option<Placed>> {
+        let key = (st.st_dev, st.st_ino);
+        let Some(first) = self.links.get(&key) else {
+            let first = FirstLink {
+                tree: sys::subvolume_info(dst_dir)?.id,
+                dir: sys::stat(dst_dir)?.ino,
+                name: name.to_owned(),
+            };
+            self.links.insert(key, first);
+            return Ok(None);
+        };
+        let holder = sys::open_tree_dir(self.root, first.tree, first.dir)?;
+        let (holder, leaf) = (holder.as_fd(), first.name.as_os_str());
+        if let Some(dst_st) = existing {
+            let first_st = sys::metadata_at(holder, leaf)?;
+            if (first_st.st_dev, first_st.st_ino) == (dst_st.st_dev, dst_st.st_ino) {
+                self.stats.entries += 1;
+                self.stats.entries_reused += 1;
+                (self.progress)(CopyEvent::Entry { rel })?;
+                return Ok(Some(Placed::Done));
+            }
+            remove_tree_at(dst_dir, name, &mut |_| Ok(()))?;
+            self.stats.entries_discarded += 1;
+        }
+        link_to(holder, leaf, dst_dir, name)?;
+        self.stats.entries += 1;
+        (self.progress)(CopyEvent::Entry { rel })?;
+        Ok(Some(Placed::Done))
+    }
+
+    /// A symlink, FIFO, socket or device node: made anew with its
+    /// metadata (a FIFO is never opened, so never read).
+    fn copy_special(
+        &mut self,
+        walk: &Walk<'_>,
+        dst_dir: BorrowedFd<'_>,
+        name: &OsStr,
+        rel: &Path,
+        st: &Stat,
+        ty: FileType,
+    ) -> io::Result<Placed> {
+        let src_dir = walk.dir();
+        match ty {
             FileType::Symlink => {
                 let target = sys::read_link_at(src_dir, name)?
                     .ok_or_else(|| io::Error::from_raw_os_error(libc::ENOENT))?;
                 sys::symlink_at(dst_dir, name, &target)?;
-                finish_metadata(&st, Target::At(dst_dir, name), None)?;
+                finish_metadata(st, Target::At(dst_dir, name), None)?;
                 copy_xattrs_at(src_dir, name, dst_dir, name)?;
-                (self.progress)(CopyEvent::Entry { rel })?;
-                Ok(Placed::Done)
             }
             FileType::Fifo
             | FileType::Socket
@@ -497,15 +541,17 @@ impl Copier<'_, '_> {
                 }
                 sys::mknod_at(dst_dir, name, ty, st.st_mode, st.st_rdev)?;
                 copy_xattrs_at(src_dir, name, dst_dir, name)?;
-                finish_metadata(&st, Target::At(dst_dir, name), None)?;
-                (self.progress)(CopyEvent::Entry { rel })?;
-                Ok(Placed::Done)
+                finish_metadata(st, Target::At(dst_dir, name), None)?;
             }
-            FileType::Unknown => Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("{}: unknown file type", crate::walk::printable(rel)),
-            )),
+            _ => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("{}: unknown file type", crate::walk::printable(rel)),
+                ));
+            }
         }
+        (self.progress)(CopyEvent::Entry { rel })?;
+        Ok(Placed::Done)
     }
 }
 
