@@ -15,8 +15,6 @@
 //! - [`reconcile`]: at boot, before services start, finish or undo whatever a
 //!   crash left, never deleting a backup unless the live volume is known good.
 
-#![warn(missing_docs)]
-
 mod blocking;
 mod db;
 #[cfg(target_os = "linux")]

@@ -24,8 +24,6 @@
 //!
 //! Everything here needs Linux; most of it needs root.
 
-#![warn(missing_docs)]
-
 pub mod compare;
 pub mod deep;
 pub mod dist;

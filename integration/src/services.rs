@@ -216,6 +216,7 @@ impl ProcessServices {
         .with_ctx(|_| (ErrorKind::Filesystem, p.context("writing into the volume")))
     }
 
+    #[allow(unsafe_code)] // libc calls to set up a service process
     async fn spawn(&self, pkg: &PackageId, version: &str) -> Result<(), Error> {
         if self.is_running(pkg) {
             return Ok(());
@@ -323,6 +324,7 @@ impl ProcessServices {
 
 /// In a child before exec: a mount namespace of its own, private so that
 /// nothing propagates back, with each (source, target) bind-mounted.
+#[allow(unsafe_code)] // libc calls to set up a service process
 fn enter_own_mount_namespace(binds: &[(CString, CString)]) -> std::io::Result<()> {
     // SAFETY: plain system calls on NUL-terminated strings that outlive them.
     unsafe {
@@ -497,6 +499,7 @@ pub fn last_sequence(seq_log: &Path) -> std::io::Result<Option<u64>> {
 /// current write, fsync both, write the last number to `<report>` (fsynced)
 /// and exit 0. If the parent dies (a crash of the process that started it),
 /// exit at once with status 3 and no report, as a reboot would cut it off.
+#[allow(unsafe_code)] // libc calls to set up a service process
 pub fn service_main(args: &[std::ffi::OsString]) -> std::io::Result<()> {
     let [dir, report, version] = args else {
         return Err(std::io::Error::other(

@@ -1039,6 +1039,7 @@ impl Cloner<'_> {
 
 /// Upstream's `clone_range` (`clone.rs` at [`UTIL_COMMIT`]): one FICLONERANGE,
 /// `len` bytes at `offset` of `src` to the same offset of `dst`.
+#[allow(unsafe_code)] // FICLONERANGE, as upstream's clone does
 fn clone_range(src: &File, dst: &File, offset: u64, len: u64) -> io::Result<()> {
     let range = libc::file_clone_range {
         src_fd: i64::from(src.as_raw_fd()),

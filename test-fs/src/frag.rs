@@ -149,6 +149,7 @@ const FIEMAP_MAX_OFFSET: u64 = u64::MAX;
 /// extent items and no memory proportional to the count. Filesystems may merge
 /// extents that are adjacent both in the file and on disk (btrfs does), which is what
 /// a copy of the file has to walk anyway.
+#[allow(unsafe_code)] // FS_IOC_FIEMAP through libc
 fn fiemap_extent_count(file: &File) -> io::Result<u64> {
     const _: () = assert!(size_of::<Fiemap>() == 32);
     let mut fiemap = Fiemap {

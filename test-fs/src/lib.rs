@@ -21,8 +21,6 @@
 //!
 //! Everything here needs Linux; most of it needs root.
 
-#![warn(missing_docs)]
-
 mod cmd;
 mod fixture;
 mod frag;

@@ -79,8 +79,6 @@
 //! belongs to a second phase added after services start (or a background
 //! task), with `entries_done`/`entries_total` as its units.
 
-#![warn(missing_docs)]
-
 #[cfg(target_os = "linux")]
 mod carve;
 #[cfg(target_os = "linux")]

@@ -41,6 +41,7 @@ mod root;
 #[cfg(target_os = "linux")]
 mod store;
 #[cfg(target_os = "linux")]
+#[allow(unsafe_code)] // the one module that makes system calls
 pub mod sys;
 #[cfg(target_os = "linux")]
 pub mod usage;

@@ -152,6 +152,7 @@ pub fn wait_within(mut child: Child, timeout: Duration) -> (Output, bool) {
 
 /// Makes `cmd` run with a soft RLIMIT_NOFILE of `soft` (the hard limit as
 /// it is).
+#[allow(unsafe_code)] // setrlimit between fork and exec
 pub fn limit_nofile(cmd: &mut Command, soft: u64) {
     use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
     let hard = getrlimit(Resource::Nofile).maximum;

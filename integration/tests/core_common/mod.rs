@@ -301,6 +301,7 @@ pub fn assert_installed(e: Option<PackageDataEntry>, version: &str, when: &str) 
 
 /// Waits until the process in `pidfile` (a service of a killed process) is
 /// gone, killing it first: a reboot after a crash would not leave it running.
+#[allow(unsafe_code)] // kill of our own child
 pub fn reap_orphan(pidfile: &Path) {
     let Ok(text) = std::fs::read_to_string(pidfile) else {
         return;

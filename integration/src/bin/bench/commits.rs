@@ -88,6 +88,7 @@ pub struct Report {
 /// by a commit from another thread, or it may wait for ever: here nothing
 /// else commits, and one waited 100 s before a `btrfs filesystem sync`
 /// released it.
+#[allow(unsafe_code)] // BTRFS_IOC_START_SYNC
 fn bare_start_sync(dir: &fs::File, released: &mut u64) -> std::io::Result<()> {
     use rustix::ioctl::{Getter, opcode};
     use std::sync::{Condvar, Mutex, PoisonError};

@@ -286,6 +286,7 @@ impl Runner<'_> {
 }
 
 /// User plus system time of every waited-for child process so far.
+#[allow(unsafe_code)] // getrusage
 fn children_cpu() -> Duration {
     let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
     // SAFETY: getrusage fills the rusage it is given; RUSAGE_CHILDREN is a
