@@ -56,14 +56,26 @@ fn component(id: &str, valid: bool) -> String {
         .collect()
 }
 
+/// Upstream's `SYSTEM_PACKAGE_ID` (`id/package.rs`, from `SYSTEM_ID` in
+/// `id/mod.rs`): a `PackageId` its deserializer makes from this string,
+/// though its own pattern rejects the `_`. Upstream's paths join it raw;
+/// so do these, as it is one safe component (no `/`, not `.` or `..`, no
+/// `.` to meet a suffixed name).
+const UPSTREAM_SYSTEM_PACKAGE_ID: &str = "x_system";
+
+/// A package's component: every id upstream's `PackageId` can hold from
+/// its parser or deserializer is joined raw, as upstream joins it.
 fn package_component(pkg_id: &impl Display) -> String {
     let id = pkg_id.to_string();
-    let valid = id.parse::<PackageId>().is_ok();
+    let valid = id == UPSTREAM_SYSTEM_PACKAGE_ID || id.parse::<PackageId>().is_ok();
     component(&id, valid)
 }
 
 /// `<datadir>/package-data/volumes/<pkg>/data/<volume>`, where a volume is
-/// bind-mounted into the package's container.
+/// bind-mounted into the package's container: upstream's path, byte for
+/// byte, for every id its `PackageId` and `VolumeId` can hold (its system
+/// package id `x_system` included); any other id is escaped into one
+/// component, logged, rather than joined.
 pub fn data_dir<P: AsRef<Path>>(
     datadir: P,
     pkg_id: &(impl Display + ?Sized),
