@@ -223,3 +223,42 @@ fn a_failed_package_exits_nonzero_naming_it() {
     );
     assert!(stdout(&o).contains("converted fine"), "{}", stdout(&o));
 }
+
+/// Off a terminal, progress is plain lines on stderr, each marked as
+/// progress, none in a run's first second and at most ten a second after
+/// it; stdout keeps one line per package and the summary.
+#[test]
+fn off_a_terminal_progress_is_plain_marked_lines_at_a_bounded_rate() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
+    let root = fs.path("volumes");
+    make_volume(&root, "electrs");
+    let many = root.join("electrs/data/main/index");
+    fs::create_dir_all(&many).unwrap();
+    for i in 0..20_000 {
+        fs::write(many.join(format!("{i:05}")), [i as u8; 64]).unwrap();
+    }
+    let r = root.to_str().unwrap();
+    let started = std::time::Instant::now();
+    let o = cli(&["--root", r, "--method", "clone"]);
+    let took = started.elapsed().as_secs_f64();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let err = stderr(&o);
+    let lines: Vec<&str> = err.lines().collect();
+    assert!(
+        lines
+            .iter()
+            .all(|l| l.starts_with("volume-migrate: progress: electrs ")),
+        "{err}"
+    );
+    let bound = ((took - 1.0).max(0.0) * 10.0).ceil() as usize + 1;
+    assert!(
+        lines.len() <= bound,
+        "{} lines in {took:.1} s: {err}",
+        lines.len()
+    );
+    if took >= 2.5 {
+        assert!(!lines.is_empty(), "a {took:.1} s run printed no progress");
+    }
+    assert!(stdout(&o).contains("converted electrs: "), "{}", stdout(&o));
+    assert!(!stdout(&o).contains("progress"), "{}", stdout(&o));
+}

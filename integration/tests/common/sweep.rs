@@ -247,6 +247,7 @@ impl Sweep<'_> {
                                 .any(|p| l.contains(&format!("package {p}")))
                                 || l.contains(&*self.root.to_string_lossy())
                                 || l.starts_with(" WARN ")
+                                || l.starts_with("volume-migrate: progress: ")
                         }),
                     "{when}: a line per failed package on stderr: {err:?}"
                 ),

@@ -3,9 +3,11 @@
 //!
 //! Exit 0 when every package converted or there was nothing to do (off
 //! btrfs too); 1 when any package failed (each failure one line on stderr,
-//! the others still converted); 2 on bad input (one line on stderr).
-//! Progress goes to stderr as one updating line on a terminal; with `--json`
-//! every event is one JSON object per line on stdout.
+//! beside progress lines that start `volume-migrate: progress:`, the others
+//! still converted); 2 on bad input (one line on stderr).
+//! Progress goes to stderr: a bar (indicatif) on a terminal, plain lines at a
+//! bounded rate elsewhere; with `--json` every event is one JSON object per
+//! line on stdout.
 
 #[cfg(target_os = "linux")]
 use std::io::Write;
@@ -307,10 +309,12 @@ mod dry_run {
 /// package as soon as it is done, then a summary; exit 1 if any failed.
 #[cfg(target_os = "linux")]
 mod convert {
-    use std::io::{IsTerminal, Write};
+    use std::collections::BTreeMap;
+    use std::io::IsTerminal;
     use std::process::ExitCode;
     use std::time::{Duration, Instant};
 
+    use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
     use models::PackageId;
     use serde_json::json;
     use volume_migrate::{
@@ -320,17 +324,10 @@ mod convert {
     use super::{human_bytes, json_line};
 
     pub(super) fn run(migrator: &Migrator, method: Method, keep_old: bool, json: bool) -> ExitCode {
-        let tty = !json && std::io::stderr().is_terminal();
-        let mut progress = ProgressOut {
-            json,
-            tty,
-            last_line: Instant::now() - Duration::from_secs(1),
-            last_json: Instant::now() - Duration::from_secs(1),
-            last_phase: None,
-        };
+        let mut progress = ProgressOut::new(json);
         let mut done = DoneOut {
             json,
-            tty,
+            bar: progress.bar(),
             printed_failures: Vec::new(),
         };
         let opts = MigrateOptions {
@@ -340,70 +337,203 @@ mod convert {
             defer_cut: true,
             ..MigrateOptions::default()
         };
-        let reports = match migrator.run(
+        let result = migrator.run(
             &opts,
             &mut |p: &Progress| progress.show(p),
             &mut |r: &PackageReport| done.show(r),
-        ) {
-            Ok(r) => r,
-            Err(e) => {
-                if tty {
-                    eprint!("\r\x1b[2K");
-                }
-                eprintln!("volume-migrate: {e}");
-                return ExitCode::from(1);
-            }
-        };
-        if tty {
-            eprint!("\r\x1b[2K");
+        );
+        if let Some(bar) = progress.bar() {
+            bar.finish_and_clear();
         }
-        summary(&reports, json, &done.printed_failures)
+        match result {
+            Ok(reports) => summary(&reports, json, &done.printed_failures),
+            Err(e) => {
+                eprintln!("volume-migrate: {e}");
+                ExitCode::from(1)
+            }
+        }
     }
 
-    /// Progress: on a terminal one updating line on stderr, at most ten a
-    /// second; with `--json`, every phase change and at most two clone
-    /// reports a second.
-    struct ProgressOut {
-        json: bool,
-        tty: bool,
-        last_line: Instant,
-        last_json: Instant,
-        last_phase: Option<(PackageId, Phase)>,
+    /// Progress on stderr. On a terminal, one bar for the whole run (its
+    /// work, extents plus entries, against the work known so far, with the
+    /// ETA; the bytes in place and their rate) and the package being
+    /// converted; elsewhere plain lines starting
+    /// `volume-migrate: progress:`, none in a run's first second, then at
+    /// most one a second unless a package changes phase (at most ten a
+    /// second then);
+    /// with `--json`, every phase change and at most two clone reports a
+    /// second, on stdout.
+    enum ProgressOut {
+        Json {
+            last: Instant,
+            phase: Option<(PackageId, Phase)>,
+        },
+        Bar {
+            bar: ProgressBar,
+            started: Instant,
+            /// Each package's part, by the highest figures it reported.
+            packages: BTreeMap<PackageId, Tally>,
+        },
+        Lines {
+            started: Instant,
+            last: Instant,
+            phase: Option<(PackageId, Phase)>,
+        },
     }
 
     impl ProgressOut {
-        fn show(&mut self, p: &Progress) {
-            if self.json {
-                let changed = self.last_phase != Some((p.package.clone(), p.phase));
-                if changed || self.last_json.elapsed() >= Duration::from_millis(500) {
-                    self.last_json = Instant::now();
-                    self.last_phase = Some((p.package.clone(), p.phase));
-                    json_line(json!({"event": "progress", "progress": p}));
-                }
-            } else if self.tty && self.last_line.elapsed() >= Duration::from_millis(100) {
-                self.last_line = Instant::now();
-                let eta = p
-                    .eta
-                    .map(|d| format!("ETA {}s", d.as_secs()))
-                    .unwrap_or_else(|| "ETA ?".to_owned());
-                // Totals arrive when the scan beside the clone finishes.
-                let total = |n: String| if p.totals_known { n } else { "?".to_owned() };
-                let line = format!(
-                    "{} {:?}: {}/{} {}/{} extents {}/{} entries {eta}",
-                    p.package,
-                    p.phase,
-                    human_bytes(p.bytes_done),
-                    total(human_bytes(p.bytes_total)),
-                    p.extents_done,
-                    total(p.extents_total.to_string()),
-                    p.entries_done,
-                    total(p.entries_total.to_string()),
-                );
-                let mut err = std::io::stderr().lock();
-                let _ = write!(err, "\r\x1b[2K{line}");
-                let _ = err.flush();
+        fn new(json: bool) -> ProgressOut {
+            let long_ago = Instant::now() - Duration::from_secs(10);
+            if json {
+                return ProgressOut::Json {
+                    last: long_ago,
+                    phase: None,
+                };
+            }
+            if !std::io::stderr().is_terminal() {
+                return ProgressOut::Lines {
+                    started: Instant::now(),
+                    last: long_ago,
+                    phase: None,
+                };
+            }
+            let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
+            let style = ProgressStyle::with_template(
+                "{spinner} [{bar:24}] {percent:>3}% ETA {eta:>3} {wide_msg}",
+            )
+            .map(|s| s.progress_chars("=> "));
+            if let Ok(style) = style {
+                bar.set_style(style);
+            }
+            ProgressOut::Bar {
+                bar,
+                started: Instant::now(),
+                packages: BTreeMap::new(),
             }
         }
+
+        /// The bar, where there is one: what else prints goes above it.
+        fn bar(&self) -> Option<ProgressBar> {
+            match self {
+                ProgressOut::Bar { bar, .. } => Some(bar.clone()),
+                _ => None,
+            }
+        }
+
+        fn show(&mut self, p: &Progress) {
+            let now = (p.package.clone(), p.phase);
+            match self {
+                ProgressOut::Json { last, phase } => {
+                    if phase.as_ref() != Some(&now) || last.elapsed() >= Duration::from_millis(500)
+                    {
+                        *last = Instant::now();
+                        *phase = Some(now);
+                        json_line(json!({"event": "progress", "progress": p}));
+                    }
+                }
+                ProgressOut::Bar {
+                    bar,
+                    started,
+                    packages,
+                } => {
+                    packages.entry(p.package.clone()).or_default().add(p);
+                    let sum = |f: fn(&Tally) -> u64| packages.values().map(f).sum::<u64>();
+                    bar.set_length(sum(Tally::work_total));
+                    bar.set_position(sum(Tally::work_done));
+                    let bytes = sum(|t| t.bytes.0);
+                    let rate = bytes as f64 / started.elapsed().as_secs_f64().max(0.001);
+                    bar.set_message(format!(
+                        "{}/{} at {}/s; {}",
+                        human_bytes(bytes),
+                        human_bytes(sum(|t| t.bytes.1)),
+                        human_bytes(rate as u64),
+                        counts(p)
+                    ));
+                }
+                ProgressOut::Lines {
+                    started,
+                    last,
+                    phase,
+                } => {
+                    let changed = phase.as_ref() != Some(&now);
+                    let gap = last.elapsed();
+                    // A run of under a second (most: a snapshot takes
+                    // milliseconds) prints only its results.
+                    if started.elapsed() >= Duration::from_secs(1)
+                        && ((changed && gap >= Duration::from_millis(100))
+                            || gap >= Duration::from_secs(1))
+                    {
+                        *last = Instant::now();
+                        *phase = Some(now);
+                        let eta = p
+                            .eta
+                            .map(|d| format!(", ETA {}s", d.as_secs()))
+                            .unwrap_or_default();
+                        eprintln!(
+                            "volume-migrate: progress: {}, {}/{} bytes{eta}",
+                            counts(p),
+                            human_bytes(p.bytes_done),
+                            known(p, human_bytes(p.bytes_total)),
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// One package's part of the bar, as (done, total as far as known):
+    /// its conversion's work (extents plus entries, the units the ETA is
+    /// right in) and bytes, which every phase reports cumulatively, and
+    /// the removal of its old tree, entry by entry.
+    #[derive(Default)]
+    struct Tally {
+        work: (u64, u64),
+        bytes: (u64, u64),
+        removed: (u64, u64),
+    }
+
+    impl Tally {
+        fn add(&mut self, p: &Progress) {
+            // Totals arrive when the scan beside the clone finishes; until
+            // then what is done is all that is known.
+            let high = |(d, t): (u64, u64), done: u64, total: u64| {
+                let d = d.max(done);
+                (d, t.max(if p.totals_known { total } else { 0 }).max(d))
+            };
+            if p.phase == Phase::RemoveOld {
+                self.removed = high(self.removed, p.entries_done, p.entries_total);
+            } else {
+                self.work = high(self.work, p.work_done(), p.work_total());
+                self.bytes = high(self.bytes, p.bytes_done, p.bytes_total);
+                self.removed.1 = self.removed.1.max(p.entries_total);
+            }
+        }
+
+        fn work_done(&self) -> u64 {
+            self.work.0 + self.removed.0
+        }
+
+        fn work_total(&self) -> u64 {
+            self.work.1 + self.removed.1.max(self.removed.0)
+        }
+    }
+
+    /// A total as far as it is known.
+    fn known(p: &Progress, n: String) -> String {
+        if p.totals_known { n } else { "?".to_owned() }
+    }
+
+    /// The package, its phase and its counts, for the bar and the lines.
+    fn counts(p: &Progress) -> String {
+        format!(
+            "{} {:?}: {}/{} extents, {}/{} entries",
+            p.package,
+            p.phase,
+            p.extents_done,
+            known(p, p.extents_total.to_string()),
+            p.entries_done,
+            known(p, p.entries_total.to_string()),
+        )
     }
 
     /// Each package as soon as it is done: a line on stdout, a failure on
@@ -411,15 +541,20 @@ mod convert {
     /// `--json` its report.
     struct DoneOut {
         json: bool,
-        tty: bool,
+        /// The progress bar, which the lines go above.
+        bar: Option<ProgressBar>,
         printed_failures: Vec<PackageId>,
     }
 
     impl DoneOut {
         fn show(&mut self, r: &PackageReport) {
-            if self.tty {
-                eprint!("\r\x1b[2K");
+            match self.bar.clone() {
+                Some(bar) => bar.suspend(|| self.print(r)),
+                None => self.print(r),
             }
+        }
+
+        fn print(&mut self, r: &PackageReport) {
             if self.json {
                 json_line(json!({"event": "package", "report": r}));
                 return;
