@@ -475,8 +475,8 @@ impl<'t> Case<'t> {
                     out.status
                 ),
                 Tool::Migrate => {
-                    let lines: Vec<&str> = stderr
-                        .lines()
+                    let lines: Vec<&str> = common::cli::said(&stderr)
+                        .into_iter()
                         .filter(|l| !l.trim_start().starts_with("WARN"))
                         .collect();
                     assert!(

@@ -1327,7 +1327,7 @@ fn trees_deeper_than_the_copy_bound_convert_by_snapshot_and_a_clone_refuses_them
                     .expect("running volume-migrate");
                 assert_eq!(out.status.code(), Some(1), "{out:?}");
                 let err = String::from_utf8_lossy(&out.stderr).into_owned();
-                assert_eq!(err.lines().count(), 1, "one line: {err}");
+                assert_eq!(common::cli::said(&err).len(), 1, "one line: {err}");
                 assert!(err.contains("package deep"), "{err}");
                 assert!(
                     err.contains("nested deeper than 2048 levels"),

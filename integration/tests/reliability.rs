@@ -184,11 +184,7 @@ fn must_exit(out: &Output, code: i32, what: &str) -> String {
 #[track_caller]
 fn must_exit_with(out: &Output, code: i32, what: &str, needles: &[&str]) -> String {
     let err = must_exit(out, code, what);
-    assert_eq!(
-        err.lines().count(),
-        1,
-        "{what}: one line on stderr: {err:?}"
-    );
+    assert_eq!(said(&err).len(), 1, "{what}: one line on stderr: {err:?}");
     for needle in needles {
         assert!(
             err.contains(needle),
