@@ -16,7 +16,8 @@
 //! uses), [`layout`] (the names a package owns), [`lock`] (the per-package
 //! lock every tool takes), [`record`] (the small facts kept beside a
 //! package's trees), [`mounts`] (who holds a mount of a volume),
-//! [`usage`] (space accounting from the b-tree) and [`failpoint`] (the
+//! [`usage`] (space accounting from the b-tree), [`errors`] (the I/O
+//! errors that change what a failed step does next) and [`failpoint`] (the
 //! crash sites the tests name). Everything else is internal.
 
 use std::path::{Path, PathBuf};
@@ -25,6 +26,8 @@ pub use models::{Error, ErrorKind, PackageId, VolumeId};
 
 #[cfg(target_os = "linux")]
 pub mod copy;
+#[cfg(target_os = "linux")]
+pub mod errors;
 #[cfg(target_os = "linux")]
 mod extents;
 pub mod failpoint;
