@@ -86,6 +86,19 @@ pub fn init_command_line_log() {
         .init();
 }
 
+/// `n` bytes in binary units with one decimal (`3.0 GiB`, `512 B`): the
+/// one way the workspace prints a size, so that the tools' tables, their
+/// messages and the benches quoting them agree.
+///
+/// ```
+/// assert_eq!(volume::human_bytes(3 << 30), "3.0 GiB");
+/// assert_eq!(volume::human_bytes(1536), "1.5 KiB");
+/// assert_eq!(volume::human_bytes(512), "512 B");
+/// ```
+pub fn human_bytes(n: u64) -> String {
+    bytesize::ByteSize::b(n).display().iec().to_string()
+}
+
 /// The volumes root on a StartOS server.
 pub fn default_root() -> PathBuf {
     Path::new(DATA_DIR).join(PKG_VOLUME_DIR)
