@@ -50,23 +50,19 @@ fn workspace() -> PathBuf {
 
 /// `(name, src dir)` of each library crate, in name order.
 fn library_crates(root: &Path) -> Vec<(String, PathBuf)> {
-    let out = Command::new(env!("CARGO"))
-        .args([
-            "metadata",
-            "--no-deps",
-            "--offline",
-            "--format-version",
-            "1",
-        ])
-        .arg("--manifest-path")
-        .arg(root.join("Cargo.toml"))
-        .output()
-        .unwrap_or_else(|e| panic!("running cargo metadata: {e}"));
-    assert!(
-        out.status.success(),
-        "cargo metadata failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = test_fs::run(
+        Command::new(env!("CARGO"))
+            .args([
+                "metadata",
+                "--no-deps",
+                "--offline",
+                "--format-version",
+                "1",
+            ])
+            .arg("--manifest-path")
+            .arg(root.join("Cargo.toml")),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
     let meta: serde_json::Value =
         serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("cargo metadata: {e}"));
     let fixtures = root.join("fixtures");
