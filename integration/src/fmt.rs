@@ -42,11 +42,8 @@ pub fn fmt_count(n: u64) -> String {
     out
 }
 
-/// Binary units, one decimal (`3.0 GiB`): the one way the workspace prints
-/// sizes.
-pub fn fmt_bytes(n: u64) -> String {
-    bytesize::ByteSize::b(n).display().iec().to_string()
-}
+/// `3.0 GiB`: sizes as the tools print them ([`volume::human_bytes`]).
+pub use volume::human_bytes as fmt_bytes;
 
 #[cfg(test)]
 mod tests {

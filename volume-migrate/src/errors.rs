@@ -1,7 +1,8 @@
 //! How the conversion's I/O errors are told: the context naming the
-//! package and the step, and the one errno family that changes what a
-//! failed step leaves behind (out of space: a partial copy is removed, not
-//! kept for a rerun that would meet the same wall).
+//! package and the step. The one errno family that changes what a failed
+//! step leaves behind (out of space: a partial copy is removed, not kept
+//! for a rerun that would meet the same wall) is told by
+//! [`volume::errors::is_enospc`], as the store tells it.
 
 use std::io;
 
@@ -13,9 +14,4 @@ pub(crate) fn step<'a>(
     what: &'static str,
 ) -> impl FnOnce(&io::Error) -> (ErrorKind, String) + 'a {
     move |_| (ErrorKind::MigrationFailed, pkg.context(what))
-}
-
-/// Whether `e` is the filesystem (or a quota) running out of space.
-pub(crate) fn is_enospc(e: &io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
 }

@@ -18,6 +18,7 @@ use std::time::Instant;
 use models::{Error, ErrorKind, PackageId, ResultExt};
 use rustix::fs::IFlags;
 use volume::copy::{self, CopyEvent, CopyOptions};
+use volume::errors::is_enospc;
 use volume::failpoint::failpoint;
 use volume::layout::Names;
 use volume::record::Identity;
@@ -25,7 +26,7 @@ use volume::sys;
 
 use crate::carve::{self, CarveEvent, Removal};
 use crate::decide::CloneReason;
-use crate::errors::{is_enospc, step};
+use crate::errors::step;
 use crate::options::{MetadataRoom, MetadataShortfall, MigrateOptions};
 use crate::parent_plan::ParentPlan;
 use crate::report::PackageReport;

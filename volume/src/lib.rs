@@ -16,7 +16,8 @@
 //! uses), [`layout`] (the names a package owns), [`lock`] (the per-package
 //! lock every tool takes), [`record`] (the small facts kept beside a
 //! package's trees), [`mounts`] (who holds a mount of a volume),
-//! [`usage`] (space accounting from the b-tree) and [`failpoint`] (the
+//! [`usage`] (space accounting from the b-tree), [`errors`] (the I/O
+//! errors that change what a failed step does next) and [`failpoint`] (the
 //! crash sites the tests name). Everything else is internal.
 
 use std::path::{Path, PathBuf};
@@ -25,6 +26,8 @@ pub use models::{Error, ErrorKind, PackageId, VolumeId};
 
 #[cfg(target_os = "linux")]
 pub mod copy;
+#[cfg(target_os = "linux")]
+pub mod errors;
 #[cfg(target_os = "linux")]
 mod extents;
 pub mod failpoint;
@@ -81,6 +84,19 @@ pub fn init_command_line_log() {
         .without_time()
         .with_target(false)
         .init();
+}
+
+/// `n` bytes in binary units with one decimal (`3.0 GiB`, `512 B`): the
+/// one way the workspace prints a size, so that the tools' tables, their
+/// messages and the benches quoting them agree.
+///
+/// ```
+/// assert_eq!(volume::human_bytes(3 << 30), "3.0 GiB");
+/// assert_eq!(volume::human_bytes(1536), "1.5 KiB");
+/// assert_eq!(volume::human_bytes(512), "512 B");
+/// ```
+pub fn human_bytes(n: u64) -> String {
+    bytesize::ByteSize::b(n).display().iec().to_string()
 }
 
 /// The volumes root on a StartOS server.

@@ -90,12 +90,6 @@ fn main() -> ExitCode {
     }
 }
 
-/// Binary units, one decimal: the one way the workspace prints sizes.
-#[cfg(target_os = "linux")]
-fn human_bytes(b: u64) -> String {
-    bytesize::ByteSize::b(b).display().iec().to_string()
-}
-
 #[cfg(target_os = "linux")]
 fn json_line(value: serde_json::Value) {
     let mut out = std::io::stdout().lock();
@@ -157,10 +151,11 @@ mod dry_run {
     use std::process::ExitCode;
 
     use serde_json::json;
+    use volume::human_bytes;
     use volume_migrate::cost::Cost;
     use volume_migrate::{Decision, Method, MigrateOptions, Migrator, Planned};
 
-    use super::{human_bytes, json_line};
+    use super::json_line;
 
     pub(super) fn run(migrator: &Migrator, method: Method, json: bool) -> ExitCode {
         let plan = match migrator.plan_with(&MigrateOptions {
@@ -317,11 +312,12 @@ mod convert {
     use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
     use models::PackageId;
     use serde_json::json;
+    use volume::human_bytes;
     use volume_migrate::{
         Method, MigrateOptions, Migrator, Outcome, PackageReport, Phase, Progress,
     };
 
-    use super::{human_bytes, json_line};
+    use super::json_line;
 
     pub(super) fn run(migrator: &Migrator, method: Method, keep_old: bool, json: bool) -> ExitCode {
         let mut progress = ProgressOut::new(json);

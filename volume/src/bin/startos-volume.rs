@@ -79,7 +79,7 @@ mod run {
     use volume::usage::Usage;
     use volume::{
         Error, PackageId, SnapshotOutcome, VolumeId, VolumeInfo, VolumeKind, VolumeStore,
-        VolumeUsage,
+        VolumeUsage, human_bytes,
     };
 
     use super::*;
@@ -98,11 +98,6 @@ mod run {
         }
     }
 
-    /// Binary units, one decimal: the one way the workspace prints sizes.
-    fn human(bytes: u64) -> String {
-        bytesize::ByteSize::b(bytes).display().iec().to_string()
-    }
-
     fn print_table(title: &str, u: &Usage) {
         println!(
             "{title}: {} files, {} regular extents ({} refs), {} inline",
@@ -118,9 +113,9 @@ mod run {
                 "  {:<10} {:>4}% {:>12} {:>12} {:>12}",
                 name,
                 perc,
-                human(b.disk),
-                human(b.uncompressed),
-                human(b.referenced)
+                human_bytes(b.disk),
+                human_bytes(b.uncompressed),
+                human_bytes(b.referenced)
             );
         };
         row("TOTAL", &u.total);
@@ -140,9 +135,9 @@ mod run {
         if let Some(s) = &u.split {
             println!(
                 "disk bytes: {} only in the backup (freed by dropping it), {} only in the volume, {} shared",
-                human(s.backup_only),
-                human(s.live_only),
-                human(s.shared)
+                human_bytes(s.backup_only),
+                human_bytes(s.live_only),
+                human_bytes(s.shared)
             );
         }
     }
@@ -211,10 +206,10 @@ mod run {
                     Ok(u) => (
                         u.as_ref()
                             .and_then(|u| u.volume.as_ref())
-                            .map_or("-".to_owned(), |u| human(u.total.disk)),
+                            .map_or("-".to_owned(), |u| human_bytes(u.total.disk)),
                         u.as_ref()
                             .and_then(|u| u.split)
-                            .map_or("-".to_owned(), |s| human(s.backup_only)),
+                            .map_or("-".to_owned(), |s| human_bytes(s.backup_only)),
                     ),
                     Err(volume::ErrorKind::Timeout) => ("busy".to_owned(), "busy".to_owned()),
                     Err(_) => ("?".to_owned(), "?".to_owned()),

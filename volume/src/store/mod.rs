@@ -144,10 +144,6 @@ pub fn open_locks(root: &Path, dir: BorrowedFd<'_>) -> Result<LockDir, Error> {
     })
 }
 
-fn is_enospc(e: &io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
-}
-
 /// Appends to `e` that undoing the failed step failed too, if it did.
 fn with_cleanup(e: Error, cleanup: io::Result<()>, what: &str) -> Error {
     match cleanup {

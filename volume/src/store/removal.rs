@@ -16,8 +16,9 @@ use std::path::{Path, PathBuf};
 use color_eyre::eyre::eyre;
 use models::{Error, ErrorKind, PackageId, ResultExt};
 
+use super::VolumeStore;
 use super::recovery::Leftover;
-use super::{VolumeStore, is_enospc};
+use crate::errors::is_enospc;
 use crate::failpoint::failpoint;
 use crate::layout::{self, Names};
 use crate::record;
