@@ -35,9 +35,7 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::PathBuf;
 
-use rustix::fs::FileType;
-
-use crate::sys;
+use crate::sys::{self, FileType};
 
 /// Descriptors a [`Chain`] keeps open at most, the current directory's
 /// included. Every level deeper than that costs, on the way back up, one

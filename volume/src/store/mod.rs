@@ -59,14 +59,13 @@ use std::path::{Path, PathBuf};
 
 use color_eyre::eyre::eyre;
 use models::{Error, ErrorKind, PackageId, ResultExt, VolumeId};
-use rustix::fs::FileType;
 
 use crate::layout::{self, Names};
 use crate::lock::{LockDir, LockWait, PackageLock};
 use crate::mounts;
 use crate::outcome::VolumeKind;
 use crate::root::Root;
-use crate::sys;
+use crate::sys::{self, FileType};
 
 mod create;
 mod query;

@@ -30,7 +30,8 @@ pub const FAULT_ENV: &str = "STARTOS_VOLUME_FAULT";
 pub const FAULT_LOG_ENV: &str = "STARTOS_VOLUME_FAULT_LOG";
 
 /// The errno a fault spec names, from its name or number.
-pub fn parse_errno(name: &str) -> Option<i32> {
+#[cfg(feature = "failpoints")]
+pub(crate) fn parse_errno(name: &str) -> Option<i32> {
     Some(match name {
         "eio" => libc::EIO,
         "enospc" => libc::ENOSPC,
@@ -45,7 +46,7 @@ pub fn parse_errno(name: &str) -> Option<i32> {
 /// Counts one system call named `name` and, in a sweep, fails it if it is
 /// the chosen one (see the module docs). Free without `failpoints`.
 #[inline]
-pub fn check(name: &'static str) -> io::Result<()> {
+pub(crate) fn check(name: &'static str) -> io::Result<()> {
     #[cfg(feature = "failpoints")]
     {
         armed::check(name)
@@ -136,7 +137,7 @@ mod armed {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "failpoints"))]
 mod tests {
     use super::*;
 

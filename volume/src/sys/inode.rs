@@ -77,7 +77,7 @@ fn generation(fs: BorrowedFd<'_>, tree: u64, ino: u64) -> io::Result<u64> {
 /// filesystem holding `fs` (any fd on it), by file handle: no path, no
 /// symlink, no mount on the way. Checked to be a directory of that tree
 /// with that number. ENOTTY off btrfs.
-pub fn open_tree_dir(fs: BorrowedFd<'_>, tree: u64, ino: u64) -> io::Result<OwnedFd> {
+pub(crate) fn open_tree_dir(fs: BorrowedFd<'_>, tree: u64, ino: u64) -> io::Result<OwnedFd> {
     ensure_btrfs(fs)?;
     let generation = generation(fs, tree, ino)?;
     let mut handle = FileHandle {
