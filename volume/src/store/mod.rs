@@ -130,7 +130,7 @@ struct Held {
 
 /// The lock directory of the volumes root open as `dir`, with the error
 /// every caller reports.
-pub fn open_locks(root: &Path, dir: BorrowedFd<'_>) -> Result<LockDir, Error> {
+fn open_locks(root: &Path, dir: BorrowedFd<'_>) -> Result<LockDir, Error> {
     LockDir::for_root(dir).with_ctx(|_| {
         (
             ErrorKind::Filesystem,
