@@ -23,56 +23,58 @@
 use std::path::{Path, PathBuf};
 
 // The crate's public API, item by item: what start-core, volume-migrate,
-// the command-line tools and the tests call. Everything else is internal.
+// the command-line tools and the tests call; everything else is internal.
+// Each item's line is a plain comment: an outer doc comment would merge
+// into the item's own docs (and, on a module, break their intra-doc links).
 
-/// The error type every fallible call returns, and the ids it names.
+// The error type every fallible call returns, and the ids it names.
 pub use models::{Error, ErrorKind, PackageId, VolumeId};
 
-/// The lossless reflink copy and the tree removal the conversion uses.
+// The lossless reflink copy and the tree removal the conversion uses.
 #[cfg(target_os = "linux")]
 pub mod copy;
 #[cfg(target_os = "linux")]
 mod extents;
-/// The named crash sites of the crash-safety tests.
+// The named crash sites of the crash-safety tests.
 pub mod failpoint;
-/// The names a package owns under the volumes root.
+// The names a package owns under the volumes root.
 pub mod layout;
-/// The per-package lock every tool takes.
+// The per-package lock every tool takes.
 #[cfg(target_os = "linux")]
 pub mod lock;
-/// Who holds a mount of a volume, in every mount namespace.
+// Who holds a mount of a volume, in every mount namespace.
 #[cfg(target_os = "linux")]
 pub mod mounts;
 mod outcome;
-/// The small facts kept beside a package's trees.
+// The small facts kept beside a package's trees.
 #[cfg(target_os = "linux")]
 pub mod record;
 #[cfg(target_os = "linux")]
 mod root;
 #[cfg(target_os = "linux")]
 mod store;
-/// Every system call the crates make, btrfs's ioctls included.
+// Every system call the crates make, btrfs's ioctls included.
 #[cfg(target_os = "linux")]
 #[allow(unsafe_code)] // the one module that makes system calls
 pub mod sys;
-/// Real space use of a volume, from the b-tree.
+// Real space use of a volume, from the b-tree.
 #[cfg(target_os = "linux")]
 pub mod usage;
-/// The one tree walker: any depth, bounded descriptors, never across a mount.
+// The one tree walker: any depth, bounded descriptors, never across a mount.
 #[cfg(target_os = "linux")]
 pub mod walk;
 
-/// The environment variable naming the failpoint to fire.
+// The environment variable naming the failpoint to fire.
 pub use failpoint::FAILPOINT_ENV;
-/// The suffix of the snapshot taken before an install (upstream's name).
+// The suffix of the snapshot taken before an install (upstream's name).
 pub use layout::INSTALL_BACKUP_SUFFIX;
-/// What the store's operations report.
+// What the store's operations report.
 pub use outcome::{Recovery, SnapshotOutcome, VolumeInfo, VolumeKind};
-/// The volumes root, open.
+// The volumes root, open.
 #[cfg(target_os = "linux")]
 pub use root::Root;
-/// The store, its usage figures, the default bound on a reflink backup, and
-/// the deletion of a tree by path.
+// The store, its usage figures, the default bound on a reflink backup, and
+// the deletion of a tree by path.
 #[cfg(target_os = "linux")]
 pub use store::{
     DEFAULT_REFLINK_EXTENT_LIMIT, VolumeStore, VolumeUsage, delete_tree, delete_tree_at,

@@ -393,7 +393,7 @@ impl<'a> Walk<'a> {
     }
 
     /// The top's mount id: a file of the tree opened by the caller is on
-    /// another mount if its [`sys::mount_id`] differs (`None` where the
+    /// another mount if its `sys::mount_id` differs (`None` where the
     /// kernel gives none: before Linux 5.8).
     pub fn mount(&self) -> Option<u64> {
         self.mount

@@ -3,7 +3,7 @@
 //! SQLite tests its I/O layer by making the k-th call fail, for every k, and
 //! checking what each failure leaves; this module gives `sys` the same
 //! seam. Every function of `sys` that enters the kernel passes through
-//! [`check`] first, once per system call it makes. With the `failpoints`
+//! `check` first, once per system call it makes. With the `failpoints`
 //! feature and [`FAULT_ENV`] set to `K:ERRNO`, the K-th such call of the
 //! process (counting every thread) fails with ERRNO instead of running;
 //! with `K+:ERRNO`, that call and every later one fail, as on a filesystem
@@ -17,7 +17,7 @@
 //! every call appends its line: how a sweep learns how many calls an
 //! operation makes, and which is which.
 //!
-//! Without the feature, [`check`] is an inline no-op: production builds
+//! Without the feature, `check` is an inline no-op: production builds
 //! carry no counter and read no environment.
 
 use std::io;

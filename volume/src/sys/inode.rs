@@ -123,7 +123,7 @@ pub(crate) fn open_tree_dir(fs: BorrowedFd<'_>, tree: u64, ino: u64) -> io::Resu
 }
 
 /// Opens the root directory of subvolume `id` on the filesystem holding
-/// `fs` ([`open_tree_dir`] of its inode 256).
+/// `fs` (`open_tree_dir` of its inode 256).
 pub fn open_subvolume(fs: BorrowedFd<'_>, id: u64) -> io::Result<OwnedFd> {
     open_tree_dir(fs, id, SUBVOLUME_ROOT_INO)
 }

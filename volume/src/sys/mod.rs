@@ -24,7 +24,7 @@
 //! `btrfsutil`), `search` the b-tree search engine, `item` on-disk item
 //! layouts, `space` metadata space accounting, `ioprio` the thread's I/O priority, `fault` the injected failures of
 //! the I/O-error sweep: every call that enters the kernel passes through
-//! [`fault::check`] first.
+//! `fault::check` first.
 
 mod clone;
 pub mod fault;

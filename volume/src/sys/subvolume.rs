@@ -105,7 +105,7 @@ pub fn snapshot_tree(
 /// subvolume's directory holds it, and under which name. A package can
 /// nest subvolumes as deep and under names as long as it likes, beyond
 /// any path a system call takes; these numbers reach them all
-/// ([`super::inode::open_subvolume`], [`super::inode::open_tree_dir`]).
+/// ([`super::inode::open_subvolume`], `open_tree_dir`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Nested {
     /// Its tree id.
