@@ -124,10 +124,10 @@ pub struct Stat {
 impl Stat {
     /// The fields callers use of rustix's (the libc's) `struct stat`.
     // The field widths differ between targets.
-    #[allow(clippy::unnecessary_cast, clippy::useless_conversion)]
+    #[allow(clippy::unnecessary_cast)]
     fn from_rustix(st: &rustix::fs::Stat) -> Stat {
         Stat {
-            file_type: FileType::from_rustix(rustix::fs::FileType::from_raw_mode(st.st_mode as _)),
+            file_type: FileType::from_rustix(rustix::fs::FileType::from_raw_mode(st.st_mode)),
             mode: (st.st_mode as u32) & 0o7777,
             dev: st.st_dev as u64,
             ino: st.st_ino as u64,
