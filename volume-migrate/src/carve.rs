@@ -20,11 +20,9 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::path::Path;
 
-use rustix::fs::{FileType, IFlags};
-
 use volume::copy;
 use volume::failpoint::failpoint;
-use volume::sys;
+use volume::sys::{self, FileType, InodeFlags};
 
 /// A step of [`carve`], for progress and cancellation: an error returned
 /// from the callback stops the carve there with that error.
@@ -106,7 +104,7 @@ pub fn carve(
     let parent = parent.as_ref().map_or(snapshot, |fd| fd.as_fd());
     sys::clear_stuck_flags(parent)?;
     let kept = sys::open_dir_at(parent, name)?;
-    let kept_st = sys::metadata(kept.as_fd())?;
+    let kept_st = sys::stat(kept.as_fd())?;
     let kept_flags = sys::inode_flags(kept.as_fd())?;
     let kept_names = sys::read_dir_names(kept.as_fd())?;
     let mut top_names = sys::read_dir_names(snapshot)?;
@@ -154,13 +152,13 @@ pub fn carve(
     // the root's), the immutable and append-only flags last.
     sys::set_inode_flags(
         snapshot,
-        kept_flags.difference(IFlags::IMMUTABLE | IFlags::APPEND),
+        kept_flags.difference(InodeFlags::IMMUTABLE | InodeFlags::APPEND),
     )?;
     copy::remove_xattrs_missing_from(kept.as_fd(), snapshot)?;
     copy::finish_fd_metadata(&kept_st, snapshot, Some(kept.as_fd()), None, None)?;
     drop(kept);
     sys::rmdir_at(snapshot, &hold)?;
-    let now = sys::metadata(snapshot)?;
+    let now = sys::stat(snapshot)?;
     copy::finish_fd_metadata(&kept_st, snapshot, None, Some(kept_flags), Some(&now))?;
     Ok(Carved { rest })
 }
@@ -181,13 +179,13 @@ pub fn carve(
 pub fn remove_rest(
     volume: BorrowedFd<'_>,
     rest: &OsStr,
-    root_stuck: IFlags,
+    root_stuck: InodeFlags,
     on_removed: &mut dyn FnMut(u64) -> io::Result<()>,
 ) -> io::Result<()> {
-    let stuck_bits = IFlags::IMMUTABLE | IFlags::APPEND;
+    let stuck_bits = InodeFlags::IMMUTABLE | InodeFlags::APPEND;
     let mut removed = 0u64;
-    if let Some(st) = sys::metadata_at_if_exists(volume, rest)?
-        && FileType::from_raw_mode(st.st_mode) == FileType::Directory
+    if let Some(st) = sys::stat_at(volume, rest)?
+        && st.file_type == FileType::Directory
     {
         let dir = sys::open_dir_at(volume, rest)?;
         sys::clear_stuck_flags(dir.as_fd())?;
@@ -227,9 +225,9 @@ pub fn remove_rest(
 /// Gives the volume's root open as `volume` the immutable and append-only
 /// flags of `root_stuck` again, if it lacks any: what a crash inside
 /// [`remove_rest`] may have left lifted.
-pub fn put_back_root_flags(volume: BorrowedFd<'_>, root_stuck: IFlags) -> io::Result<()> {
+pub fn put_back_root_flags(volume: BorrowedFd<'_>, root_stuck: InodeFlags) -> io::Result<()> {
     let flags = sys::inode_flags(volume)?;
-    let wanted = flags.union(root_stuck.intersection(IFlags::IMMUTABLE | IFlags::APPEND));
+    let wanted = flags.union(root_stuck.intersection(InodeFlags::IMMUTABLE | InodeFlags::APPEND));
     if wanted != flags {
         sys::set_inode_flags(volume, wanted)?;
     }

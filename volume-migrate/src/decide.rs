@@ -233,7 +233,7 @@ impl Parent {
 fn old_trees(volumes: BorrowedFd<'_>) -> io::Result<HashSet<(u64, u64)>> {
     let mut out = HashSet::new();
     for (name, kind, _) in sys::read_dir_names(volumes)? {
-        if kind != rustix::fs::FileType::Directory {
+        if kind != sys::FileType::Directory {
             continue;
         }
         let bytes = name.as_bytes();

@@ -16,13 +16,12 @@ use std::thread::ScopedJoinHandle;
 use std::time::Instant;
 
 use models::{Error, ErrorKind, PackageId, ResultExt};
-use rustix::fs::IFlags;
 use volume::copy::{self, CopyEvent, CopyOptions};
 use volume::errors::is_enospc;
 use volume::failpoint::failpoint;
 use volume::layout::Names;
 use volume::record::Identity;
-use volume::sys;
+use volume::sys::{self, InodeFlags};
 
 use crate::carve::{self, CarveEvent, Removal};
 use crate::decide::CloneReason;
@@ -278,10 +277,9 @@ impl Job<'_, '_> {
                 .with_ctx(step(pkg, "opening the partial copy"))?;
             let since = sys::birth_time(fd.as_fd())
                 .with_ctx(step(pkg, "reading the partial copy's creation time"))?;
-            let src_full =
-                sys::metadata(self.src.as_fd()).with_ctx(step(pkg, "stat of the volume"))?;
-            #[allow(clippy::unnecessary_cast)]
-            let src_ctime = (src_full.st_ctime as i64, src_full.st_ctime_nsec as i64);
+            let src_ctime = sys::stat(self.src.as_fd())
+                .with_ctx(step(pkg, "stat of the volume"))?
+                .ctime;
             match since {
                 Some(t) if src_ctime < t => return Ok((fd, Some(t))),
                 _ => {
@@ -389,7 +387,7 @@ impl Job<'_, '_> {
                         io::Error::other("the rest's directory vanished from the snapshot")
                     })?;
                     let root_stuck = sys::inode_flags(fd.as_fd())?
-                        .intersection(IFlags::IMMUTABLE | IFlags::APPEND);
+                        .intersection(InodeFlags::IMMUTABLE | InodeFlags::APPEND);
                     RestRecord {
                         name: rest,
                         identity,

@@ -11,9 +11,8 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::AtomicBool;
 
 use models::{Error, ErrorKind, PackageId, ResultExt};
-use rustix::fs::IFlags;
 use volume::layout::Names;
-use volume::sys;
+use volume::sys::{self, InodeFlags};
 
 use crate::cost::Cost;
 use crate::decide::{self, Candidate, CloneReason, Decided, Decision, Parent};
@@ -276,7 +275,7 @@ impl Migrator {
         }
         let stuck = sys::inode_flags(src)
             .with_ctx(step(pkg, "reading the volume's inode flags"))?
-            .intersection(IFlags::IMMUTABLE | IFlags::APPEND);
+            .intersection(InodeFlags::IMMUTABLE | InodeFlags::APPEND);
         if !stuck.is_empty() {
             return Ok(Some(format!(
                 "{} is immutable or append-only, and the kernel renames no such \

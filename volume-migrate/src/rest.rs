@@ -27,8 +27,8 @@ use std::ffi::{OsStr, OsString};
 use std::io;
 use std::os::fd::BorrowedFd;
 
-use rustix::fs::IFlags;
 use volume::record::{self, Identity};
+use volume::sys::InodeFlags;
 
 /// What the record says: the directory's name at the top of `<pkg>`, and
 /// its identity.
@@ -40,7 +40,7 @@ pub(crate) struct RestRecord {
     pub identity: Identity,
     /// The immutable and append-only flags of the volume's root after the
     /// cut (no other flag: the others are never lifted).
-    pub root_stuck: IFlags,
+    pub root_stuck: InodeFlags,
 }
 
 impl RestRecord {
@@ -60,8 +60,8 @@ impl RestRecord {
     fn decode(text: &str) -> Option<RestRecord> {
         let (name, rest) = text.split_once(' ')?;
         let (flags, identity) = rest.split_once(' ')?;
-        let root_stuck = IFlags::from_bits(u32::from_str_radix(flags, 16).ok()?)?;
-        if !(IFlags::IMMUTABLE | IFlags::APPEND).contains(root_stuck) {
+        let root_stuck = InodeFlags::from_bits_retain(u32::from_str_radix(flags, 16).ok()?);
+        if !(InodeFlags::IMMUTABLE | InodeFlags::APPEND).contains(root_stuck) {
             return None;
         }
         let plain = !name.is_empty()
@@ -118,11 +118,11 @@ mod tests {
         let r = RestRecord {
             name: OsString::from(".startos-carve-rest.2"),
             identity: Identity::decode("directory 300 1733000000.000000005").expect("identity"),
-            root_stuck: IFlags::IMMUTABLE,
+            root_stuck: InodeFlags::IMMUTABLE,
         };
         assert_eq!(RestRecord::decode(&r.encode()), Some(r.clone()));
         let none = RestRecord {
-            root_stuck: IFlags::empty(),
+            root_stuck: InodeFlags::empty(),
             ..r
         };
         assert_eq!(RestRecord::decode(&none.encode()), Some(none));

@@ -7,10 +7,9 @@ use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
-use rustix::fs::FileType;
 use volume::copy;
 use volume::sys::item::{ExtentType, InodeItem};
-use volume::sys::{self, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher};
+use volume::sys::{self, EXTENT_DATA_KEY, FileType, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher};
 use volume::usage::sweep;
 use volume::walk::{Step, Walk};
 
@@ -134,15 +133,15 @@ pub(crate) fn bytes(dir: BorrowedFd<'_>) -> io::Result<Estimate> {
         let Step::Entry(entry) = step else {
             continue;
         };
-        let Some(st) = sys::metadata_at_if_exists(walk.dir(), &entry.name)? else {
+        let Some(st) = sys::stat_at(walk.dir(), &entry.name)? else {
             continue;
         };
         est.entries += 1;
-        match FileType::from_raw_mode(st.st_mode) {
+        match st.file_type {
             FileType::Directory => walk.enter(&entry.name)?,
-            FileType::RegularFile if seen.insert((st.st_dev, st.st_ino)) => {
+            FileType::RegularFile if seen.insert((st.dev, st.ino)) => {
                 est.files += 1;
-                est.bytes += st.st_size as u64;
+                est.bytes += st.size;
             }
             _ => {}
         }
@@ -289,14 +288,14 @@ impl<'a> Scan<'a> {
                 }
                 continue;
             }
-            let Some(st) = sys::metadata_at_if_exists(dir, &entry.name)? else {
+            let Some(st) = sys::stat_at(dir, &entry.name)? else {
                 continue;
             };
             if self
                 .tally
                 .limits
                 .skip
-                .is_some_and(|s| s.contains(&(st.st_dev, st.st_ino)))
+                .is_some_and(|s| s.contains(&(st.dev, st.ino)))
             {
                 continue;
             }
@@ -304,12 +303,12 @@ impl<'a> Scan<'a> {
                 return Ok(ControlFlow::Break(()));
             }
             self.tally.est.entries += 1;
-            match FileType::from_raw_mode(st.st_mode) {
+            match st.file_type {
                 FileType::Directory => {
-                    if self.tally.limits.one_device && st.st_dev != dev {
+                    if self.tally.limits.one_device && st.dev != dev {
                         continue;
                     }
-                    if st.st_ino == sys::SUBVOLUME_ROOT_INO {
+                    if st.ino == sys::SUBVOLUME_ROOT_INO {
                         self.tally.est.nested_subvolumes += 1;
                     }
                     // What a pause below reports includes these files.
@@ -317,13 +316,13 @@ impl<'a> Scan<'a> {
                         return Ok(ControlFlow::Break(()));
                     }
                     walk.enter(&entry.name)?;
-                    levels.push((st.st_dev, Vec::new()));
+                    levels.push((st.dev, Vec::new()));
                 }
                 // A file mounted here: its inode number means nothing in
                 // this directory's subvolume, which the search reads.
-                FileType::RegularFile if st.st_dev != dev => {}
+                FileType::RegularFile if st.dev != dev => {}
                 // A type the directory did not say (DT_UNKNOWN).
-                FileType::RegularFile => pending.push(st.st_ino),
+                FileType::RegularFile => pending.push(st.ino),
                 _ => {}
             }
         }

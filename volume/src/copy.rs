@@ -28,9 +28,7 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 
-use rustix::fs::{FileType, IFlags};
-
-use crate::sys::{self, Metadata as Stat, inode_flags, set_inode_flags as set_flags};
+use crate::sys::{self, FileType, InodeFlags, Stat, inode_flags, set_inode_flags as set_flags};
 use crate::walk::{Chain, Step, Walk, crosses_mount};
 
 mod helpers;
@@ -162,7 +160,7 @@ pub fn reflink_into(
     opts: &CopyOptions,
     progress: &mut Progress<'_>,
 ) -> io::Result<CopyStats> {
-    let st = sys::metadata(src)?;
+    let st = sys::stat(src)?;
     let block = sys::block_size(dst)?;
     helpers::with_helpers(block, opts.chunk_bytes, |helpers| {
         let mut copier = Copier {
@@ -208,14 +206,9 @@ struct Copier<'a, 'p> {
 
 /// Whether a stat is of a btrfs subvolume root (checked on the fd's fs).
 fn is_subvolume_root(st: &Stat, fd: BorrowedFd<'_>) -> io::Result<bool> {
-    Ok(FileType::from_raw_mode(st.st_mode) == FileType::Directory
-        && st.st_ino == sys::SUBVOLUME_ROOT_INO
+    Ok(st.file_type == FileType::Directory
+        && st.ino == sys::SUBVOLUME_ROOT_INO
         && sys::is_btrfs(fd)?)
-}
-
-#[allow(clippy::unnecessary_cast)]
-fn ctime(st: &Stat) -> (i64, i64) {
-    (st.st_ctime as i64, st.st_ctime_nsec as i64)
 }
 
 impl Copier<'_, '_> {
@@ -316,10 +309,10 @@ impl Copier<'_, '_> {
         } else {
             // A new directory inherits NOCOW from its parent; it must carry
             // the source's (its children inherit it in turn).
-            let want = inode_flags(src)?.contains(IFlags::NOCOW);
+            let want = inode_flags(src)?.contains(InodeFlags::NOCOW);
             let have = inode_flags(dst)?;
-            if have.contains(IFlags::NOCOW) != want {
-                set_flags(dst, have ^ IFlags::NOCOW)?;
+            if have.contains(InodeFlags::NOCOW) != want {
+                set_flags(dst, have ^ InodeFlags::NOCOW)?;
             }
         }
         let wanted = existing.then(|| walk.remaining().map(|e| e.name.clone()).collect());
@@ -371,15 +364,15 @@ impl Copier<'_, '_> {
         shared: &mut Option<SharedDirs>,
     ) -> io::Result<Placed> {
         let src_dir = walk.dir();
-        let st = sys::metadata_at(src_dir, name)?;
-        let ty = FileType::from_raw_mode(st.st_mode);
+        let st = sys::stat_existing_at(src_dir, name)?;
+        let ty = st.file_type;
         let nested = ty == FileType::Directory
             && self.opts.nested_subvolumes
-            && st.st_ino == sys::SUBVOLUME_ROOT_INO
+            && st.ino == sys::SUBVOLUME_ROOT_INO
             && sys::is_btrfs(src_dir)?;
         let existing = self.kept_from_earlier_copy(dst_dir, name, &st, ty, nested)?;
         if ty != FileType::Directory
-            && st.st_nlink > 1
+            && st.nlink > 1
             && let Some(placed) = self.link_to_first(dst_dir, name, rel, &st, existing.as_ref())?
         {
             return Ok(placed);
@@ -415,8 +408,8 @@ impl Copier<'_, '_> {
                 // A hardlinked file stays on the walk, which links its
                 // other names to its first.
                 if fresh
-                    && st.st_nlink == 1
-                    && self.one_piece(st.st_size as u64)
+                    && st.nlink == 1
+                    && self.one_piece(st.size)
                     && self.helpers.any()
                     && self.helpers.offer(&file, shared)?
                 {
@@ -449,11 +442,11 @@ impl Copier<'_, '_> {
         if !self.opts.resume {
             return Ok(None);
         }
-        let Some(dst_st) = sys::metadata_at_if_exists(dst_dir, name)? else {
+        let Some(dst_st) = sys::stat_at(dst_dir, name)? else {
             return Ok(None);
         };
-        let dst_ty = FileType::from_raw_mode(dst_st.st_mode);
-        let changed = self.opts.changed_since.is_some_and(|t| ctime(st) >= t);
+        let dst_ty = dst_st.file_type;
+        let changed = self.opts.changed_since.is_some_and(|t| st.ctime >= t);
         let keep = !changed
             && dst_ty == ty
             && match ty {
@@ -481,7 +474,7 @@ impl Copier<'_, '_> {
         st: &Stat,
         existing: Option<&Stat>,
     ) -> io::Result<Option<Placed>> {
-        let key = (st.st_dev, st.st_ino);
+        let key = (st.dev, st.ino);
         let Some(first) = self.links.get(&key) else {
             let first = FirstLink {
                 tree: sys::subvolume_info(dst_dir)?.id,
@@ -494,8 +487,8 @@ impl Copier<'_, '_> {
         let holder = sys::open_tree_dir(self.root, first.tree, first.dir)?;
         let (holder, leaf) = (holder.as_fd(), first.name.as_os_str());
         if let Some(dst_st) = existing {
-            let first_st = sys::metadata_at(holder, leaf)?;
-            if (first_st.st_dev, first_st.st_ino) == (dst_st.st_dev, dst_st.st_ino) {
+            let first_st = sys::stat_existing_at(holder, leaf)?;
+            if (first_st.dev, first_st.ino) == (dst_st.dev, dst_st.ino) {
                 self.stats.entries += 1;
                 self.stats.entries_reused += 1;
                 (self.progress)(CopyEvent::Entry { rel })?;
@@ -539,7 +532,7 @@ impl Copier<'_, '_> {
                 if sys::mount_id_at(src_dir, name)? != walk.mount() {
                     return Err(crosses_mount(rel.to_owned()));
                 }
-                sys::mknod_at(dst_dir, name, ty, st.st_mode, st.st_rdev)?;
+                sys::mknod_at(dst_dir, name, ty, st.mode, st.rdev)?;
                 copy_xattrs_at(src_dir, name, dst_dir, name)?;
                 finish_metadata(st, Target::At(dst_dir, name), None)?;
             }
@@ -630,8 +623,8 @@ impl FileCopier<'_, '_> {
         if sys::mount_id(src.as_fd())? != f.mount {
             return Err(crosses_mount(f.rel.to_owned()));
         }
-        let st = sys::metadata(src.as_fd())?;
-        if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+        let st = sys::stat(src.as_fd())?;
+        if st.file_type != FileType::RegularFile {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 format!(
@@ -646,12 +639,8 @@ impl FileCopier<'_, '_> {
             // setgid or sticky bit, nor more than the source allows),
             // so the chown and chmod below are usually no-ops and
             // skipped; otherwise private until the chown.
-            let same_owner = (st.st_uid, st.st_gid) == sys::effective_ids();
-            if same_owner {
-                st.st_mode & 0o777
-            } else {
-                0o600
-            }
+            let same_owner = (st.uid, st.gid) == sys::effective_ids();
+            if same_owner { st.mode & 0o777 } else { 0o600 }
         } else {
             // An immutable or append-only file cannot be opened for
             // writing: clear those flags (set again at the end) first.
@@ -660,7 +649,7 @@ impl FileCopier<'_, '_> {
             0o600
         };
         let dst = sys::open_write_at(f.dst_dir, f.name, fresh, create_mode)?;
-        let dst_st = sys::metadata(dst.as_fd())?;
+        let dst_st = sys::stat(dst.as_fd())?;
         let src_flags = inode_flags(src.as_fd())?;
         self.copy_data(src.as_fd(), dst.as_fd(), &st, &dst_st, src_flags, f.rel)?;
         // A fresh file has no setuid or setgid bit nor capability for
@@ -681,27 +670,27 @@ impl FileCopier<'_, '_> {
         dst: BorrowedFd<'_>,
         st: &Stat,
         dst_st: &Stat,
-        src_flags: IFlags,
+        src_flags: InodeFlags,
         rel: &Path,
     ) -> io::Result<()> {
-        let size = st.st_size as u64;
-        let src_id = (st.st_dev, st.st_ino);
-        let want_nocow = src_flags.contains(IFlags::NOCOW);
+        let size = st.size;
+        let src_id = (st.dev, st.ino);
+        let want_nocow = src_flags.contains(InodeFlags::NOCOW);
         if want_nocow {
             self.stats.nocow_files += 1;
         }
         let dst_flags = inode_flags(dst)?;
-        let mut start = (dst_st.st_size as u64).min(size);
-        if dst_flags.contains(IFlags::NOCOW) != want_nocow {
+        let mut start = dst_st.size.min(size);
+        if dst_flags.contains(InodeFlags::NOCOW) != want_nocow {
             // Only possible for a file with no data yet; be safe anyway.
             start = 0;
-            if dst_st.st_size != 0 {
+            if dst_st.size != 0 {
                 sys::truncate(dst, 0)?;
             }
             let flags = if want_nocow {
-                dst_flags | IFlags::NOCOW
+                dst_flags | InodeFlags::NOCOW
             } else {
-                dst_flags.difference(IFlags::NOCOW)
+                dst_flags.difference(InodeFlags::NOCOW)
             };
             set_flags(dst, flags)?;
         }
@@ -709,7 +698,7 @@ impl FileCopier<'_, '_> {
             // A partial file: its last block may be partial too.
             start -= start % self.block;
         }
-        if dst_st.st_size as u64 != start {
+        if dst_st.size != start {
             sys::truncate(dst, start)?;
         }
         self.stats.bytes += size;
@@ -760,7 +749,7 @@ impl FileCopier<'_, '_> {
         }
         // A clone ending in a hole may leave the size short: holes are kept
         // as holes either way.
-        if sys::metadata(dst)?.st_size as u64 != size {
+        if sys::stat(dst)?.size != size {
             sys::truncate(dst, size)?;
         }
         Ok(())

@@ -16,51 +16,72 @@
 //! uses), [`layout`] (the names a package owns), [`lock`] (the per-package
 //! lock every tool takes), [`record`] (the small facts kept beside a
 //! package's trees), [`mounts`] (who holds a mount of a volume),
-//! [`usage`] (space accounting from the b-tree), [`errors`] (the I/O
-//! errors that change what a failed step does next) and [`failpoint`] (the
-//! crash sites the tests name). Everything else is internal.
+//! [`usage`] (space accounting from the b-tree), [`walk`] (the tree walker),
+//! [`errors`] (the I/O errors that change what a failed step does next)
+//! and [`failpoint`] (the crash sites the tests name). Everything else is
+//! internal.
 
 use std::path::{Path, PathBuf};
 
+// The crate's public API, item by item: what start-core, volume-migrate,
+// the command-line tools and the tests call; everything else is internal.
+// Each item's line is a plain comment: an outer doc comment would merge
+// into the item's own docs (and, on a module, break their intra-doc links).
+
+// The error type every fallible call returns, and the ids it names.
 pub use models::{Error, ErrorKind, PackageId, VolumeId};
 
+// The lossless reflink copy and the tree removal the conversion uses.
 #[cfg(target_os = "linux")]
 pub mod copy;
+// The I/O errors that change what a failed step does next.
 #[cfg(target_os = "linux")]
 pub mod errors;
 #[cfg(target_os = "linux")]
 mod extents;
+// The named crash sites of the crash-safety tests.
 pub mod failpoint;
+// The names a package owns under the volumes root.
 pub mod layout;
+// The per-package lock every tool takes.
 #[cfg(target_os = "linux")]
 pub mod lock;
+// Who holds a mount of a volume, in every mount namespace.
 #[cfg(target_os = "linux")]
 pub mod mounts;
 mod outcome;
+// The small facts kept beside a package's trees.
 #[cfg(target_os = "linux")]
 pub mod record;
 #[cfg(target_os = "linux")]
 mod root;
 #[cfg(target_os = "linux")]
 mod store;
+// Every system call the crates make, btrfs's ioctls included.
 #[cfg(target_os = "linux")]
 #[allow(unsafe_code)] // the one module that makes system calls
 pub mod sys;
+// Real space use of a volume, from the b-tree.
 #[cfg(target_os = "linux")]
 pub mod usage;
+// The one tree walker: any depth, bounded descriptors, never across a mount.
 #[cfg(target_os = "linux")]
 pub mod walk;
 
+// The environment variable naming the failpoint to fire.
 pub use failpoint::FAILPOINT_ENV;
+// The suffix of the snapshot taken before an install (upstream's name).
 pub use layout::INSTALL_BACKUP_SUFFIX;
-#[cfg(target_os = "linux")]
-pub use mounts::MountUse;
+// What the store's operations report.
 pub use outcome::{Recovery, SnapshotOutcome, VolumeInfo, VolumeKind};
+// The volumes root, open.
 #[cfg(target_os = "linux")]
 pub use root::Root;
+// The store, its usage figures, the default bound on a reflink backup, and
+// the deletion of a tree by path.
 #[cfg(target_os = "linux")]
 pub use store::{
-    DEFAULT_REFLINK_EXTENT_LIMIT, VolumeStore, VolumeUsage, delete_tree, delete_tree_at, open_locks,
+    DEFAULT_REFLINK_EXTENT_LIMIT, VolumeStore, VolumeUsage, delete_tree, delete_tree_at,
 };
 
 /// Upstream's data directory.

@@ -35,9 +35,7 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::PathBuf;
 
-use rustix::fs::FileType;
-
-use crate::sys;
+use crate::sys::{self, FileType};
 
 /// Descriptors a [`Chain`] keeps open at most, the current directory's
 /// included. Every level deeper than that costs, on the way back up, one
@@ -395,7 +393,7 @@ impl<'a> Walk<'a> {
     }
 
     /// The top's mount id: a file of the tree opened by the caller is on
-    /// another mount if its [`sys::mount_id`] differs (`None` where the
+    /// another mount if its `sys::mount_id` differs (`None` where the
     /// kernel gives none: before Linux 5.8).
     pub fn mount(&self) -> Option<u64> {
         self.mount

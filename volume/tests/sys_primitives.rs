@@ -49,15 +49,12 @@ fn mtime(path: &Path) -> (i64, i64) {
 /// test could produce by changing it now.
 fn age(path: &Path, secs: i64) {
     let fd = open(path);
-    let t = rustix::fs::Timespec {
-        tv_sec: secs,
-        tv_nsec: 123_456_789,
-    };
+    let t = (secs, 123_456_789);
     sys::set_times(
         fd.as_fd(),
-        &rustix::fs::Timestamps {
-            last_access: t,
-            last_modification: t,
+        &sys::Times {
+            access: t,
+            modification: t,
         },
     )
     .expect("set times");

@@ -31,10 +31,6 @@ use rules::Violation;
 /// Known violations, by [`Violation::key`], each with what removes it.
 const KNOWN: &[(&str, &str)] = &[
     (
-        "glob re-export: volume/src/sys/mod.rs",
-        "issue 21: volume::sys names what it re-exports (branch i21-g)",
-    ),
-    (
         "import cycle in volume/src: crate::sys between btrfsutil, inode, native, subvolume",
         "moving what the backends (native, btrfsutil) and inode take from subvolume, which \
          calls them (Nested, SUBVOLUME_ROOT_INO, subvolume_info), to a module below them",

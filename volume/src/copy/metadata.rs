@@ -9,24 +9,13 @@ use std::ffi::{OsStr, OsString};
 use std::io;
 use std::os::fd::BorrowedFd;
 
-use rustix::fs::{FileType, IFlags, Timespec, Timestamps};
-
-use crate::sys::{self, Metadata as Stat, inode_flags, set_inode_flags as set_flags};
+use crate::sys::{self, FileType, InodeFlags, Stat, inode_flags, set_inode_flags as set_flags};
 
 /// Where to apply metadata: an open fd (files, directories) or a name in a
 /// directory (symlinks and special files, which are never opened).
 pub(super) enum Target<'a> {
     Fd(BorrowedFd<'a>),
     At(BorrowedFd<'a>, &'a OsStr),
-}
-
-/// Stat's time fields differ in width between targets; Timespec's too.
-#[allow(clippy::unnecessary_cast)]
-fn ts(sec: i64, nsec: i64) -> Timespec {
-    Timespec {
-        tv_sec: sec as _,
-        tv_nsec: nsec as _,
-    }
 }
 
 /// Owner, mode, xattrs (for fds), timestamps and the remaining inode flags,
@@ -45,13 +34,12 @@ pub(super) fn finish_metadata(
             finish_fd_metadata(st, fd, src, src_flags, None)
         }
         Target::At(dir, name) => {
-            sys::chown_at(dir, name, st.st_uid, st.st_gid)?;
-            let ty = FileType::from_raw_mode(st.st_mode);
-            if ty != FileType::Symlink {
+            sys::chown_at(dir, name, st.uid, st.gid)?;
+            if st.file_type != FileType::Symlink {
                 // mknod applied the umask; chmodat cannot follow a non-link.
-                sys::chmod_at(dir, name, st.st_mode)?;
+                sys::chmod_at(dir, name, st.mode)?;
             }
-            sys::set_times_at(dir, name, &times(st))?;
+            sys::set_times_at(dir, name, &st.times())?;
             Ok(())
         }
     }
@@ -64,18 +52,10 @@ pub(super) fn finish_file_metadata(
     st: &Stat,
     dst: BorrowedFd<'_>,
     src: BorrowedFd<'_>,
-    src_flags: IFlags,
+    src_flags: InodeFlags,
     now: Option<&Stat>,
 ) -> io::Result<()> {
     finish_fd_metadata(st, dst, Some(src), Some(src_flags), now)
-}
-
-#[allow(clippy::unnecessary_cast)]
-fn times(st: &Stat) -> Timestamps {
-    Timestamps {
-        last_access: ts(st.st_atime as _, st.st_atime_nsec as _),
-        last_modification: ts(st.st_mtime as _, st.st_mtime_nsec as _),
-    }
 }
 
 /// Gives the file or directory open as `fd` the metadata `st` describes:
@@ -89,24 +69,24 @@ pub fn finish_fd_metadata(
     st: &Stat,
     fd: BorrowedFd<'_>,
     src: Option<BorrowedFd<'_>>,
-    src_flags: Option<IFlags>,
+    src_flags: Option<InodeFlags>,
     now: Option<&Stat>,
 ) -> io::Result<()> {
-    let same_owner = now.is_some_and(|n| (n.st_uid, n.st_gid) == (st.st_uid, st.st_gid));
+    let same_owner = now.is_some_and(|n| (n.uid, n.gid) == (st.uid, st.gid));
     if !same_owner {
-        sys::chown(fd, st.st_uid, st.st_gid)?;
+        sys::chown(fd, st.uid, st.gid)?;
     }
     // A chown may clear the setuid and setgid bits: after one, always chmod.
-    let same_mode = same_owner && now.is_some_and(|n| n.st_mode & 0o7777 == st.st_mode & 0o7777);
+    let same_mode = same_owner && now.is_some_and(|n| n.mode == st.mode);
     if !same_mode {
-        sys::chmod(fd, st.st_mode)?;
+        sys::chmod(fd, st.mode)?;
     }
     if let Some(src) = src {
         copy_xattrs_fd(src, fd)?;
     }
-    sys::set_times(fd, &times(st))?;
+    sys::set_times(fd, &st.times())?;
     if let Some(src_flags) = src_flags {
-        let rest = src_flags.difference(IFlags::NOCOW);
+        let rest = src_flags.difference(InodeFlags::NOCOW);
         if !rest.is_empty() {
             set_flags(fd, inode_flags(fd)? | rest)?;
         }

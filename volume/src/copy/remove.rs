@@ -5,9 +5,7 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::path::PathBuf;
 
-use rustix::fs::FileType;
-
-use crate::sys;
+use crate::sys::{self, FileType};
 use crate::walk::{Step, Walk, crosses_mount};
 
 /// Removes the entry `name` of `parent` and everything below it, whatever
@@ -32,10 +30,10 @@ pub fn remove_tree_at(
         *count += 1;
         on_entry(*count)
     };
-    let Some(st) = sys::metadata_at_if_exists(parent, name)? else {
+    let Some(st) = sys::stat_at(parent, name)? else {
         return Ok(());
     };
-    if FileType::from_raw_mode(st.st_mode) != FileType::Directory {
+    if st.file_type != FileType::Directory {
         unlink(parent, name, &st)?;
         return removed(&mut count);
     }
@@ -55,10 +53,10 @@ pub fn remove_tree_at(
         match step {
             Step::Entry(entry) => {
                 let here = walk.dir();
-                let Some(st) = sys::metadata_at_if_exists(here, &entry.name)? else {
+                let Some(st) = sys::stat_at(here, &entry.name)? else {
                     continue;
                 };
-                if FileType::from_raw_mode(st.st_mode) != FileType::Directory {
+                if st.file_type != FileType::Directory {
                     unlink(here, &entry.name, &st)?;
                     removed(&mut count)?;
                     continue;
@@ -95,10 +93,10 @@ pub fn remove_tree_at(
 fn delete_if_subvolume(
     parent: BorrowedFd<'_>,
     name: &OsStr,
-    st: &sys::Metadata,
+    st: &sys::Stat,
     dir: BorrowedFd<'_>,
 ) -> io::Result<bool> {
-    if st.st_ino != sys::SUBVOLUME_ROOT_INO
+    if st.ino != sys::SUBVOLUME_ROOT_INO
         || !sys::is_btrfs(dir)?
         || sys::stat(dir)?.dev == sys::stat(parent)?.dev
     {
@@ -111,15 +109,14 @@ fn delete_if_subvolume(
 
 /// Unlinks the non-directory `name` of `dir`, lifting an immutable or
 /// append-only flag that forbids it; absent is fine.
-fn unlink(dir: BorrowedFd<'_>, name: &OsStr, st: &sys::Metadata) -> io::Result<()> {
+fn unlink(dir: BorrowedFd<'_>, name: &OsStr, st: &sys::Stat) -> io::Result<()> {
     match sys::unlink_at(dir, name) {
         Ok(()) => Ok(()),
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
         // Names elsewhere (hardlinks outside the tree) keep the inode, and
         // so its flags.
         Err(e)
-            if e.raw_os_error() == Some(libc::EPERM)
-                && FileType::from_raw_mode(st.st_mode) == FileType::RegularFile =>
+            if e.raw_os_error() == Some(libc::EPERM) && st.file_type == FileType::RegularFile =>
         {
             sys::with_stuck_flags_lifted(dir, name, || sys::unlink_at(dir, name))
         }

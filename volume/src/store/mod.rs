@@ -59,14 +59,13 @@ use std::path::{Path, PathBuf};
 
 use color_eyre::eyre::eyre;
 use models::{Error, ErrorKind, PackageId, ResultExt, VolumeId};
-use rustix::fs::FileType;
 
 use crate::layout::{self, Names};
 use crate::lock::{LockDir, LockWait, PackageLock};
 use crate::mounts;
 use crate::outcome::VolumeKind;
 use crate::root::Root;
-use crate::sys;
+use crate::sys::{self, FileType};
 
 mod create;
 mod query;
@@ -131,7 +130,7 @@ struct Held {
 
 /// The lock directory of the volumes root open as `dir`, with the error
 /// every caller reports.
-pub fn open_locks(root: &Path, dir: BorrowedFd<'_>) -> Result<LockDir, Error> {
+fn open_locks(root: &Path, dir: BorrowedFd<'_>) -> Result<LockDir, Error> {
     LockDir::for_root(dir).with_ctx(|_| {
         (
             ErrorKind::Filesystem,

@@ -10,14 +10,13 @@ use std::os::fd::AsFd;
 
 use color_eyre::eyre::eyre;
 use models::{Error, ErrorKind, PackageId, ResultExt};
-use rustix::fs::FileType;
 use serde::Serialize;
 
 use super::{Entry, VolumeStore};
 use crate::layout::{self, Names};
 use crate::mounts::{self, MountUse};
 use crate::outcome::VolumeInfo;
-use crate::sys;
+use crate::sys::{self, FileType};
 use crate::usage::{self, Split, Usage};
 
 /// Real space use of a package's volume and backup ([`VolumeStore::usage`]).

@@ -5,7 +5,7 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
 /// Shares all of `src`'s extents with `dst` (FICLONE), a reflink copy.
-pub fn ficlone(dst: BorrowedFd<'_>, src: BorrowedFd<'_>) -> io::Result<()> {
+pub(crate) fn ficlone(dst: BorrowedFd<'_>, src: BorrowedFd<'_>) -> io::Result<()> {
     super::fault::check("ioctl_ficlone")?;
     Ok(rustix::fs::ioctl_ficlone(dst, src)?)
 }

@@ -3,7 +3,7 @@
 //! SQLite tests its I/O layer by making the k-th call fail, for every k, and
 //! checking what each failure leaves; this module gives `sys` the same
 //! seam. Every function of `sys` that enters the kernel passes through
-//! [`check`] first, once per system call it makes. With the `failpoints`
+//! `check` first, once per system call it makes. With the `failpoints`
 //! feature and [`FAULT_ENV`] set to `K:ERRNO`, the K-th such call of the
 //! process (counting every thread) fails with ERRNO instead of running;
 //! with `K+:ERRNO`, that call and every later one fail, as on a filesystem
@@ -17,7 +17,7 @@
 //! every call appends its line: how a sweep learns how many calls an
 //! operation makes, and which is which.
 //!
-//! Without the feature, [`check`] is an inline no-op: production builds
+//! Without the feature, `check` is an inline no-op: production builds
 //! carry no counter and read no environment.
 
 use std::io;
@@ -30,7 +30,8 @@ pub const FAULT_ENV: &str = "STARTOS_VOLUME_FAULT";
 pub const FAULT_LOG_ENV: &str = "STARTOS_VOLUME_FAULT_LOG";
 
 /// The errno a fault spec names, from its name or number.
-pub fn parse_errno(name: &str) -> Option<i32> {
+#[cfg(feature = "failpoints")]
+pub(crate) fn parse_errno(name: &str) -> Option<i32> {
     Some(match name {
         "eio" => libc::EIO,
         "enospc" => libc::ENOSPC,
@@ -45,7 +46,7 @@ pub fn parse_errno(name: &str) -> Option<i32> {
 /// Counts one system call named `name` and, in a sweep, fails it if it is
 /// the chosen one (see the module docs). Free without `failpoints`.
 #[inline]
-pub fn check(name: &'static str) -> io::Result<()> {
+pub(crate) fn check(name: &'static str) -> io::Result<()> {
     #[cfg(feature = "failpoints")]
     {
         armed::check(name)
@@ -136,7 +137,7 @@ mod armed {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "failpoints"))]
 mod tests {
     use super::*;
 

@@ -5,22 +5,98 @@ use std::ffi::OsStr;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
 
-use rustix::fs::{FileType, IFlags};
+use rustix::fs::IFlags;
 use rustix::io::Errno;
 
-use super::fs::{metadata, metadata_at, open_read_at};
+use super::fs::{FileType, open_read_at, stat, stat_existing_at};
 use super::xattr::{get_xattr, remove_xattr, set_xattr};
 
 /// The xattr under which btrfs keeps a file's compression property.
 const COMPRESSION_XATTR: &str = "btrfs.compression";
 
+/// Inode flags (chattr), the `FS_*_FL` bits of FS_IOC_GETFLAGS. Every bit
+/// the kernel reports is kept, named or not; the crates act on three.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct InodeFlags(u32);
+
+impl InodeFlags {
+    /// `chattr +i`: neither the inode nor, on a directory, its entries
+    /// may change.
+    pub const IMMUTABLE: InodeFlags = InodeFlags(IFlags::IMMUTABLE.bits());
+    /// `chattr +a`: a file may only grow; a directory's entries may only be
+    /// added.
+    pub const APPEND: InodeFlags = InodeFlags(IFlags::APPEND.bits());
+    /// `chattr +C`: no copy on write (nor checksums, nor compression) for
+    /// the file's data, or for files created in the directory.
+    pub const NOCOW: InodeFlags = InodeFlags(IFlags::NOCOW.bits());
+
+    /// No flag.
+    pub const fn empty() -> InodeFlags {
+        InodeFlags(0)
+    }
+
+    /// The raw bits.
+    pub const fn bits(self) -> u32 {
+        self.0
+    }
+
+    /// The flags of raw bits, every one kept.
+    pub const fn from_bits_retain(bits: u32) -> InodeFlags {
+        InodeFlags(bits)
+    }
+
+    /// Whether no flag is set.
+    pub const fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// Whether every flag of `other` is set.
+    pub const fn contains(self, other: InodeFlags) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// Whether any flag of `other` is set.
+    pub const fn intersects(self, other: InodeFlags) -> bool {
+        self.0 & other.0 != 0
+    }
+
+    /// The flags set in both.
+    pub const fn intersection(self, other: InodeFlags) -> InodeFlags {
+        InodeFlags(self.0 & other.0)
+    }
+
+    /// The flags set in either.
+    pub const fn union(self, other: InodeFlags) -> InodeFlags {
+        InodeFlags(self.0 | other.0)
+    }
+
+    /// These flags less those of `other`.
+    pub const fn difference(self, other: InodeFlags) -> InodeFlags {
+        InodeFlags(self.0 & !other.0)
+    }
+}
+
+impl std::ops::BitOr for InodeFlags {
+    type Output = InodeFlags;
+    fn bitor(self, other: InodeFlags) -> InodeFlags {
+        self.union(other)
+    }
+}
+
+impl std::ops::BitXor for InodeFlags {
+    type Output = InodeFlags;
+    fn bitxor(self, other: InodeFlags) -> InodeFlags {
+        InodeFlags(self.0 ^ other.0)
+    }
+}
+
 /// The inode flags (chattr) of the file or directory open as `fd`
 /// (FS_IOC_GETFLAGS), or none where the filesystem has no such notion.
-pub fn inode_flags(fd: BorrowedFd<'_>) -> io::Result<IFlags> {
+pub fn inode_flags(fd: BorrowedFd<'_>) -> io::Result<InodeFlags> {
     super::fault::check("ioctl_getflags")?;
     match rustix::fs::ioctl_getflags(fd) {
-        Ok(f) => Ok(f),
-        Err(Errno::NOTTY | Errno::OPNOTSUPP | Errno::INVAL) => Ok(IFlags::empty()),
+        Ok(f) => Ok(InodeFlags(f.bits())),
+        Err(Errno::NOTTY | Errno::OPNOTSUPP | Errno::INVAL) => Ok(InodeFlags::empty()),
         Err(e) => Err(e.into()),
     }
 }
@@ -32,8 +108,8 @@ pub fn inode_flags(fd: BorrowedFd<'_>) -> io::Result<IFlags> {
 /// away), so the property is put back as it was; the immutable and
 /// append-only flags, which would forbid that, are set last and apart
 /// ([`set_immutable_append`]).
-pub fn set_inode_flags(fd: BorrowedFd<'_>, flags: IFlags) -> io::Result<()> {
-    let stuck = IFlags::IMMUTABLE | IFlags::APPEND;
+pub fn set_inode_flags(fd: BorrowedFd<'_>, flags: InodeFlags) -> io::Result<()> {
+    let stuck = InodeFlags::IMMUTABLE | InodeFlags::APPEND;
     let current = inode_flags(fd)?;
     if current.difference(stuck) != flags.difference(stuck) {
         if current.intersects(stuck) {
@@ -45,7 +121,8 @@ pub fn set_inode_flags(fd: BorrowedFd<'_>, flags: IFlags) -> io::Result<()> {
             Err(e) => return Err(e),
         };
         super::fault::check("ioctl_setflags")?;
-        rustix::fs::ioctl_setflags(fd, flags.difference(stuck))?;
+        let rest = IFlags::from_bits_retain(flags.difference(stuck).bits());
+        rustix::fs::ioctl_setflags(fd, rest)?;
         match property {
             Some(v) => set_xattr(fd, OsStr::new(COMPRESSION_XATTR), &v)?,
             None => match remove_xattr(fd, OsStr::new(COMPRESSION_XATTR)) {
@@ -58,8 +135,8 @@ pub fn set_inode_flags(fd: BorrowedFd<'_>, flags: IFlags) -> io::Result<()> {
     if current.intersects(stuck) || flags.intersects(stuck) {
         set_immutable_append(
             fd,
-            flags.contains(IFlags::IMMUTABLE),
-            flags.contains(IFlags::APPEND),
+            flags.contains(InodeFlags::IMMUTABLE),
+            flags.contains(InodeFlags::APPEND),
         )?;
     }
     Ok(())
@@ -68,7 +145,7 @@ pub fn set_inode_flags(fd: BorrowedFd<'_>, flags: IFlags) -> io::Result<()> {
 /// Clears the immutable and append-only flags of the file or directory open
 /// as `fd`, which forbid changing it (or, on a directory, its entries).
 pub fn clear_stuck_flags(fd: BorrowedFd<'_>) -> io::Result<()> {
-    if inode_flags(fd)?.intersects(IFlags::IMMUTABLE | IFlags::APPEND) {
+    if inode_flags(fd)?.intersects(InodeFlags::IMMUTABLE | InodeFlags::APPEND) {
         set_immutable_append(fd, false, false)?;
     }
     Ok(())
@@ -79,12 +156,12 @@ pub fn clear_stuck_flags(fd: BorrowedFd<'_>) -> io::Result<()> {
 /// both, lifted, and puts them back afterwards, whatever `op` returned. A
 /// crash in between leaves them off: callers only lift them in trees of
 /// their own making (a copy being built) or about to go.
-pub fn with_own_stuck_flags_lifted<T>(
+pub(crate) fn with_own_stuck_flags_lifted<T>(
     fd: BorrowedFd<'_>,
     op: impl FnOnce() -> io::Result<T>,
 ) -> io::Result<T> {
     let flags = inode_flags(fd)?;
-    let stuck = IFlags::IMMUTABLE | IFlags::APPEND;
+    let stuck = InodeFlags::IMMUTABLE | InodeFlags::APPEND;
     if !flags.intersects(stuck) {
         return op();
     }
@@ -92,8 +169,8 @@ pub fn with_own_stuck_flags_lifted<T>(
     let done = op();
     set_immutable_append(
         fd,
-        flags.contains(IFlags::IMMUTABLE),
-        flags.contains(IFlags::APPEND),
+        flags.contains(InodeFlags::IMMUTABLE),
+        flags.contains(InodeFlags::APPEND),
     )?;
     done
 }
@@ -105,27 +182,24 @@ pub fn with_own_stuck_flags_lifted<T>(
 /// between leaves them off. Only a regular file or a directory is opened
 /// (O_NONBLOCK, in case it was swapped for a FIFO since the stat); any other
 /// entry, or one without those flags, just gets `op`. `name` may hold
-/// several components, resolved from `dir` (see [`metadata_at`]).
+/// several components, resolved from `dir` (see [`stat_at`](super::stat_at)).
 pub fn with_stuck_flags_lifted(
     dir: BorrowedFd<'_>,
     name: &OsStr,
     op: impl FnOnce() -> io::Result<()>,
 ) -> io::Result<()> {
-    let st = metadata_at(dir, name)?;
-    if !matches!(
-        FileType::from_raw_mode(st.st_mode),
-        FileType::RegularFile | FileType::Directory
-    ) {
+    let st = stat_existing_at(dir, name)?;
+    if !matches!(st.file_type, FileType::RegularFile | FileType::Directory) {
         return op();
     }
     let fd = open_read_at(dir, name)?;
     let flags = inode_flags(fd.as_fd())?;
-    if !flags.intersects(IFlags::IMMUTABLE | IFlags::APPEND) {
+    if !flags.intersects(InodeFlags::IMMUTABLE | InodeFlags::APPEND) {
         return op();
     }
     clear_stuck_flags(fd.as_fd())?;
     let done = op();
-    if metadata(fd.as_fd())?.st_nlink > 0 {
+    if stat(fd.as_fd())?.nlink > 0 {
         set_inode_flags(fd.as_fd(), flags)?;
     }
     done

@@ -2,31 +2,157 @@
 
 use std::ffi::{OsStr, OsString};
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::Path;
 
-use rustix::fs::{AtFlags, FileType, Mode, OFlags, RenameFlags};
+use rustix::fs::{AtFlags, Mode, OFlags, RenameFlags};
 use rustix::io::Errno;
 
 /// `BTRFS_SUPER_MAGIC` from `linux/magic.h`.
 const BTRFS_SUPER_MAGIC: i64 = 0x9123_683e;
 
-/// The subset of `struct stat` the crate looks at.
+/// The type of an inode, from `st_mode` or a directory entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FileType {
+    /// A regular file.
+    RegularFile,
+    /// A directory.
+    Directory,
+    /// A symbolic link.
+    Symlink,
+    /// A named pipe.
+    Fifo,
+    /// A Unix socket.
+    Socket,
+    /// A character device.
+    CharacterDevice,
+    /// A block device.
+    BlockDevice,
+    /// A directory entry whose filesystem did not say (DT_UNKNOWN): stat it.
+    Unknown,
+}
+
+impl FileType {
+    fn from_rustix(t: rustix::fs::FileType) -> FileType {
+        use rustix::fs::FileType as R;
+        match t {
+            R::RegularFile => FileType::RegularFile,
+            R::Directory => FileType::Directory,
+            R::Symlink => FileType::Symlink,
+            R::Fifo => FileType::Fifo,
+            R::Socket => FileType::Socket,
+            R::CharacterDevice => FileType::CharacterDevice,
+            R::BlockDevice => FileType::BlockDevice,
+            R::Unknown => FileType::Unknown,
+        }
+    }
+
+    fn to_rustix(self) -> rustix::fs::FileType {
+        use rustix::fs::FileType as R;
+        match self {
+            FileType::RegularFile => R::RegularFile,
+            FileType::Directory => R::Directory,
+            FileType::Symlink => R::Symlink,
+            FileType::Fifo => R::Fifo,
+            FileType::Socket => R::Socket,
+            FileType::CharacterDevice => R::CharacterDevice,
+            FileType::BlockDevice => R::BlockDevice,
+            FileType::Unknown => R::Unknown,
+        }
+    }
+}
+
+/// A time of an inode: (seconds, nanoseconds) since the epoch.
+pub type FileTime = (i64, i64);
+
+/// The access and modification times of an inode, as `utimensat` sets them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Times {
+    /// Last access (`st_atime`).
+    pub access: FileTime,
+    /// Last modification of the contents (`st_mtime`).
+    pub modification: FileTime,
+}
+
+impl Times {
+    // Timespec's field widths differ between targets.
+    #[allow(clippy::unnecessary_cast)]
+    fn to_rustix(self) -> rustix::fs::Timestamps {
+        let ts = |(sec, nsec): FileTime| rustix::fs::Timespec {
+            tv_sec: sec as _,
+            tv_nsec: nsec as _,
+        };
+        rustix::fs::Timestamps {
+            last_access: ts(self.access),
+            last_modification: ts(self.modification),
+        }
+    }
+}
+
+/// What `fstat` and `lstat` report of an inode, as far as the crates look:
+/// its type, where it lives, owner, permissions, size, link count, device
+/// number and times, for the copy and carve code that reproduces an inode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stat {
-    /// File type bits.
+    /// File type, from `st_mode`'s type bits.
     pub file_type: FileType,
+    /// Permission, setuid, setgid and sticky bits (`st_mode & 0o7777`).
+    pub mode: u32,
     /// Device the inode lives on (each btrfs subvolume has its own).
     pub dev: u64,
     /// Inode number.
     pub ino: u64,
+    /// Number of hard links.
+    pub nlink: u64,
+    /// Owner.
+    pub uid: u32,
+    /// Group.
+    pub gid: u32,
+    /// Device number, for a character or block device.
+    pub rdev: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Last access.
+    pub atime: FileTime,
+    /// Last modification of the contents.
+    pub mtime: FileTime,
+    /// Last change of the inode (contents or metadata).
+    pub ctime: FileTime,
 }
 
 impl Stat {
+    /// The fields callers use of rustix's (the libc's) `struct stat`.
+    // The field widths differ between targets.
+    #[allow(clippy::unnecessary_cast)]
+    fn from_rustix(st: &rustix::fs::Stat) -> Stat {
+        Stat {
+            file_type: FileType::from_rustix(rustix::fs::FileType::from_raw_mode(st.st_mode)),
+            mode: (st.st_mode as u32) & 0o7777,
+            dev: st.st_dev as u64,
+            ino: st.st_ino as u64,
+            nlink: st.st_nlink as u64,
+            uid: st.st_uid as u32,
+            gid: st.st_gid as u32,
+            rdev: st.st_rdev as u64,
+            size: st.st_size as u64,
+            atime: (st.st_atime as i64, st.st_atime_nsec as i64),
+            mtime: (st.st_mtime as i64, st.st_mtime_nsec as i64),
+            ctime: (st.st_ctime as i64, st.st_ctime_nsec as i64),
+        }
+    }
+
     /// Whether this is a directory.
     pub fn is_dir(&self) -> bool {
         self.file_type == FileType::Directory
+    }
+
+    /// The access and modification times, as [`set_times`] takes them.
+    pub fn times(&self) -> Times {
+        Times {
+            access: self.atime,
+            modification: self.mtime,
+        }
     }
 }
 
@@ -52,7 +178,7 @@ pub fn open_dir_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<OwnedFd> {
 }
 
 /// Opens (creating if needed) a regular file inside `dir` for writing.
-pub fn create_file_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Result<OwnedFd> {
+pub(crate) fn create_file_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Result<OwnedFd> {
     super::fault::check("openat")?;
     Ok(rustix::fs::openat(
         dir,
@@ -64,7 +190,7 @@ pub fn create_file_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Resul
 
 /// Creates the empty regular file `name` in `dir`, never following a
 /// symlink; already there is fine. Needs no data space.
-pub fn touch_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Result<()> {
+pub(crate) fn touch_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Result<()> {
     super::fault::check("openat")?;
     match rustix::fs::openat(
         dir,
@@ -77,52 +203,42 @@ pub fn touch_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Result<()> 
     }
 }
 
-/// `lstat` of `name` in `dir`; `None` when it does not exist.
+/// `lstat` of `name` in `dir`, never following a final symlink; `None`
+/// when it does not exist. `name` may hold several components (resolved
+/// from `dir`, as `statat` does); the crates pass more than one only for
+/// paths inside a tree they built themselves.
 pub fn stat_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Stat>> {
     super::fault::check("statat")?;
     match rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
-        Ok(st) => Ok(Some(Stat {
-            file_type: FileType::from_raw_mode(st.st_mode),
-            dev: st.st_dev,
-            ino: st.st_ino,
-        })),
+        Ok(st) => Ok(Some(Stat::from_rustix(&st))),
         Err(Errno::NOENT) => Ok(None),
         Err(e) => Err(e.into()),
     }
+}
+
+/// [`stat_at`] of a name that must exist: ENOENT when absent.
+pub(crate) fn stat_existing_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Stat> {
+    super::fault::check("statat")?;
+    let st = rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)?;
+    Ok(Stat::from_rustix(&st))
 }
 
 /// `fstat` of an open fd.
 pub fn stat(fd: BorrowedFd<'_>) -> io::Result<Stat> {
     super::fault::check("fstat")?;
     let st = rustix::fs::fstat(fd)?;
-    Ok(Stat {
-        file_type: FileType::from_raw_mode(st.st_mode),
-        dev: st.st_dev,
-        ino: st.st_ino,
-    })
+    Ok(Stat::from_rustix(&st))
 }
 
 /// Access and modification times of `fd`, to the nanosecond.
-pub fn times(fd: BorrowedFd<'_>) -> io::Result<rustix::fs::Timestamps> {
-    super::fault::check("fstat")?;
-    let st = rustix::fs::fstat(fd)?;
-    #[allow(clippy::unnecessary_cast)] // the field widths differ between targets
-    Ok(rustix::fs::Timestamps {
-        last_access: rustix::fs::Timespec {
-            tv_sec: st.st_atime as _,
-            tv_nsec: st.st_atime_nsec as _,
-        },
-        last_modification: rustix::fs::Timespec {
-            tv_sec: st.st_mtime as _,
-            tv_nsec: st.st_mtime_nsec as _,
-        },
-    })
+pub fn times(fd: BorrowedFd<'_>) -> io::Result<Times> {
+    Ok(stat(fd)?.times())
 }
 
 /// Sets the access and modification times of `fd`.
-pub fn set_times(fd: BorrowedFd<'_>, times: &rustix::fs::Timestamps) -> io::Result<()> {
+pub fn set_times(fd: BorrowedFd<'_>, times: &Times) -> io::Result<()> {
     super::fault::check("futimens")?;
-    Ok(rustix::fs::futimens(fd, times)?)
+    Ok(rustix::fs::futimens(fd, &times.to_rustix())?)
 }
 
 /// Writes all of `data` to `fd`.
@@ -139,42 +255,6 @@ pub fn write_all(fd: BorrowedFd<'_>, mut data: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
-/// Reads the small regular file `name` in `dir` (at most `limit` bytes),
-/// refusing a symlink and never blocking on a FIFO; `None` if absent.
-pub fn read_small_file_at(
-    dir: BorrowedFd<'_>,
-    name: &OsStr,
-    limit: usize,
-) -> io::Result<Option<Vec<u8>>> {
-    super::fault::check("openat")?;
-    let fd = match rustix::fs::openat(
-        dir,
-        name,
-        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
-        Mode::empty(),
-    ) {
-        Ok(fd) => fd,
-        Err(Errno::NOENT) => return Ok(None),
-        Err(e) => return Err(e.into()),
-    };
-    if stat(fd.as_fd())?.file_type != FileType::RegularFile {
-        return Ok(None);
-    }
-    let mut buf = vec![0u8; limit];
-    let mut len = 0;
-    while len < limit {
-        super::fault::check("read")?;
-        match rustix::io::read(&fd, &mut buf[len..]) {
-            Ok(0) => break,
-            Ok(n) => len += n,
-            Err(Errno::INTR) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    buf.truncate(len);
-    Ok(Some(buf))
-}
-
 /// Whether `fd` lives on a btrfs filesystem.
 pub fn is_btrfs(fd: BorrowedFd<'_>) -> io::Result<bool> {
     super::fault::check("fstatfs")?;
@@ -187,14 +267,14 @@ pub fn is_btrfs(fd: BorrowedFd<'_>) -> io::Result<bool> {
 /// replacing anything (EEXIST). One atomic step: after a crash the name is
 /// either absent or holds the whole target. On btrfs the target lives in
 /// the metadata tree, so this needs no data space.
-pub fn symlink_at(dir: BorrowedFd<'_>, name: &OsStr, target: &[u8]) -> io::Result<()> {
+pub(crate) fn symlink_at(dir: BorrowedFd<'_>, name: &OsStr, target: &[u8]) -> io::Result<()> {
     super::fault::check("symlinkat")?;
     Ok(rustix::fs::symlinkat(OsStr::from_bytes(target), dir, name)?)
 }
 
 /// The target of the symlink `name` in `dir`, never followed; `None` if
 /// `name` does not exist, EINVAL if it is not a symlink.
-pub fn read_link_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Vec<u8>>> {
+pub(crate) fn read_link_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Vec<u8>>> {
     super::fault::check("readlinkat")?;
     match rustix::fs::readlinkat(dir, name, Vec::new()) {
         Ok(target) => Ok(Some(target.into_bytes())),
@@ -248,7 +328,7 @@ pub fn rename_noreplace(dir: BorrowedFd<'_>, from: &OsStr, to: &OsStr) -> io::Re
 }
 
 /// Removes the file `name` from `dir`; absent is fine.
-pub fn unlink_if_exists(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+pub(crate) fn unlink_if_exists(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
     super::fault::check("unlinkat")?;
     match rustix::fs::unlinkat(dir, name, AtFlags::empty()) {
         Ok(()) | Err(Errno::NOENT) => Ok(()),
@@ -257,7 +337,7 @@ pub fn unlink_if_exists(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
 }
 
 /// Creates directory `name` in `dir`; already existing is fine.
-pub fn mkdir_if_missing(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Result<()> {
+pub(crate) fn mkdir_if_missing(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Result<()> {
     super::fault::check("mkdirat")?;
     match rustix::fs::mkdirat(dir, name, Mode::from_raw_mode(mode)) {
         Ok(()) | Err(Errno::EXIST) => Ok(()),
@@ -267,7 +347,7 @@ pub fn mkdir_if_missing(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Res
 
 /// Creates the directory at `path` (its parent must exist); already
 /// existing is fine.
-pub fn mkdir_path_if_missing(path: &Path, mode: u32) -> io::Result<()> {
+pub(crate) fn mkdir_path_if_missing(path: &Path, mode: u32) -> io::Result<()> {
     super::fault::check("mkdir")?;
     match rustix::fs::mkdir(path, Mode::from_raw_mode(mode)) {
         Ok(()) | Err(Errno::EXIST) => Ok(()),
@@ -287,7 +367,7 @@ pub fn fsync(fd: BorrowedFd<'_>) -> io::Result<()> {
 
 /// `syncfs` of the filesystem holding `fd`: every dirty page and inode of
 /// it written and, where the filesystem has one, its journal committed.
-pub fn syncfs(fd: BorrowedFd<'_>) -> io::Result<()> {
+pub(crate) fn syncfs(fd: BorrowedFd<'_>) -> io::Result<()> {
     super::fault::check("syncfs")?;
     Ok(rustix::fs::syncfs(fd)?)
 }
@@ -309,7 +389,7 @@ pub fn birth_time(fd: BorrowedFd<'_>) -> io::Result<Option<(i64, i64)>> {
 /// between them, a bind mount of the same filesystem included, which a
 /// device number does not tell (a btrfs subvolume has a device number of
 /// its own, yet is no mount). `None` before Linux 5.8, which does not say.
-pub fn mount_id(fd: BorrowedFd<'_>) -> io::Result<Option<u64>> {
+pub(crate) fn mount_id(fd: BorrowedFd<'_>) -> io::Result<Option<u64>> {
     use rustix::fs::{StatxFlags, statx};
     super::fault::check("statx")?;
     let st = statx(fd, "", AtFlags::EMPTY_PATH, StatxFlags::MNT_ID)?;
@@ -321,7 +401,7 @@ pub fn mount_id(fd: BorrowedFd<'_>) -> io::Result<Option<u64>> {
 /// [`mount_id`] of the entry `name` of `dir`, never following a final
 /// symlink: for entries that are never opened (FIFOs, sockets, devices),
 /// over which a file can be bind-mounted all the same.
-pub fn mount_id_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<u64>> {
+pub(crate) fn mount_id_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<u64>> {
     use rustix::fs::{StatxFlags, statx};
     super::fault::check("statx")?;
     let st = statx(dir, name, AtFlags::SYMLINK_NOFOLLOW, StatxFlags::MNT_ID)?;
@@ -334,7 +414,7 @@ pub fn mount_id_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<u64>>
 ///
 /// flock locks belong to the open file description, so two threads of one
 /// process that each opened the lock file exclude each other too.
-pub fn lock_exclusive(fd: BorrowedFd<'_>) -> io::Result<()> {
+pub(crate) fn lock_exclusive(fd: BorrowedFd<'_>) -> io::Result<()> {
     loop {
         super::fault::check("flock")?;
         match rustix::fs::flock(fd, rustix::fs::FlockOperation::LockExclusive) {
@@ -346,7 +426,7 @@ pub fn lock_exclusive(fd: BorrowedFd<'_>) -> io::Result<()> {
 
 /// Locks `fd` exclusively (flock) if nobody holds it; `false` if another
 /// open file description does.
-pub fn try_lock_exclusive(fd: BorrowedFd<'_>) -> io::Result<bool> {
+pub(crate) fn try_lock_exclusive(fd: BorrowedFd<'_>) -> io::Result<bool> {
     use rustix::fs::FlockOperation;
     loop {
         super::fault::check("flock")?;
@@ -372,46 +452,16 @@ pub fn read_dir_names(fd: BorrowedFd<'_>) -> io::Result<Vec<(OsString, FileType,
         }
         out.push((
             OsString::from_vec(name.to_vec()),
-            entry.file_type(),
+            FileType::from_rustix(entry.file_type()),
             entry.ino(),
         ));
     }
     Ok(out)
 }
 
-/// Everything `fstat` and `lstat` report (owner, mode, size, link count,
-/// device number, times), for the copy and carve code that reproduces an
-/// inode's metadata; [`Stat`] is the subset the rest of the crate needs.
-pub type Metadata = rustix::fs::Stat;
-
-/// `fstat` of an open fd, in full.
-pub fn metadata(fd: BorrowedFd<'_>) -> io::Result<Metadata> {
-    super::fault::check("fstat")?;
-    Ok(rustix::fs::fstat(fd)?)
-}
-
-/// `lstat` of `name` in `dir`, in full, never following a final symlink.
-/// `name` may hold several components (resolved from `dir`, as `statat`
-/// does); the crate passes more than one only for paths inside a tree it
-/// built itself. ENOENT when absent.
-pub fn metadata_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Metadata> {
-    super::fault::check("statat")?;
-    Ok(rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)?)
-}
-
-/// [`metadata_at`], `None` when `name` does not exist.
-pub fn metadata_at_if_exists(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Metadata>> {
-    super::fault::check("statat")?;
-    match rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
-        Ok(st) => Ok(Some(st)),
-        Err(Errno::NOENT) => Ok(None),
-        Err(e) => Err(e.into()),
-    }
-}
-
 /// The block size of the filesystem holding `fd` (statvfs `f_bsize`, at
 /// least 512): the unit FICLONERANGE offsets must be multiples of.
-pub fn block_size(fd: BorrowedFd<'_>) -> io::Result<u64> {
+pub(crate) fn block_size(fd: BorrowedFd<'_>) -> io::Result<u64> {
     super::fault::check("fstatvfs")?;
     Ok(rustix::fs::fstatvfs(fd)?.f_bsize.max(512))
 }
@@ -419,8 +469,8 @@ pub fn block_size(fd: BorrowedFd<'_>) -> io::Result<u64> {
 /// Opens `name` in `dir` read-only, never following a final symlink and
 /// never blocking: O_NONBLOCK, so an entry swapped for a FIFO since the
 /// caller's stat cannot hang the open (the caller's fstat then tells).
-/// `name` may hold several components, as for [`metadata_at`].
-pub fn open_read_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<OwnedFd> {
+/// `name` may hold several components, as for [`stat_at`].
+pub(crate) fn open_read_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<OwnedFd> {
     super::fault::check("openat")?;
     Ok(rustix::fs::openat(
         dir,
@@ -434,7 +484,7 @@ pub fn open_read_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<OwnedFd> {
 /// symlink nor blocking on a FIFO. With `create`, the file must be new
 /// (O_CREAT | O_EXCL: EEXIST otherwise) and gets `mode` (less the umask);
 /// without, it must exist.
-pub fn open_write_at(
+pub(crate) fn open_write_at(
     dir: BorrowedFd<'_>,
     name: &OsStr,
     create: bool,
@@ -464,7 +514,7 @@ pub fn mkdir_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Result<()> 
 /// Creates the FIFO, socket or device node `name` in `dir` (mknodat),
 /// with permission bits `mode` (less the umask) and, for a device,
 /// device number `rdev`.
-pub fn mknod_at(
+pub(crate) fn mknod_at(
     dir: BorrowedFd<'_>,
     name: &OsStr,
     file_type: FileType,
@@ -475,7 +525,7 @@ pub fn mknod_at(
     Ok(rustix::fs::mknodat(
         dir,
         name,
-        file_type,
+        file_type.to_rustix(),
         Mode::from_raw_mode(mode & 0o7777),
         rdev,
     )?)
@@ -483,7 +533,7 @@ pub fn mknod_at(
 
 /// Removes the non-directory entry `name` of `dir` (unlinkat); ENOENT if
 /// absent, EPERM if an immutable or append-only flag forbids it.
-pub fn unlink_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+pub(crate) fn unlink_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
     super::fault::check("unlinkat")?;
     Ok(rustix::fs::unlinkat(dir, name, AtFlags::empty())?)
 }
@@ -509,8 +559,8 @@ pub fn rename_at(
 
 /// Makes `new` in `new_dir` another name of the inode `old` names in
 /// `old_dir` (linkat, never following a final symlink). `old` may hold
-/// several components, as for [`metadata_at`]; EEXIST if `new` exists.
-pub fn link_at(
+/// several components, as for [`stat_at`]; EEXIST if `new` exists.
+pub(crate) fn link_at(
     old_dir: BorrowedFd<'_>,
     old: &OsStr,
     new_dir: BorrowedFd<'_>,
@@ -527,7 +577,7 @@ pub fn link_at(
 }
 
 /// Truncates (or extends with a hole) the file open as `fd` to `len`.
-pub fn truncate(fd: BorrowedFd<'_>, len: u64) -> io::Result<()> {
+pub(crate) fn truncate(fd: BorrowedFd<'_>, len: u64) -> io::Result<()> {
     super::fault::check("ftruncate")?;
     Ok(rustix::fs::ftruncate(fd, len)?)
 }
@@ -535,7 +585,7 @@ pub fn truncate(fd: BorrowedFd<'_>, len: u64) -> io::Result<()> {
 /// Sets the owner of the inode open as `fd`. The kernel clears the setuid
 /// and setgid bits and file capabilities on a chown: callers set the mode
 /// and xattrs after it.
-pub fn chown(fd: BorrowedFd<'_>, uid: u32, gid: u32) -> io::Result<()> {
+pub(crate) fn chown(fd: BorrowedFd<'_>, uid: u32, gid: u32) -> io::Result<()> {
     super::fault::check("fchown")?;
     Ok(rustix::fs::fchown(
         fd,
@@ -545,14 +595,14 @@ pub fn chown(fd: BorrowedFd<'_>, uid: u32, gid: u32) -> io::Result<()> {
 }
 
 /// Sets the permission bits (`mode & 0o7777`) of the inode open as `fd`.
-pub fn chmod(fd: BorrowedFd<'_>, mode: u32) -> io::Result<()> {
+pub(crate) fn chmod(fd: BorrowedFd<'_>, mode: u32) -> io::Result<()> {
     super::fault::check("fchmod")?;
     Ok(rustix::fs::fchmod(fd, Mode::from_raw_mode(mode & 0o7777))?)
 }
 
 /// Sets the owner of `name` in `dir`, never following a symlink (a
 /// symlink's own owner is set), for entries that are never opened.
-pub fn chown_at(dir: BorrowedFd<'_>, name: &OsStr, uid: u32, gid: u32) -> io::Result<()> {
+pub(crate) fn chown_at(dir: BorrowedFd<'_>, name: &OsStr, uid: u32, gid: u32) -> io::Result<()> {
     super::fault::check("chownat")?;
     Ok(rustix::fs::chownat(
         dir,
@@ -567,7 +617,7 @@ pub fn chown_at(dir: BorrowedFd<'_>, name: &OsStr, uid: u32, gid: u32) -> io::Re
 /// that is never opened (FIFO, socket, device). fchmodat cannot refuse to
 /// follow a symlink (Linux has no AT_SYMLINK_NOFOLLOW for it), so callers
 /// pass only names they created as something else.
-pub fn chmod_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Result<()> {
+pub(crate) fn chmod_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Result<()> {
     super::fault::check("chmodat")?;
     Ok(rustix::fs::chmodat(
         dir,
@@ -579,22 +629,18 @@ pub fn chmod_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> io::Result<()> 
 
 /// Sets the access and modification times of `name` in `dir`, never
 /// following a symlink (a symlink's own times are set).
-pub fn set_times_at(
-    dir: BorrowedFd<'_>,
-    name: &OsStr,
-    times: &rustix::fs::Timestamps,
-) -> io::Result<()> {
+pub(crate) fn set_times_at(dir: BorrowedFd<'_>, name: &OsStr, times: &Times) -> io::Result<()> {
     super::fault::check("utimensat")?;
     Ok(rustix::fs::utimensat(
         dir,
         name,
-        times,
+        &times.to_rustix(),
         AtFlags::SYMLINK_NOFOLLOW,
     )?)
 }
 
 /// The process's effective user and group ids (never fail).
-pub fn effective_ids() -> (u32, u32) {
+pub(crate) fn effective_ids() -> (u32, u32) {
     (
         rustix::process::geteuid().as_raw(),
         rustix::process::getegid().as_raw(),
@@ -603,13 +649,13 @@ pub fn effective_ids() -> (u32, u32) {
 
 /// Major and minor numbers of a device number (pure arithmetic, kept here
 /// with the calls that return device numbers).
-pub fn major_minor(dev: u64) -> (u32, u32) {
+pub(crate) fn major_minor(dev: u64) -> (u32, u32) {
     (rustix::fs::major(dev), rustix::fs::minor(dev))
 }
 
 /// Canonicalizes `path` (realpath), following every symlink: for the
 /// volumes root, a trusted path from the operator's configuration.
-pub fn canonicalize(path: &Path) -> io::Result<std::path::PathBuf> {
+pub(crate) fn canonicalize(path: &Path) -> io::Result<std::path::PathBuf> {
     super::fault::check("realpath")?;
     std::fs::canonicalize(path)
 }
@@ -617,7 +663,7 @@ pub fn canonicalize(path: &Path) -> io::Result<std::path::PathBuf> {
 /// Creates the directory `path` and every missing parent (`mkdir -p`, mode
 /// 0777 less the umask), following symlinks: for the volumes root, a
 /// trusted path from the operator's configuration.
-pub fn create_dir_all(path: &Path) -> io::Result<()> {
+pub(crate) fn create_dir_all(path: &Path) -> io::Result<()> {
     super::fault::check("mkdir -p")?;
     std::fs::create_dir_all(path)
 }
@@ -645,13 +691,15 @@ pub fn set_nofile_limit(n: u64) -> io::Result<()> {
 
 /// Stops the calling process with SIGSTOP, until someone sends SIGCONT: a
 /// failpoint's pause, for a test to act at that step.
-pub fn stop_self() {
+#[cfg(feature = "failpoints")]
+pub(crate) fn stop_self() {
     let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::STOP);
 }
 
 /// Kills the calling process with SIGKILL: a failpoint's crash, which no
 /// handler, unwinding or buffered write can soften. Returns only if the
 /// signal could not be sent.
-pub fn kill_self() {
+#[cfg(feature = "failpoints")]
+pub(crate) fn kill_self() {
     let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
 }

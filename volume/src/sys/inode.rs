@@ -77,7 +77,7 @@ fn generation(fs: BorrowedFd<'_>, tree: u64, ino: u64) -> io::Result<u64> {
 /// filesystem holding `fs` (any fd on it), by file handle: no path, no
 /// symlink, no mount on the way. Checked to be a directory of that tree
 /// with that number. ENOTTY off btrfs.
-pub fn open_tree_dir(fs: BorrowedFd<'_>, tree: u64, ino: u64) -> io::Result<OwnedFd> {
+pub(crate) fn open_tree_dir(fs: BorrowedFd<'_>, tree: u64, ino: u64) -> io::Result<OwnedFd> {
     ensure_btrfs(fs)?;
     let generation = generation(fs, tree, ino)?;
     let mut handle = FileHandle {
@@ -123,7 +123,7 @@ pub fn open_tree_dir(fs: BorrowedFd<'_>, tree: u64, ino: u64) -> io::Result<Owne
 }
 
 /// Opens the root directory of subvolume `id` on the filesystem holding
-/// `fs` ([`open_tree_dir`] of its inode 256).
+/// `fs` (`open_tree_dir` of its inode 256).
 pub fn open_subvolume(fs: BorrowedFd<'_>, id: u64) -> io::Result<OwnedFd> {
     open_tree_dir(fs, id, SUBVOLUME_ROOT_INO)
 }

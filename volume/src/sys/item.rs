@@ -52,18 +52,22 @@ const INODE_NODATACOW: u64 = 1;
 
 /// `BTRFS_ROOT_REF_KEY`: (parent id, ROOT_REF, child id) in the root tree,
 /// one per subvolume linked into a directory of the parent.
-pub const ROOT_REF_KEY: u8 = 156;
+#[cfg_attr(feature = "btrfsutil", allow(dead_code))] // read by the native backend only
+pub(crate) const ROOT_REF_KEY: u8 = 156;
 /// `dirid` in `struct btrfs_root_ref` (packed): the directory of the
 /// parent subvolume holding the child.
+#[cfg_attr(feature = "btrfsutil", allow(dead_code))]
 const ROOT_REF_DIRID: usize = 0;
 /// `name_len` (little-endian u16).
+#[cfg_attr(feature = "btrfsutil", allow(dead_code))]
 const ROOT_REF_NAME_LEN: usize = 16;
 /// Where the name follows the packed struct.
+#[cfg_attr(feature = "btrfsutil", allow(dead_code))]
 const ROOT_REF_NAME: usize = 18;
 
 /// `BTRFS_INODE_REF_KEY`: (inode, INODE_REF, parent directory's inode),
 /// holding the inode's names in that directory.
-pub const INODE_REF_KEY: u8 = 12;
+pub(crate) const INODE_REF_KEY: u8 = 12;
 /// `name_len` in `struct btrfs_inode_ref` (packed: index, name_len).
 const INODE_REF_NAME_LEN: usize = 8;
 /// Where the name follows the packed struct.
@@ -285,7 +289,7 @@ fn item_name<'b>(
 /// The first name of an INODE_REF item's body (`struct btrfs_inode_ref`,
 /// then the name): a directory has exactly one.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InodeRef {
+pub(crate) struct InodeRef {
     /// The name, one path component of 1 to 255 bytes.
     pub name: OsString,
 }
@@ -302,8 +306,9 @@ impl InodeRef {
 
 /// One ROOT_REF item of the root tree: child subvolume `child` sits in
 /// directory `dirid` of its parent under `name`.
+#[cfg_attr(feature = "btrfsutil", allow(dead_code))] // read by the native backend only
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RootRef {
+pub(crate) struct RootRef {
     /// The child subvolume's id (the item key's offset).
     pub child: u64,
     /// The directory of the parent holding it.
@@ -312,6 +317,7 @@ pub struct RootRef {
     pub name: Vec<u8>,
 }
 
+#[cfg_attr(feature = "btrfsutil", allow(dead_code))]
 impl RootRef {
     /// Parses the body of the ROOT_REF item keyed (parent, ROOT_REF,
     /// `child`): `struct btrfs_root_ref` (dirid, sequence, name_len:

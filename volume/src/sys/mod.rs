@@ -24,7 +24,7 @@
 //! `btrfsutil`), `search` the b-tree search engine, `item` on-disk item
 //! layouts, `space` metadata space accounting, `ioprio` the thread's I/O priority, `fault` the injected failures of
 //! the I/O-error sweep: every call that enters the kernel passes through
-//! [`fault::check`] first.
+//! `fault::check` first.
 
 mod clone;
 pub mod fault;
@@ -45,15 +45,44 @@ mod btrfsutil;
 #[cfg(not(feature = "btrfsutil"))]
 mod native;
 
-pub use clone::*;
-pub use flags::*;
-pub use fs::*;
-pub use inode::{dir_parent, open_subvolume, open_tree_dir};
-pub use ioprio::IdleIo;
-pub use proc::{MountNamespace, fd_path, flock_holders, mount_namespaces, own_mount_table};
-pub use search::{
-    Batch, DEFAULT_BUF_SIZE, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, search,
+// What the sibling crates, tools and tests call (each item documented
+// where it is defined); the rest is for this crate only.
+pub use clone::ficlone_range;
+pub use flags::{
+    InodeFlags, clear_stuck_flags, inode_flags, set_immutable_append, set_inode_flags,
+    with_stuck_flags_lifted,
 };
+pub use fs::{
+    FileTime, FileType, Stat, Times, birth_time, fsync, is_btrfs, mkdir_at, nofile_limit,
+    open_beneath, open_dir_at, open_dir_path, read_dir_names, rename_at, rename_exchange,
+    rename_noreplace, rmdir_at, set_nofile_limit, set_times, stat, stat_at, times, write_all,
+};
+pub use inode::{dir_parent, open_subvolume};
+pub use ioprio::IdleIo;
+pub use proc::fd_path;
+pub use search::{Batch, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, search};
 pub use space::{MetadataSpace, metadata_space};
-pub use subvolume::*;
-pub use xattr::*;
+pub use subvolume::{
+    COMMIT_START_PATIENCE, Nested, SUBVOLUME_ROOT_INO, SubvolumeInfo, commit, commit_metadata,
+    create_snapshot, create_subvolume, delete_subvolume, forced_commit_starts, is_read_only,
+    is_subvolume, make_tree_read_only, make_tree_writable, nested_paths, nested_subvolumes,
+    set_read_only, snapshot, snapshot_tree, start_commit, subvolume_info, subvolume_root_of,
+};
+
+pub(crate) use clone::ficlone;
+pub(crate) use fs::{
+    block_size, canonicalize, chmod, chmod_at, chown, chown_at, create_dir_all, create_file_at,
+    effective_ids, link_at, lock_exclusive, major_minor, mkdir_if_missing, mkdir_path_if_missing,
+    mknod_at, mount_id, mount_id_at, open_read_at, open_write_at, read_link_at, set_times_at,
+    stat_existing_at, symlink_at, syncfs, touch_at, truncate, try_lock_exclusive, unlink_at,
+    unlink_if_exists,
+};
+#[cfg(feature = "failpoints")]
+pub(crate) use fs::{kill_self, stop_self};
+pub(crate) use inode::open_tree_dir;
+pub(crate) use proc::{flock_holders, mount_namespaces, own_mount_table};
+pub(crate) use search::DEFAULT_BUF_SIZE;
+pub(crate) use subvolume::match_nested;
+pub(crate) use xattr::{
+    get_xattr, get_xattr_at, list_xattrs, list_xattrs_at, remove_xattr, set_xattr, set_xattr_at,
+};

@@ -12,7 +12,7 @@ use super::fs::{major_minor, stat};
 
 /// One mount namespace with a process in it.
 #[derive(Debug, Clone)]
-pub struct MountNamespace {
+pub(crate) struct MountNamespace {
     /// Its inode number (`/proc/<pid>/ns/mnt`).
     pub id: u64,
     /// Every process in it, sorted.
@@ -39,7 +39,7 @@ fn passed_over(e: &io::Error) -> bool {
 
 /// This process's mount namespace (its inode number) and mount table
 /// (raw bytes: a mount point's name need not be UTF-8).
-pub fn own_mount_table() -> io::Result<(u64, Vec<u8>)> {
+pub(crate) fn own_mount_table() -> io::Result<(u64, Vec<u8>)> {
     super::fault::check("read /proc/self/mountinfo")?;
     let ns = std::fs::metadata("/proc/self/ns/mnt")?.ino();
     Ok((ns, std::fs::read("/proc/self/mountinfo")?))
@@ -52,7 +52,7 @@ pub fn own_mount_table() -> io::Result<(u64, Vec<u8>)> {
 /// a namespace quietly left out. A namespace kept alive with no process in
 /// it (by a bind-mounted or open `nsfs` file) is not seen: nothing in it
 /// can write either.
-pub fn mount_namespaces() -> io::Result<Vec<MountNamespace>> {
+pub(crate) fn mount_namespaces() -> io::Result<Vec<MountNamespace>> {
     super::fault::check("read /proc/*/mountinfo")?;
     let mut pids_by_ns: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
     for entry in std::fs::read_dir("/proc")? {
@@ -103,7 +103,7 @@ pub fn mount_namespaces() -> io::Result<Vec<MountNamespace>> {
 /// The processes holding a flock on the file open as `fd`, from
 /// `/proc/locks` (the process that took each lock; its children may hold
 /// it too). Empty if none, or if the kernel does not say.
-pub fn flock_holders(fd: BorrowedFd<'_>) -> io::Result<Vec<u32>> {
+pub(crate) fn flock_holders(fd: BorrowedFd<'_>) -> io::Result<Vec<u32>> {
     let st = stat(fd)?;
     super::fault::check("read /proc/locks")?;
     let text = std::fs::read_to_string("/proc/locks")?;

@@ -16,7 +16,7 @@ pub const EXTENT_DATA_KEY: u8 = 108;
 /// the largest item, so any search fits; a bigger buffer only costs the
 /// kernel time faulting it in on every call (see compsize's history),
 /// which hurts tight per-inode searches.
-pub const DEFAULT_BUF_SIZE: usize = 64 * 1024;
+pub(crate) const DEFAULT_BUF_SIZE: usize = 64 * 1024;
 /// The kernel's limit on a TREE_SEARCH_V2 buffer.
 const MAX_BUF_SIZE: usize = 16 << 20;
 const HEADER_LEN: usize = 32;
@@ -214,7 +214,7 @@ impl Default for Searcher {
 
 impl Searcher {
     /// A searcher whose result buffer holds `buf_size` bytes (at least
-    /// [`DEFAULT_BUF_SIZE`], at most the kernel's 16 MiB limit).
+    /// the default 64 KiB, at most the kernel's 16 MiB limit).
     pub fn new(buf_size: usize) -> Self {
         let buf_size = buf_size.clamp(DEFAULT_BUF_SIZE, MAX_BUF_SIZE) / 8 * 8;
         Searcher {
@@ -386,7 +386,7 @@ impl<'a> Batch<'a> {
     }
 }
 
-/// [`Searcher::search`] with a one-off [`DEFAULT_BUF_SIZE`] buffer. For
+/// [`Searcher::search`] with a one-off buffer of the default 64 KiB. For
 /// one search per inode, keep a [`Searcher`] instead.
 pub fn search(
     fd: BorrowedFd<'_>,

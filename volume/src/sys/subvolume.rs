@@ -10,12 +10,10 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::PathBuf;
 
-use rustix::fs::FileType;
-
 #[cfg(feature = "btrfsutil")]
 use super::btrfsutil as backend;
 use super::flags::{clear_stuck_flags, with_own_stuck_flags_lifted};
-use super::fs::{is_btrfs, open_dir_at, read_dir_names, set_times, stat, times};
+use super::fs::{FileType, is_btrfs, open_dir_at, read_dir_names, set_times, stat, times};
 use super::inode::{open_subvolume, open_tree_dir};
 use super::ioctl::{BTRFS_IOCTL_MAGIC, ensure_btrfs};
 #[cfg(not(feature = "btrfsutil"))]
@@ -107,7 +105,7 @@ pub fn snapshot_tree(
 /// subvolume's directory holds it, and under which name. A package can
 /// nest subvolumes as deep and under names as long as it likes, beyond
 /// any path a system call takes; these numbers reach them all
-/// ([`super::inode::open_subvolume`], [`super::inode::open_tree_dir`]).
+/// ([`super::inode::open_subvolume`], `open_tree_dir`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Nested {
     /// Its tree id.
@@ -153,7 +151,12 @@ pub fn nested_paths(fd: BorrowedFd<'_>, nested: &[Nested]) -> io::Result<Vec<Pat
 /// recursive snapshot's nested subvolumes match their sources one to one;
 /// `None` where `b` has nothing there. Both listings parents first, as
 /// [`nested_subvolumes`] gives them.
-pub fn match_nested(a: &[Nested], a_top: u64, b: &[Nested], b_top: u64) -> Vec<Option<usize>> {
+pub(crate) fn match_nested(
+    a: &[Nested],
+    a_top: u64,
+    b: &[Nested],
+    b_top: u64,
+) -> Vec<Option<usize>> {
     let by_place: HashMap<(u64, u64, &OsStr), usize> = b
         .iter()
         .enumerate()

@@ -46,7 +46,7 @@ fn proc_path(dir: BorrowedFd<'_>, name: &OsStr) -> PathBuf {
 }
 
 /// Names of every xattr of the inode open as `fd`.
-pub fn list_xattrs(fd: BorrowedFd<'_>) -> io::Result<Vec<OsString>> {
+pub(crate) fn list_xattrs(fd: BorrowedFd<'_>) -> io::Result<Vec<OsString>> {
     super::fault::check("flistxattr")?;
     Ok(split_names(&read_growing(|buf| {
         rustix::fs::flistxattr(fd, buf)
@@ -55,27 +55,27 @@ pub fn list_xattrs(fd: BorrowedFd<'_>) -> io::Result<Vec<OsString>> {
 
 /// The value of xattr `name` of the inode open as `fd`; ENODATA if it has
 /// none, EOPNOTSUPP where the filesystem has no such namespace.
-pub fn get_xattr(fd: BorrowedFd<'_>, name: &OsStr) -> io::Result<Vec<u8>> {
+pub(crate) fn get_xattr(fd: BorrowedFd<'_>, name: &OsStr) -> io::Result<Vec<u8>> {
     super::fault::check("fgetxattr")?;
     read_growing(|buf| rustix::fs::fgetxattr(fd, name, buf))
 }
 
 /// Sets xattr `name` of the inode open as `fd` to `value`, creating or
 /// replacing it.
-pub fn set_xattr(fd: BorrowedFd<'_>, name: &OsStr, value: &[u8]) -> io::Result<()> {
+pub(crate) fn set_xattr(fd: BorrowedFd<'_>, name: &OsStr, value: &[u8]) -> io::Result<()> {
     super::fault::check("fsetxattr")?;
     Ok(rustix::fs::fsetxattr(fd, name, value, XattrFlags::empty())?)
 }
 
 /// Removes xattr `name` of the inode open as `fd`; ENODATA if absent.
-pub fn remove_xattr(fd: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+pub(crate) fn remove_xattr(fd: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
     super::fault::check("fremovexattr")?;
     Ok(rustix::fs::fremovexattr(fd, name)?)
 }
 
 /// [`list_xattrs`] of `name` in `dir`, never following it; ENOTSUP where
 /// the filesystem keeps none.
-pub fn list_xattrs_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Vec<OsString>> {
+pub(crate) fn list_xattrs_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Vec<OsString>> {
     let path = proc_path(dir, name);
     super::fault::check("llistxattr")?;
     Ok(split_names(&read_growing(|buf| {
@@ -84,14 +84,18 @@ pub fn list_xattrs_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Vec<OsStr
 }
 
 /// [`get_xattr`] of `name` in `dir`, never following it.
-pub fn get_xattr_at(dir: BorrowedFd<'_>, name: &OsStr, xattr: &OsStr) -> io::Result<Vec<u8>> {
+pub(crate) fn get_xattr_at(
+    dir: BorrowedFd<'_>,
+    name: &OsStr,
+    xattr: &OsStr,
+) -> io::Result<Vec<u8>> {
     let path = proc_path(dir, name);
     super::fault::check("lgetxattr")?;
     read_growing(|buf| rustix::fs::lgetxattr(&path, xattr, buf))
 }
 
 /// [`set_xattr`] of `name` in `dir`, never following it.
-pub fn set_xattr_at(
+pub(crate) fn set_xattr_at(
     dir: BorrowedFd<'_>,
     name: &OsStr,
     xattr: &OsStr,

@@ -29,12 +29,11 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
 
 use models::{Error, ErrorKind, PackageId, ResultExt};
-use rustix::fs::FileType;
 
 use crate::layout::Names;
 use crate::outcome::VolumeKind;
 use crate::store::{Entry, VolumeStore};
-use crate::sys;
+use crate::sys::{self, FileType};
 use crate::walk::{Step, Walk, is_crossing};
 
 /// Whether the tree open as `dir` holds anything but directories (a file,
