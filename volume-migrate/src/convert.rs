@@ -254,7 +254,10 @@ impl Migrator {
         }
         let src = sys::open_dir_at(self.root_fd(), &names.live)
             .with_ctx(step(pkg, "opening the volume"))?;
-        if let Some(why) = self.refusal(pkg, names, src.as_fd())? {
+        // Read again, not the plan's: a service started since may have
+        // mounted this volume.
+        let mounts = crate::plan::read_mount_tables(pkg)?;
+        if let Some(why) = self.refusal(pkg, names, src.as_fd(), &mounts)? {
             return Err(Error::for_package(pkg, ErrorKind::InvalidRequest, why));
         }
         Ok(src)

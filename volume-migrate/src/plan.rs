@@ -34,6 +34,11 @@ struct Survey {
     refused: Vec<Planned>,
     /// Packages with only an interrupted run's leftovers to finish.
     leftovers: Vec<Planned>,
+    /// Every namespace's mount table, read when the first plain directory
+    /// needs it and then reused: one pass over `/proc` for the whole plan,
+    /// not one per package before the first service may start. The
+    /// conversion checks each package again just before it converts it.
+    mounts: Option<volume::mounts::MountTables>,
 }
 
 impl Migrator {
@@ -137,6 +142,7 @@ impl Migrator {
             candidates,
             refused,
             leftovers,
+            mounts: _,
         } = survey;
         let (mut planned, cands): (Vec<Planned>, Vec<Candidate>) = candidates.into_iter().unzip();
         let decided: Vec<Decided> = match &parent {
@@ -205,10 +211,14 @@ impl Migrator {
         }
         let dir = sys::open_dir_at(self.root_fd(), &names.live)
             .with_ctx(step(pkg, "opening the volume"))?;
+        let mounts = match &mut survey.mounts {
+            Some(tables) => tables,
+            slot @ None => slot.insert(read_mount_tables(pkg)?),
+        };
         // Refused whatever the method: not decided, and the run fails
         // it with the reason (its tree is part of the rest every
         // snapshot sheds).
-        if let Some(why) = self.refusal(pkg, &names, dir.as_fd())? {
+        if let Some(why) = self.refusal(pkg, &names, dir.as_fd(), mounts)? {
             survey.refused.push(Planned {
                 refused: Some(why),
                 ..planned
@@ -242,20 +252,17 @@ impl Migrator {
     /// tree), it is on another filesystem than the root, or it is
     /// immutable or append-only (the kernel renames no such directory, so
     /// the exchange would fail after the whole copy). The same checks for
-    /// a dry run and a real one, so that they agree.
+    /// a dry run and a real one, so that they agree. `mounts`: the mount
+    /// tables to look in ([`read_mount_tables`]).
     pub(crate) fn refusal(
         &self,
         pkg: &PackageId,
         names: &Names,
         src: BorrowedFd<'_>,
+        mounts: &volume::mounts::MountTables,
     ) -> Result<Option<String>, Error> {
         let live_path = self.root.path().join(&names.live);
-        let busy = volume::mounts::uses_of(&live_path).with_ctx(|_| {
-            (
-                ErrorKind::Filesystem,
-                pkg.context("reading the mount tables of every mount namespace"),
-            )
-        })?;
+        let busy = mounts.uses_of(&live_path);
         if !busy.is_empty() {
             return Ok(Some(format!(
                 "{} is in use, mounted at {}; unmount it first",
@@ -303,6 +310,17 @@ impl Migrator {
 /// What each snapshot of a dry run's plan sheds in the background: the rest
 /// outside the packages, which the schedule counted, and every other
 /// package.
+/// Every mount namespace's mount table as it is now, for the refusal of
+/// `pkg` (and, in a plan, of the packages after it).
+pub(crate) fn read_mount_tables(pkg: &PackageId) -> Result<volume::mounts::MountTables, Error> {
+    volume::mounts::MountTables::read().with_ctx(|_| {
+        (
+            ErrorKind::Filesystem,
+            pkg.context("reading the mount tables of every mount namespace"),
+        )
+    })
+}
+
 fn shed_costs(planned: &mut [Planned]) {
     let all = planned
         .iter()

@@ -135,38 +135,85 @@ impl fmt::Display for MountUse {
     }
 }
 
+/// Every mount namespace's mount table, read once (see [`MountTables::read`]),
+/// to answer [`MountTables::uses_of`] for many paths at the cost of one
+/// pass over `/proc`.
+///
+/// A snapshot: a mount made after the read is not in it. So it serves a
+/// plan over many packages (the conversion's schedule); a step that is
+/// about to replace a volume's data reads the tables again
+/// ([`uses_of`]), just before.
+#[derive(Debug, Clone)]
+pub struct MountTables {
+    own_namespace: u64,
+    own: Vec<MountEntry>,
+    /// Every namespace with a process in it, this one included.
+    namespaces: Vec<Namespace>,
+}
+
+/// One namespace of [`MountTables`].
+#[derive(Debug, Clone)]
+struct Namespace {
+    id: u64,
+    pids: Vec<u32>,
+    command: String,
+    /// Its table; `None` for this process's own, which is `own`.
+    entries: Option<Vec<MountEntry>>,
+}
+
+impl MountTables {
+    /// Reads this process's mount table and that of every other mount
+    /// namespace on the machine (see [`sys::mount_namespaces`]).
+    pub fn read() -> io::Result<MountTables> {
+        let (own_namespace, own_text) = sys::own_mount_table()?;
+        let own = parse_mountinfo(&own_text);
+        let namespaces = sys::mount_namespaces()?
+            .into_iter()
+            .map(|ns| Namespace {
+                id: ns.id,
+                entries: (ns.id != own_namespace).then(|| parse_mountinfo(&ns.mountinfo)),
+                pids: ns.pids,
+                command: ns.command,
+            })
+            .collect();
+        Ok(MountTables {
+            own_namespace,
+            own,
+            namespaces,
+        })
+    }
+
+    /// Every mount, in every namespace read, that exposes something inside
+    /// `path` (an absolute path with no symlinks, as this process sees
+    /// it): bind mounts of it or of anything below it, wherever they are
+    /// mounted; mounts on top of it or below it.
+    pub fn uses_of(&self, path: &Path) -> Vec<MountUse> {
+        let inner = locate(&self.own, path);
+        let mut out = Vec::new();
+        for ns in &self.namespaces {
+            let own_namespace = ns.id == self.own_namespace;
+            let entries = ns.entries.as_deref().unwrap_or(&self.own);
+            for mount_point in mounts_inside(entries, path, inner.as_ref()) {
+                out.push(MountUse {
+                    mount_point,
+                    namespace: ns.id,
+                    own_namespace,
+                    pids: ns.pids.clone(),
+                    command: ns.command.clone(),
+                });
+            }
+        }
+        out
+    }
+}
+
 /// Every mount, in every mount namespace, that exposes something inside
-/// `path` (an absolute path with no symlinks, as this process sees it):
-/// bind mounts of it or of anything below it, wherever they are mounted;
-/// mounts on top of it or below it.
+/// `path` (see [`MountTables::uses_of`]), from the tables as they are now.
 ///
 /// Used before any step that would leave such a mount pointing at data that
 /// is about to be replaced (a rollback, a delete, a conversion).
 pub fn uses_of(path: &Path) -> io::Result<Vec<MountUse>> {
-    let (own_ns, own_text) = sys::own_mount_table()?;
-    let own = parse_mountinfo(&own_text);
-    let inner = locate(&own, path);
-    let mut out = Vec::new();
-    for ns in sys::mount_namespaces()? {
-        let own_namespace = ns.id == own_ns;
-        let theirs;
-        let entries = if own_namespace {
-            &own
-        } else {
-            theirs = parse_mountinfo(&ns.mountinfo);
-            &theirs
-        };
-        for mount_point in mounts_inside(entries, path, inner.as_ref()) {
-            out.push(MountUse {
-                mount_point,
-                namespace: ns.id,
-                own_namespace,
-                pids: ns.pids.clone(),
-                command: ns.command.clone(),
-            });
-        }
-    }
-    Ok(out)
+    Ok(MountTables::read()?.uses_of(path))
 }
 
 /// Reads this process's mount table and returns the mount points strictly
@@ -240,6 +287,49 @@ mod tests {
         );
         let bitcoind = vols.join("bitcoind");
         assert!(mounts_inside(&container, &bitcoind, locate(&own, &bitcoind).as_ref()).is_empty());
+    }
+
+    #[test]
+    fn one_read_of_the_tables_answers_for_every_volume() {
+        let tables = MountTables {
+            own_namespace: 1,
+            own: parse_mountinfo(SAMPLE.as_bytes()),
+            namespaces: vec![
+                Namespace {
+                    id: 1,
+                    pids: vec![1],
+                    command: "startd".into(),
+                    entries: None,
+                },
+                Namespace {
+                    id: 2,
+                    pids: vec![700, 701],
+                    command: "lxc-start".into(),
+                    entries: Some(parse_mountinfo(CONTAINER.as_bytes())),
+                },
+            ],
+        };
+        let vols = Path::new("/media/startos/data/package-data/volumes");
+        let at = |pkg: &str| {
+            tables
+                .uses_of(&vols.join(pkg))
+                .into_iter()
+                .map(|u| (u.mount_point, u.namespace, u.own_namespace, u.pids[0]))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            at("lnd"),
+            vec![
+                ("/var/lib/lxc/lnd/rootfs/data".into(), 1, true, 1),
+                ("/data".into(), 2, false, 700),
+            ]
+        );
+        assert_eq!(at("electrs"), vec![("/electrs".into(), 2, false, 700)]);
+        assert_eq!(
+            at("bitcoind"),
+            vec![(vols.join("bitcoind/data/main/tmp"), 1, true, 1)]
+        );
+        assert!(at("mempool").is_empty());
     }
 
     #[test]
