@@ -131,11 +131,10 @@ impl Migrator {
 
         // `<pkg>` is a plain directory.
         let src = self.open_plain(pkg, &names, &state, opts.dry_run)?;
-        // Scan: data still in the page cache has no extents yet, so flush.
         let mut tracker = Tracker::new(pkg.clone(), Estimate::default(), sink);
         tracker.phase(Phase::Scan);
-        sys::commit(src.as_fd()).with_ctx(step(pkg, "flushing the volume"))?;
         if opts.dry_run {
+            flush(pkg, src.as_fd())?;
             let (estimate, _) = scan(src.as_fd(), &AtomicBool::new(false))
                 .with_ctx(step(pkg, "scanning the volume"))?;
             report.estimate = Some(estimate);
@@ -175,6 +174,7 @@ impl Migrator {
             report.elapsed = started.elapsed();
             return Ok(report);
         }
+        flush(pkg, job.src.as_fd())?;
         job.clone_volume(resume)?;
         job.report.method = Some(Method::Clone);
         job.report.outcome = Outcome::Converted;
@@ -278,6 +278,7 @@ impl Migrator {
         let space = self.metadata_space(pkg)?;
         let room = MetadataRoom::of(&space, opts);
         if room.check(&Estimate::default()).is_err() {
+            flush(pkg, src)?;
             let (estimate, _) =
                 scan(src, &AtomicBool::new(false)).with_ctx(step(pkg, "scanning the volume"))?;
             return Err(room.shortfall(&estimate).refusal(pkg));
@@ -433,4 +434,13 @@ impl Migrator {
         }
         Ok(())
     }
+}
+
+/// Commits the filesystem holding `src`, the volume of `pkg`, before a scan
+/// counts its extents: data still in the page cache has none yet. A cut
+/// needs no such commit: the snapshot flushes the subvolume it is taken of
+/// (and the schedule committed before anything was decided), so a package
+/// converted by snapshot waits for one transaction commit less.
+fn flush(pkg: &PackageId, src: BorrowedFd<'_>) -> Result<(), Error> {
+    sys::commit(src).with_ctx(step(pkg, "flushing the volume"))
 }
