@@ -4,7 +4,7 @@
 //! the timestamps of a recursive snapshot, the metadata commit) is written
 //! once, here; what they and `inode` take back (the subvolume root's inode
 //! number, GET_SUBVOL_INFO, [`Nested`]) lives below them all, in
-//! [`super::subvolume_info`].
+//! [`super::subvolume_info`](mod@super::subvolume_info).
 
 use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
