@@ -29,11 +29,7 @@ use measure::Tree;
 use rules::Violation;
 
 /// Known violations, by [`Violation::key`], each with what removes it.
-const KNOWN: &[(&str, &str)] = &[(
-    "import cycle in volume/src: crate::sys between btrfsutil, inode, native, subvolume",
-    "moving what the backends (native, btrfsutil) and inode take from subvolume, which \
-         calls them (Nested, SUBVOLUME_ROOT_INO, subvolume_info), to a module below them",
-)];
+const KNOWN: &[(&str, &str)] = &[];
 
 /// The workspace's root directory.
 fn workspace() -> PathBuf {

@@ -11,7 +11,7 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 
-use super::subvolume::Nested;
+use super::subvolume_info::Nested;
 
 fn c_name(name: &OsStr) -> io::Result<CString> {
     CString::new(name.as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))

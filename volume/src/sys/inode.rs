@@ -27,7 +27,7 @@ use super::fs::{is_btrfs, stat};
 use super::ioctl::{ensure_btrfs, malformed};
 use super::item::{self, InodeItem, InodeRef};
 use super::search::{INODE_ITEM_KEY, KeyRange, Searcher};
-use super::subvolume::{SUBVOLUME_ROOT_INO, subvolume_info};
+use super::subvolume_info::{SUBVOLUME_ROOT_INO, subvolume_info};
 
 /// `FILEID_BTRFS_WITHOUT_PARENT` from `include/linux/exportfs.h`.
 const FILEID_BTRFS_WITHOUT_PARENT: i32 = 0x4d;

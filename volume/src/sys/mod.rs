@@ -21,10 +21,14 @@
 //! Files by concern: `fs` POSIX wrappers, `xattr` extended attributes,
 //! `flags` inode flags, `clone` reflinks, `ioctl` argument helpers,
 //! `subvolume` the subvolume API over its backend (`native` ioctls or
-//! `btrfsutil`), `search` the b-tree search engine, `item` on-disk item
-//! layouts, `space` metadata space accounting, `ioprio` the thread's I/O priority, `fault` the injected failures of
-//! the I/O-error sweep: every call that enters the kernel passes through
-//! `fault::check` first.
+//! `btrfsutil`) and `inode` (subvolumes and directories reached by number),
+//! `subvolume_info` what all of these take about one subvolume (its root's
+//! inode number, GET_SUBVOL_INFO, where a nested one sits), `search` the
+//! b-tree search engine, `item` on-disk item layouts, `space` metadata
+//! space accounting, `ioprio` the thread's I/O priority, `proc` what
+//! `/proc` tells of descriptors, mounts and locks, `fault` the injected
+//! failures of the I/O-error sweep: every call that enters the kernel
+//! passes through `fault::check` first.
 
 mod clone;
 pub mod fault;
@@ -38,6 +42,7 @@ mod proc;
 mod search;
 mod space;
 mod subvolume;
+mod subvolume_info;
 mod xattr;
 
 #[cfg(feature = "btrfsutil")]
@@ -63,11 +68,12 @@ pub use proc::fd_path;
 pub use search::{Batch, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, search};
 pub use space::{MetadataSpace, metadata_space};
 pub use subvolume::{
-    COMMIT_START_PATIENCE, Nested, SUBVOLUME_ROOT_INO, SubvolumeInfo, commit, commit_metadata,
-    create_snapshot, create_subvolume, delete_subvolume, forced_commit_starts, is_read_only,
-    is_subvolume, make_tree_read_only, make_tree_writable, nested_paths, nested_subvolumes,
-    set_read_only, snapshot, snapshot_tree, start_commit, subvolume_info, subvolume_root_of,
+    COMMIT_START_PATIENCE, commit, commit_metadata, create_snapshot, create_subvolume,
+    delete_subvolume, forced_commit_starts, is_read_only, is_subvolume, make_tree_read_only,
+    make_tree_writable, nested_paths, nested_subvolumes, set_read_only, snapshot, snapshot_tree,
+    start_commit, subvolume_root_of,
 };
+pub use subvolume_info::{Nested, SUBVOLUME_ROOT_INO, SubvolumeInfo, subvolume_info};
 
 pub(crate) use clone::ficlone;
 pub(crate) use fs::{

@@ -33,7 +33,7 @@ use super::inode::{open_subvolume, open_tree_dir};
 use super::ioctl::{BTRFS_IOCTL_MAGIC, ensure_btrfs, malformed};
 use super::item::{ROOT_REF_KEY, RootRef};
 use super::search::{ItemKey, KeyRange, Searcher};
-use super::subvolume::{Nested, SUBVOLUME_ROOT_INO};
+use super::subvolume_info::{Nested, SUBVOLUME_ROOT_INO};
 
 /// `BTRFS_SUBVOL_NAME_MAX`: the name field of the v2 volume args holds this
 /// many bytes and a NUL.
