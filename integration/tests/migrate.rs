@@ -16,7 +16,7 @@ use common::rich::{build_carve_tree, build_rich_tree, expected_after, flags_and_
 use common::*;
 use integration::{LoopFs, Subvolume, TreeDigest, fs_or_skip, tree_digest};
 use volume::{ErrorKind, SnapshotOutcome, VolumeKind, VolumeStore};
-use volume_migrate::{Method, MigrateOptions, Migrator, Outcome, Phase, Progress};
+use volume_migrate::{Decision, Method, MigrateOptions, Migrator, Outcome, Phase, Progress};
 
 const CHILD_ROOT_ENV: &str = "MIGRATE_CHILD_ROOT";
 const CHILD_PKG_ENV: &str = "MIGRATE_CHILD_PKG";
@@ -273,7 +273,7 @@ fn refuses_without_enough_free_space_and_changes_nothing() {
     fs::create_dir_all(root.join("full/data/main")).unwrap();
     populate_volume(&root.join("full"), false);
     let before = raw(&root.join("full"));
-    // Committed first, as convert does, so the figure is the one it reads.
+    // Committed first, as convert's schedule does, so the figure is the one it reads.
     rustix::fs::sync();
     let free = {
         let dir = fs::File::open(&root).unwrap();
@@ -861,6 +861,62 @@ fn auto_snapshots_the_parent_wherever_a_snapshot_serves() {
         migrate_names(&root)
             .iter()
             .all(|n| n.ends_with(".migrate-old"))
+    );
+}
+
+/// A run's schedule reads the mount tables once, before any package
+/// converts; each package is checked again just before its own conversion.
+/// A mount made in between (a service started since) is refused there, and
+/// data written after the schedule's commit, never flushed, is in the cut:
+/// the snapshot writes out what it is taken of.
+#[test]
+fn a_package_is_checked_and_flushed_when_it_converts_not_only_when_planned() {
+    let Some((fs, root)) = new_fs() else { return };
+    let opts = method_opts(Method::Auto);
+    for name in ["busy", "late"] {
+        fs::create_dir_all(root.join(name).join("data/main")).unwrap();
+        populate_volume(&root.join(name), false);
+    }
+    let m = Migrator::open(&root).unwrap();
+    let plan = m.schedule(&[pkg("busy"), pkg("late")], &opts).unwrap();
+    assert!(
+        plan.iter()
+            .all(|p| p.decision == Some(Decision::SnapshotParent) && p.refused.is_none()),
+        "{plan:?}"
+    );
+
+    let busy_before = raw(&root.join("busy"));
+    let bind = MountGuard::bind(&root.join("busy/data/main"), &fs.path("bindmnt"));
+    let err = m
+        .convert_planned(&plan[0], &opts, &mut no_progress)
+        .expect_err("a mount made after the schedule must be refused");
+    assert_eq!(err.kind, ErrorKind::InvalidRequest, "{err}");
+    assert!(err.to_string().contains("mounted at"), "{err}");
+    assert_same(
+        &busy_before,
+        &raw(&root.join("busy")),
+        "busy after the refusal",
+    );
+    assert!(!is_subvolume(&root.join("busy")));
+    assert!(
+        migrate_names(&root).is_empty(),
+        "{:?}",
+        migrate_names(&root)
+    );
+    bind.unmount();
+
+    // Written after the schedule's commit, still in the page cache.
+    let late = bytes(7, 3 << 20);
+    fs::write(root.join("late/data/main/late.bin"), &late).unwrap();
+    let before = raw(&root.join("late"));
+    let r = m
+        .convert_planned(&plan[1], &opts, &mut no_progress)
+        .expect("convert late");
+    assert_eq!(r.method, Some(Method::SnapshotParent));
+    assert_same(&expected_after(&before), &raw(&root.join("late")), "late");
+    assert_eq!(
+        fs::read(root.join("late/data/main/late.bin")).unwrap(),
+        late
     );
 }
 

@@ -133,8 +133,12 @@ impl Migrator {
         let src = self.open_plain(pkg, &names, &state, opts.dry_run)?;
         let mut tracker = Tracker::new(pkg.clone(), Estimate::default(), sink);
         tracker.phase(Phase::Scan);
-        if opts.dry_run {
+        let resume = state.tmp == Kind::Subvolume;
+        let flushed = opts.dry_run || !cuts_uncounted(planned, resume);
+        if flushed {
             flush(pkg, src.as_fd())?;
+        }
+        if opts.dry_run {
             let (estimate, _) = scan(src.as_fd(), &AtomicBool::new(false))
                 .with_ctx(step(pkg, "scanning the volume"))?;
             report.estimate = Some(estimate);
@@ -154,8 +158,6 @@ impl Migrator {
             tracker,
             report,
         };
-
-        let resume = state.tmp == Kind::Subvolume;
         if self.carve_as_planned(&mut job, planned, resume)? {
             let mut report = job.report;
             report.method = Some(Method::SnapshotParent);
@@ -174,7 +176,9 @@ impl Migrator {
             report.elapsed = started.elapsed();
             return Ok(report);
         }
-        flush(pkg, job.src.as_fd())?;
+        if !flushed {
+            self.flush_for_clone(&mut job)?;
+        }
         job.clone_volume(resume)?;
         job.report.method = Some(Method::Clone);
         job.report.outcome = Outcome::Converted;
@@ -183,6 +187,17 @@ impl Migrator {
         }
         job.report.elapsed = started.elapsed();
         Ok(job.report)
+    }
+
+    /// A cut planned without a commit first fell back to a clone: write
+    /// the data out now, so that the clone's count sees every extent, and
+    /// read the free metadata space again, since writing it out took some.
+    fn flush_for_clone(&self, job: &mut Job<'_, '_>) -> Result<(), Error> {
+        job.tracker.phase(Phase::Scan);
+        flush(job.pkg, job.src.as_fd())?;
+        job.space = self.metadata_space(job.pkg)?;
+        job.room = MetadataRoom::of(&job.space, job.opts);
+        Ok(())
     }
 
     /// For a package just cloned with NOCOW files, under a deferred cut:
@@ -436,11 +451,20 @@ impl Migrator {
     }
 }
 
-/// Commits the filesystem holding `src`, the volume of `pkg`, before a scan
-/// counts its extents: data still in the page cache has none yet. A cut
-/// needs no such commit: the snapshot flushes the subvolume it is taken of
-/// (and the schedule committed before anything was decided), so a package
-/// converted by snapshot waits for one transaction commit less.
+/// Whether `planned` will be cut from a snapshot of the parent with nothing
+/// counted first: a cut the schedule already weighed (Auto's, whose count
+/// of the rest ran after the schedule's commit), not a resume. Such a
+/// conversion needs no commit of its own before it starts: the snapshot
+/// flushes the subvolume it is taken of. Every other way counts extents
+/// first (a clone, a forced cut's count of the rest, a dry run's scan),
+/// and data still in the page cache has none yet.
+fn cuts_uncounted(planned: &Planned, resume: bool) -> bool {
+    planned.decision == Some(Decision::SnapshotParent) && planned.cut.is_some() && !resume
+}
+
+/// Commits the filesystem holding `src`, the volume of `pkg` (see
+/// [`cuts_uncounted`] for when), before its extents are counted or its
+/// free space read for a clone.
 fn flush(pkg: &PackageId, src: BorrowedFd<'_>) -> Result<(), Error> {
     sys::commit(src).with_ctx(step(pkg, "flushing the volume"))
 }

@@ -136,8 +136,10 @@ use serde::Serialize;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Phase {
-    /// Flushing the plain directory and starting the count of its
-    /// entries, bytes and extents (which goes on beside the clone).
+    /// The checks before a conversion; for a clone (or a count of the
+    /// rest a forced cut makes), flushing the plain directory first, and
+    /// for a clone starting the count of its entries, bytes and extents
+    /// (which goes on beside the clone).
     Scan,
     /// Reflinking the contents into the new subvolume ([`Method::Clone`]).
     Clone,

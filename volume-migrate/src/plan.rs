@@ -307,9 +307,6 @@ impl Migrator {
     }
 }
 
-/// What each snapshot of a dry run's plan sheds in the background: the rest
-/// outside the packages, which the schedule counted, and every other
-/// package.
 /// Every mount namespace's mount table as it is now, for the refusal of
 /// `pkg` (and, in a plan, of the packages after it).
 pub(crate) fn read_mount_tables(pkg: &PackageId) -> Result<volume::mounts::MountTables, Error> {
@@ -321,6 +318,9 @@ pub(crate) fn read_mount_tables(pkg: &PackageId) -> Result<volume::mounts::Mount
     })
 }
 
+/// What each snapshot of a dry run's plan sheds in the background: the rest
+/// outside the packages, which the schedule counted, and every other
+/// package.
 fn shed_costs(planned: &mut [Planned]) {
     let all = planned
         .iter()
