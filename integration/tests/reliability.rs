@@ -399,6 +399,41 @@ fn proc_state(pid: u32) -> Option<char> {
     rest.trim_start().chars().next()
 }
 
+/// `child`, once it has stopped at the `=stop` failpoint `site`; panics
+/// if it exits first or does not stop within [`TIMEOUT`].
+fn stopped_at(child: ChildGuard, site: &str) -> ChildGuard {
+    let pid = child.pid();
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        match proc_state(pid) {
+            Some('T') => return child,
+            // Exited (a zombie until waited for, or gone).
+            Some('Z') | Some('X') | None => {
+                let out = child.wait(TIMEOUT, site);
+                panic!(
+                    "never stopped at {site}: it exited ({}) with stdout {:?}, stderr {:?}",
+                    out.status,
+                    text(&out.stdout),
+                    text(&out.stderr)
+                );
+            }
+            Some(_) if Instant::now() >= deadline => {
+                panic!("never stopped at {site} within {TIMEOUT:?}")
+            }
+            Some(_) => thread::sleep(Duration::from_millis(10)),
+        }
+    }
+}
+
+/// Lets a child stopped at a failpoint go on (SIGCONT).
+fn go_on(child: &ChildGuard) {
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(child.pid() as i32).unwrap(),
+        rustix::process::Signal::CONT,
+    )
+    .unwrap();
+}
+
 // Today: the `=stop` failpoint mode is unknown, so the restore runs to the end: "restore never stopped at restore.copied".
 #[test]
 fn a_mount_made_while_a_restore_copies_is_refused_and_nothing_is_lost() {
@@ -429,34 +464,9 @@ fn a_mount_made_while_a_restore_copies_is_refused_and_nothing_is_lost() {
             ..PLAIN
         },
     );
-    let pid = restore.pid();
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
-        match proc_state(pid) {
-            Some('T') => break,
-            // Exited (a zombie until waited for, or gone).
-            Some('Z') | Some('X') | None => {
-                let out = restore.wait(TIMEOUT, "restore");
-                panic!(
-                    "restore never stopped at restore.copied: it exited ({}) with stdout {:?}, \
-                     stderr {:?}",
-                    out.status,
-                    text(&out.stdout),
-                    text(&out.stderr)
-                );
-            }
-            Some(_) if Instant::now() >= deadline => {
-                panic!("restore never stopped at restore.copied within 60 s")
-            }
-            Some(_) => thread::sleep(Duration::from_millis(10)),
-        }
-    }
+    let restore = stopped_at(restore, "restore.copied");
     let bind = MountGuard::bind(&main, &fs.path("bindmnt"));
-    rustix::process::kill_process(
-        rustix::process::Pid::from_raw(pid as i32).unwrap(),
-        rustix::process::Signal::CONT,
-    )
-    .unwrap();
+    go_on(&restore);
     let out = restore.wait(TIMEOUT, "the continued restore");
     must_fail(
         &out,
@@ -490,6 +500,69 @@ fn a_mount_made_while_a_restore_copies_is_refused_and_nothing_is_lost() {
         backup: None,
     }
     .check(&root, "app", "after the restore");
+}
+
+// Today: `volume-migrate --method clone` exits 0 ("converted app"), the bind mount left on the old tree, which the cleanup then removes with whatever was written through it.
+#[test]
+fn a_mount_made_while_a_conversion_clones_is_refused_and_the_copy_kept() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let main = root.join("app/data/main");
+    fs::create_dir_all(&main).unwrap();
+    for i in 0..50u64 {
+        fs::write(main.join(format!("f{i}")), bytes(i, 20_000)).unwrap();
+    }
+    let before = digest(&root.join("app"));
+    let convert = spawn(
+        "volume-migrate",
+        &root,
+        &["--method", "clone"],
+        Opts {
+            env: &[(volume::FAILPOINT_ENV, "migrate.copied=stop")],
+            ..PLAIN
+        },
+    );
+    let convert = stopped_at(convert, "migrate.copied");
+    let bind = MountGuard::bind(&main, &fs.path("bindmnt"));
+    go_on(&convert);
+    let out = convert.wait(TIMEOUT, "the continued conversion");
+    let err = must_exit(&out, 1, "a conversion with a mount made while it cloned");
+    let said = said(&err);
+    assert!(
+        said.len() == 1 && said[0].contains("package app") && said[0].contains("mounted at"),
+        "one line naming the package and the mount: {err:?}"
+    );
+    assert!(
+        !is_subvolume_root(&root.join("app")),
+        "app must still be the plain directory"
+    );
+    assert_same(&before, &digest(&root.join("app")), "app after the refusal");
+    assert!(
+        is_subvolume_root(&root.join("app.migrate")),
+        "the copy must be kept for the next run"
+    );
+    fs::write(bind.target().join("through-the-mount"), b"still the volume").unwrap();
+    assert_eq!(
+        fs::read(main.join("through-the-mount")).ok().as_deref(),
+        Some(&b"still the volume"[..]),
+        "the mount must still show the volume"
+    );
+    fs::remove_file(main.join("through-the-mount")).unwrap();
+    bind.unmount();
+    let before = digest(&root.join("app"));
+    must_succeed(
+        &migrate_cli(&root, &["--method", "clone"]),
+        "the conversion once unmounted",
+    );
+    assert!(
+        is_subvolume_root(&root.join("app")),
+        "app converted once unmounted"
+    );
+    assert_same(
+        &common::rich::expected_after(&before),
+        &digest(&root.join("app")),
+        "app after the conversion",
+    );
 }
 
 // ---------------------------------------------------------------- 3. mounts inside a plain-directory volume

@@ -261,8 +261,36 @@ impl Job<'_, '_> {
         failpoint("migrate.copied").with_ctx(step(pkg, "failpoint"))?;
         let estimate = self.report.estimate.unwrap_or_default();
         tracing::info!(package = %pkg, bytes = estimate.bytes, extents = estimate.extents, "volume cloned into a subvolume");
+        self.ensure_unmounted()?;
         let tmp = self.names.migrate.clone();
         self.swap_in(&tmp, dst)
+    }
+
+    /// Refuses the exchange if anything is mounted from inside `<pkg>` now,
+    /// in any mount namespace. A clone takes long, services of converted
+    /// packages start meanwhile, and a dependent's may mount this volume:
+    /// after the exchange that mount would show the old tree, and its
+    /// removal would take the writes made through it. The copy is kept, so
+    /// the conversion once unmounted goes on from it.
+    fn ensure_unmounted(&self) -> Result<(), Error> {
+        let live = self.live_path();
+        let busy = volume::mounts::uses_of(&live).with_ctx(step(
+            self.pkg,
+            "reading the mount tables of every mount namespace",
+        ))?;
+        if busy.is_empty() {
+            return Ok(());
+        }
+        Err(Error::for_package(
+            self.pkg,
+            ErrorKind::InvalidRequest,
+            format!(
+                "{} was mounted at {} while it was cloned, so it is in use; unmount it and \
+                 convert again (it is untouched, and the copy is kept for the next run)",
+                live.display(),
+                volume::mounts::describe(&busy)
+            ),
+        ))
     }
 
     /// The subvolume to clone into, and with a partial copy to resume, the

@@ -141,8 +141,9 @@ impl fmt::Display for MountUse {
 ///
 /// A snapshot: a mount made after the read is not in it. So it serves a
 /// plan over many packages (the conversion's schedule); a step that is
-/// about to replace a volume's data reads the tables again
-/// ([`uses_of`]), just before.
+/// about to replace a volume's data reads the tables again before it
+/// starts and, where that takes long (a clone), again just before the
+/// exchange.
 #[derive(Debug, Clone)]
 pub struct MountTables {
     own_namespace: u64,
