@@ -115,9 +115,23 @@ pub fn init_command_line_log() {
 /// assert_eq!(volume::human_bytes(3 << 30), "3.0 GiB");
 /// assert_eq!(volume::human_bytes(1536), "1.5 KiB");
 /// assert_eq!(volume::human_bytes(512), "512 B");
+/// assert_eq!(volume::human_bytes(1024), "1.0 KiB");
+/// assert_eq!(volume::human_bytes(534 << 20 | 400 << 10), "534.4 MiB");
+/// assert_eq!(volume::human_bytes(u64::MAX), "16.0 EiB");
 /// ```
 pub fn human_bytes(n: u64) -> String {
-    bytesize::ByteSize::b(n).display().iec().to_string()
+    // Written out rather than taken from a crate: a library dependency of
+    // start-core for one line of the tools' output would not pay its way.
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let (mut unit, mut scale) = (0, 1024u64);
+    while unit + 1 < UNITS.len() && n / scale >= 1024 {
+        unit += 1;
+        scale *= 1024;
+    }
+    format!("{:.1} {}", n as f64 / scale as f64, UNITS[unit])
 }
 
 /// The volumes root on a StartOS server.
