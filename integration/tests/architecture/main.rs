@@ -81,6 +81,15 @@ fn library_crates(root: &Path) -> Vec<(String, PathBuf)> {
 }
 
 /// One line of figures for a crate: files, the largest, the longest fn.
+/// The imports between sibling modules the cycle check saw in `tree`.
+fn edges(tree: &Tree) -> usize {
+    rules::graphs(tree)
+        .values()
+        .flat_map(|g| g.values())
+        .map(|e| e.len())
+        .sum()
+}
+
 fn figures(name: &str, tree: &Tree) -> String {
     let largest = tree.files.iter().max_by_key(|f| f.lines);
     let longest = tree
@@ -90,12 +99,7 @@ fn figures(name: &str, tree: &Tree) -> String {
         .max_by_key(|(_, g)| g.lines);
     let fns: usize = tree.files.iter().map(|f| f.fns.len()).sum();
     let lines: usize = tree.files.iter().map(|f| f.lines).sum();
-    let graphs = rules::graphs(tree);
-    let edges: usize = graphs
-        .values()
-        .flat_map(|g| g.values())
-        .map(|e| e.len())
-        .sum();
+    let edges = edges(tree);
     let files = tree.files.len();
     let largest = largest.map_or_else(
         || "-".to_owned(),
@@ -113,7 +117,7 @@ fn figures(name: &str, tree: &Tree) -> String {
             )
         },
     );
-    let parents = graphs.len();
+    let parents = rules::graphs(tree).len();
     format!(
         "{name}: {files} files, {lines} lines, {fns} fns; largest file {largest}; \
          longest fn {longest}; {edges} imports between sibling modules in {parents} module graphs"
@@ -141,6 +145,18 @@ fn library_crates_keep_their_shape() {
     for (name, src) in &crates {
         let label = src.strip_prefix(&root).unwrap_or(src).display().to_string();
         let tree = measure::measure(src, &label).unwrap_or_else(|e| panic!("{e}"));
+        // A walk or a resolver that found nothing would pass every rule.
+        assert!(
+            tree.files.iter().any(|f| f.path == Path::new("lib.rs"))
+                && tree.files.iter().any(|f| !f.fns.is_empty()),
+            "{name}: no lib.rs or no function measured in {label}"
+        );
+        if name == "volume" {
+            assert!(
+                edges(&tree) > 10,
+                "volume: its module imports were not seen"
+            );
+        }
         println!("{}", figures(name, &tree));
         found.extend(rules::violations(&tree));
     }

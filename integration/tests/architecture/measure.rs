@@ -58,6 +58,11 @@ pub struct SourceFile {
     pub fns: Vec<FnLen>,
     /// The lines of its `use` items with a visibility and a `*`.
     pub glob_reexports: Vec<usize>,
+    /// What would hide an import from the cycle check, with its line: a
+    /// glob import of the crate's own modules outside a `#[cfg(test)]`
+    /// module (its names are used bare), a `#[path]` module (its file is
+    /// not where the layout puts it).
+    pub hidden_edges: Vec<(usize, &'static str)>,
     /// Paths named through `crate::`, `super::`, `self::` (none for a
     /// file of `src/bin`, a crate of its own).
     pub refs: Vec<Ref>,
@@ -149,6 +154,8 @@ pub fn measure_file(rel: PathBuf, text: &str) -> Result<SourceFile, String> {
         owners: Vec::new(),
         fns: Vec::new(),
         globs: Vec::new(),
+        hidden: Vec::new(),
+        tests: 0,
         refs: Vec::new(),
         aliases: Vec::new(),
         modules: module.into_iter().collect(),
@@ -159,6 +166,7 @@ pub fn measure_file(rel: PathBuf, text: &str) -> Result<SourceFile, String> {
         lines: text.lines().count(),
         fns: v.fns,
         glob_reexports: v.globs,
+        hidden_edges: v.hidden,
         refs: v.refs,
         aliases: v.aliases,
         modules: v.modules,
@@ -173,6 +181,9 @@ struct Visitor {
     owners: Vec<String>,
     fns: Vec<FnLen>,
     globs: Vec<usize>,
+    hidden: Vec<(usize, &'static str)>,
+    /// How many `#[cfg(test)]` modules enclose the current item.
+    tests: usize,
     refs: Vec<Ref>,
     aliases: Vec<Alias>,
     modules: Vec<ModPath>,
@@ -277,6 +288,41 @@ fn with(prefix: &[String], ident: &syn::Ident) -> Vec<String> {
     p
 }
 
+/// `#[cfg(test)]`, or `#[cfg(all(test, ...))]`: compiled for tests only.
+fn is_cfg_test(a: &syn::Attribute) -> bool {
+    match &a.meta {
+        syn::Meta::List(l) if l.path.is_ident("cfg") => test_only(l.tokens.clone()),
+        _ => false,
+    }
+}
+
+/// Whether the cfg predicate `ts` holds only under test: `test`, or an
+/// `all(...)` with such a predicate among its own.
+fn test_only(ts: proc_macro2::TokenStream) -> bool {
+    use proc_macro2::TokenTree;
+    let tokens: Vec<TokenTree> = ts.into_iter().collect();
+    match tokens.as_slice() {
+        [TokenTree::Ident(i)] => i == "test",
+        [TokenTree::Ident(i), TokenTree::Group(g)] if i == "all" => {
+            let mut parts = vec![Vec::new()];
+            for t in g.stream() {
+                match t {
+                    TokenTree::Punct(p) if p.as_char() == ',' => parts.push(Vec::new()),
+                    t => {
+                        if let Some(part) = parts.last_mut() {
+                            part.push(t);
+                        }
+                    }
+                }
+            }
+            parts
+                .into_iter()
+                .any(|part| test_only(part.into_iter().collect()))
+        }
+        _ => false,
+    }
+}
+
 fn has_glob(tree: &syn::UseTree) -> bool {
     match tree {
         syn::UseTree::Path(p) => has_glob(&p.tree),
@@ -359,9 +405,15 @@ impl<'ast> Visit<'ast> for Visitor {
     }
 
     fn visit_item_mod(&mut self, i: &'ast syn::ItemMod) {
+        if i.attrs.iter().any(|a| a.path().is_ident("path")) {
+            self.hidden
+                .push((line(i.ident.span()), "a `#[path]` module"));
+        }
         if i.content.is_none() {
             return;
         }
+        let test = i.attrs.iter().any(is_cfg_test);
+        self.tests += usize::from(test);
         self.module.push(i.ident.to_string());
         if self.graph {
             self.modules.push(self.module.clone());
@@ -370,6 +422,7 @@ impl<'ast> Visit<'ast> for Visitor {
         visit::visit_item_mod(self, i);
         self.owners = owners;
         self.module.pop();
+        self.tests -= usize::from(test);
     }
 
     fn visit_item_use(&mut self, i: &'ast syn::ItemUse) {
@@ -379,6 +432,13 @@ impl<'ast> Visit<'ast> for Visitor {
         let mut leaves = Vec::new();
         use_leaves(&mut Vec::new(), &i.tree, &mut leaves);
         for (segs, name, at) in leaves {
+            let own = segs
+                .first()
+                .is_some_and(|f| ["crate", "super", "self"].contains(&f.as_str()));
+            if self.graph && name.is_none() && own && self.tests == 0 {
+                self.hidden
+                    .push((at, "a glob import of the crate's own modules"));
+            }
             self.record_ref(&segs, at);
             if let Some(name) = name.filter(|n| self.graph && n != "_") {
                 self.aliases.push(Alias {

@@ -1,7 +1,8 @@
 //! The rules the architecture test holds a measured tree to, each broken
 //! rule a [`Violation`]: a file over [`MAX_FILE_LINES`], a function over
 //! [`MAX_FN_LINES`], a glob re-export, an import cycle between the modules
-//! of one parent (the crate root's, or a folder module's).
+//! of one parent (the crate root's, or a folder module's), and what would
+//! hide an import from that check.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -45,6 +46,12 @@ pub fn violations(tree: &Tree) -> Vec<Violation> {
             out.push(Violation {
                 key: format!("glob re-export: {name}"),
                 detail: format!("{name}: `pub use ...::*` at lines {}", lines.join(", ")),
+            });
+        }
+        for (at, what) in &file.hidden_edges {
+            out.push(Violation {
+                key: format!("hidden module edge: {name}: {what}"),
+                detail: format!("{name}:{at}: {what} hides its imports from the cycle check"),
             });
         }
     }
@@ -347,6 +354,27 @@ mod tests {
             [
                 "import cycle in t/src (crate root) between a, b: a -> b -> a; its edges: \
               a -> b (t/src/a.rs:2); b -> a (t/src/b.rs:1)"
+            ]
+        );
+    }
+
+    #[test]
+    fn what_would_hide_an_import_is_named() {
+        let v = check(&[
+            ("lib.rs", "mod a;\n#[path = \"elsewhere.rs\"]\nmod b;\n"),
+            (
+                "a.rs",
+                "use super::*;\nuse std::io::*;\n#[cfg(test)]\nmod tests {\n    use super::*;\n}\n\
+                 #[cfg(all(test, feature = \"x\"))]\nmod more {\n    use crate::*;\n}\n",
+            ),
+            ("elsewhere.rs", "pub fn f() {}\n"),
+        ]);
+        assert_eq!(
+            details(&v),
+            [
+                "t/src/a.rs:1: a glob import of the crate's own modules hides its imports from \
+                 the cycle check",
+                "t/src/lib.rs:3: a `#[path]` module hides its imports from the cycle check",
             ]
         );
     }
