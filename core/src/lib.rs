@@ -1,6 +1,6 @@
 //! Install finalization and boot-time reconcile for package volumes.
 //!
-//! Policy only: every filesystem step goes through [`volume::VolumeStore`]
+//! Policy only: every filesystem step goes through [`::volume::VolumeStore`]
 //! (each of its operations is atomic under crashes), and this crate decides
 //! when to take, restore and drop the install backup, recording in the state
 //! database ([`Db`]) everything a boot after a crash needs to finish or undo

@@ -90,7 +90,7 @@ impl Migrator {
     }
 
     /// Removes the old trees a conversion of `pkg` left: the rest a
-    /// deferred cut set aside in the new `<pkg>` ([`MigrateOptions::defer_cut`]),
+    /// deferred cut set aside in the new `<pkg>` ([`crate::MigrateOptions::defer_cut`]),
     /// then `<pkg>.migrate-old`, the plain directory it replaced: O(their
     /// extents), entry by entry (nested subvolumes in O(1)). Returns whether
     /// there was anything. Both only ever hold data that lives elsewhere

@@ -132,7 +132,7 @@ impl Migrator {
     /// The metadata bytes the filesystem holding the root can still take,
     /// and the reserve `opts` keeps, as [`Migrator::convert`] reads them
     /// before converting; for a dry run to show beside the estimates'
-    /// [`Estimate::metadata_bytes`]. Off btrfs, `None`.
+    /// [`crate::Estimate::metadata_bytes`]. Off btrfs, `None`.
     pub fn metadata_room(&self, opts: &MigrateOptions) -> Result<Option<MetadataRoom>, Error> {
         if !self.root.is_btrfs() {
             return Ok(None);

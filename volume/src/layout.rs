@@ -54,7 +54,7 @@ pub const DELETE_SUFFIX: &str = ".delete";
 /// directory under this name means the exchange happened).
 pub const MIGRATE_SUFFIX: &str = ".migrate";
 /// volume-migrate: a snapshot of the subvolume holding the volumes root,
-/// being cut down to `<pkg>` ([`crate::carve`]); garbage before the
+/// being cut down to `<pkg>` (`volume_migrate`'s `carve`); garbage before the
 /// exchange (never resumed: a new snapshot costs nothing), the old plain
 /// directory after it (a plain directory under this name means the exchange
 /// happened).

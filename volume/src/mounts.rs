@@ -164,7 +164,9 @@ struct Namespace {
 
 impl MountTables {
     /// Reads this process's mount table and that of every other mount
-    /// namespace on the machine (see [`sys::mount_namespaces`]).
+    /// namespace on the machine, through the mountinfo of one process in
+    /// each (a process that exits meanwhile, or that root may not inspect,
+    /// is passed over; anything else unreadable is an error).
     pub fn read() -> io::Result<MountTables> {
         let (own_namespace, own_text) = sys::own_mount_table()?;
         let own = parse_mountinfo(&own_text);

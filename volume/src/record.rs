@@ -13,7 +13,7 @@
 //!
 //! The identity of a complete rollback copy ([`Identity`], under
 //! `<pkg>.rollback.id`) is such a record. The read-only nested subvolumes
-//! of a backup, a set of any size, are a *set record* ([`write_set`], under
+//! of a backup, a set of any size, are a *set record* (`write_set`, under
 //! `<pkg>.install-backup.ro`): a directory of empty files named by the
 //! ids, equally metadata-only and equally out of a package's reach.
 

@@ -375,7 +375,7 @@ pub(crate) fn syncfs(fd: BorrowedFd<'_>) -> io::Result<()> {
 /// Creation time (statx btime; a subvolume root's otime on btrfs) of the
 /// inode open as `fd`, as (seconds, nanoseconds); `None` where the
 /// filesystem does not record one.
-pub fn birth_time(fd: BorrowedFd<'_>) -> io::Result<Option<(i64, i64)>> {
+pub fn birth_time(fd: BorrowedFd<'_>) -> io::Result<Option<FileTime>> {
     use rustix::fs::{StatxFlags, statx};
     let st = statx(fd, "", AtFlags::EMPTY_PATH, StatxFlags::BTIME)?;
     if !StatxFlags::from_bits_retain(st.stx_mask).contains(StatxFlags::BTIME) {

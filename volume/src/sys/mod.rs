@@ -9,7 +9,7 @@
 //! Subvolume operations are btrfs ioctls issued through rustix, so the
 //! default build needs no C toolchain, no libclang and no C library: it fits
 //! static musl builds for every target. The `btrfsutil` cargo feature
-//! swaps in libbtrfsutil for the subvolume primitives of [`subvolume`]'s
+//! swaps in libbtrfsutil for the subvolume primitives of `subvolume`'s
 //! backend (create, snapshot, delete, read-only flag, nested listing,
 //! commits), as a cross-check of the ioctl code; everything else is the
 //! same in both builds.
