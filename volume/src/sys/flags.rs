@@ -14,79 +14,23 @@ use super::xattr::{get_xattr, remove_xattr, set_xattr};
 /// The xattr under which btrfs keeps a file's compression property.
 const COMPRESSION_XATTR: &str = "btrfs.compression";
 
-/// Inode flags (chattr), the `FS_*_FL` bits of FS_IOC_GETFLAGS. Every bit
-/// the kernel reports is kept, named or not; the crates act on three.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct InodeFlags(u32);
-
-impl InodeFlags {
-    /// `chattr +i`: neither the inode nor, on a directory, its entries
-    /// may change.
-    pub const IMMUTABLE: InodeFlags = InodeFlags(IFlags::IMMUTABLE.bits());
-    /// `chattr +a`: a file may only grow; a directory's entries may only be
-    /// added.
-    pub const APPEND: InodeFlags = InodeFlags(IFlags::APPEND.bits());
-    /// `chattr +C`: no copy on write (nor checksums, nor compression) for
-    /// the file's data, or for files created in the directory.
-    pub const NOCOW: InodeFlags = InodeFlags(IFlags::NOCOW.bits());
-
-    /// No flag.
-    pub const fn empty() -> InodeFlags {
-        InodeFlags(0)
-    }
-
-    /// The raw bits.
-    pub const fn bits(self) -> u32 {
-        self.0
-    }
-
-    /// The flags of raw bits, every one kept.
-    pub const fn from_bits_retain(bits: u32) -> InodeFlags {
-        InodeFlags(bits)
-    }
-
-    /// Whether no flag is set.
-    pub const fn is_empty(self) -> bool {
-        self.0 == 0
-    }
-
-    /// Whether every flag of `other` is set.
-    pub const fn contains(self, other: InodeFlags) -> bool {
-        self.0 & other.0 == other.0
-    }
-
-    /// Whether any flag of `other` is set.
-    pub const fn intersects(self, other: InodeFlags) -> bool {
-        self.0 & other.0 != 0
-    }
-
-    /// The flags set in both.
-    pub const fn intersection(self, other: InodeFlags) -> InodeFlags {
-        InodeFlags(self.0 & other.0)
-    }
-
-    /// The flags set in either.
-    pub const fn union(self, other: InodeFlags) -> InodeFlags {
-        InodeFlags(self.0 | other.0)
-    }
-
-    /// These flags less those of `other`.
-    pub const fn difference(self, other: InodeFlags) -> InodeFlags {
-        InodeFlags(self.0 & !other.0)
-    }
-}
-
-impl std::ops::BitOr for InodeFlags {
-    type Output = InodeFlags;
-    fn bitor(self, other: InodeFlags) -> InodeFlags {
-        self.union(other)
-    }
-}
-
-impl std::ops::BitXor for InodeFlags {
-    type Output = InodeFlags;
-    fn bitxor(self, other: InodeFlags) -> InodeFlags {
-        InodeFlags(self.0 ^ other.0)
+bitflags::bitflags! {
+    /// Inode flags (chattr), the `FS_*_FL` bits of FS_IOC_GETFLAGS. Every
+    /// bit the kernel reports is kept, named or not (`from_bits_retain`);
+    /// the crates act on three.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+    pub struct InodeFlags: u32 {
+        /// `chattr +i`: neither the inode nor, on a directory, its entries
+        /// may change.
+        const IMMUTABLE = IFlags::IMMUTABLE.bits();
+        /// `chattr +a`: a file may only grow; a directory's entries may
+        /// only be added.
+        const APPEND = IFlags::APPEND.bits();
+        /// `chattr +C`: no copy on write (nor checksums, nor compression)
+        /// for the file's data, or for files created in the directory.
+        const NOCOW = IFlags::NOCOW.bits();
+        // Every other bit is the kernel's to define, and kept as it is.
+        const _ = !0;
     }
 }
 
@@ -95,7 +39,7 @@ impl std::ops::BitXor for InodeFlags {
 pub fn inode_flags(fd: BorrowedFd<'_>) -> io::Result<InodeFlags> {
     super::fault::check("ioctl_getflags")?;
     match rustix::fs::ioctl_getflags(fd) {
-        Ok(f) => Ok(InodeFlags(f.bits())),
+        Ok(f) => Ok(InodeFlags::from_bits_retain(f.bits())),
         Err(Errno::NOTTY | Errno::OPNOTSUPP | Errno::INVAL) => Ok(InodeFlags::empty()),
         Err(e) => Err(e.into()),
     }
