@@ -274,10 +274,7 @@ impl Job<'_, '_> {
     /// the conversion once unmounted goes on from it.
     fn ensure_unmounted(&self) -> Result<(), Error> {
         let live = self.live_path();
-        let busy = volume::mounts::uses_of(&live).with_ctx(step(
-            self.pkg,
-            "reading the mount tables of every mount namespace",
-        ))?;
+        let busy = crate::plan::read_mount_tables(self.pkg)?.uses_of(&live);
         if busy.is_empty() {
             return Ok(());
         }
