@@ -218,9 +218,7 @@ pub fn stat_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<Stat>> {
 
 /// [`stat_at`] of a name that must exist: ENOENT when absent.
 pub(crate) fn stat_existing_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Stat> {
-    super::fault::check("statat")?;
-    let st = rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)?;
-    Ok(Stat::from_rustix(&st))
+    stat_at(dir, name)?.ok_or_else(|| Errno::NOENT.into())
 }
 
 /// `fstat` of an open fd.
