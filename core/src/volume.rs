@@ -230,9 +230,19 @@ impl InstallBackup {
     /// without one. One `RENAME_EXCHANGE`: the volume path holds the
     /// complete old or the complete restored volume at every instant
     /// (upstream's path is empty between two renames), nested subvolumes
-    /// included. Refuses while anything, in any mount namespace, is
-    /// mounted from inside the volume.
+    /// included. A mount of the volume, in any mount namespace (a
+    /// dependent's bind mount of its `data_dir`), never makes it fail: the
+    /// replaced volume it still shows is kept, not deleted, until no mount
+    /// holds it, and the holders (pid, mount point) are named in a warning;
+    /// see [`InstallBackup::restore_outcome`] for them as data.
     pub async fn restore(&self) -> Result<(), Error> {
+        self.restore_outcome().await.map(drop)
+    }
+
+    /// [`InstallBackup::restore`], with what it did: whether it restored,
+    /// and the replaced volume if a mount held it (where it is kept, and
+    /// the processes holding it, to restart so they see the restored one).
+    pub async fn restore_outcome(&self) -> Result<volume::RestoreOutcome, Error> {
         self.run(backend::restore).await
     }
 
@@ -450,8 +460,8 @@ mod backend {
         store.snapshot(pkg)
     }
 
-    pub(super) fn restore(root: &Path, pkg: &PackageId) -> Result<(), Error> {
-        store(root)?.restore(pkg).map(drop)
+    pub(super) fn restore(root: &Path, pkg: &PackageId) -> Result<volume::RestoreOutcome, Error> {
+        store(root)?.restore_outcome(pkg)
     }
 
     pub(super) fn resolve_pending(root: &Path, pkg: &PackageId) -> Result<(), Error> {
@@ -673,8 +683,11 @@ mod backend {
         })
     }
 
-    pub(super) fn restore(_: &Path, _: &PackageId) -> Result<(), Error> {
-        Ok(())
+    pub(super) fn restore(_: &Path, _: &PackageId) -> Result<volume::RestoreOutcome, Error> {
+        Ok(volume::RestoreOutcome {
+            restored: false,
+            held: None,
+        })
     }
 
     pub(super) fn resolve_pending(_: &Path, _: &PackageId) -> Result<(), Error> {

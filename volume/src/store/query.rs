@@ -42,9 +42,11 @@ impl VolumeStore {
     }
 
     /// Every mount, in any mount namespace, that exposes something inside
-    /// `<pkg>` (see [`mounts::uses_of`]): what a restore or a delete refuses
-    /// to run beside. A caller that can stop the processes holding them
-    /// (start-core, through its services) does so first.
+    /// `<pkg>` (see [`mounts::uses_of`]): what goes on showing the old
+    /// volume after a restore, or a deleted one, which is then kept under
+    /// `<pkg>.held` until that mount is gone. A caller that can stop the
+    /// processes holding them (start-core, through its services) does so
+    /// first, and starts them again after.
     pub fn mount_uses(&self, pkg: &PackageId) -> Result<Vec<MountUse>, Error> {
         mounts::uses_of(&self.volume_path(pkg)).with_ctx(|_| {
             (
@@ -68,12 +70,22 @@ impl VolumeStore {
     }
 
     /// The names of `pkg` present under the root beside its volume and
-    /// backup (and the backup's read-only record), whatever they hold.
+    /// backup (and the backup's read-only record), whatever they hold; each
+    /// tree kept while mounted as `<pkg>.held/<n>`.
     fn other_names(&self, pkg: &PackageId, names: &Names) -> Result<Vec<String>, Error> {
         let mut out = Vec::new();
         let theirs = [&names.live, &names.backup, &names.backup_ro].map(|n| n.as_os_str());
         for name in names.all() {
             if theirs.contains(&name) {
+                continue;
+            }
+            if name == names.held {
+                let held = self.held_trees(pkg, names)?;
+                let base = names.held.to_string_lossy();
+                out.extend(held.iter().map(|n| format!("{base}/{}", n.to_string_lossy())));
+                if held.is_empty() && self.tree(pkg, name)?.is_some() {
+                    out.push(base.into_owned());
+                }
                 continue;
             }
             if self
