@@ -145,10 +145,19 @@ impl VolumeStore {
             path.display(),
             self.volume_path(pkg).display()
         );
-        Ok(HeldTree {
-            path,
-            holders: uses.iter().map(holder).collect(),
-        })
+        // A mount on top of something inside moved with the tree: named
+        // where it is now.
+        let holders = uses
+            .iter()
+            .map(|u| {
+                let mut h = holder(u);
+                if let Ok(rest) = h.mount_point.strip_prefix(&from) {
+                    h.mount_point = path.join(rest);
+                }
+                h
+            })
+            .collect();
+        Ok(HeldTree { path, holders })
     }
 
     /// `<pkg>.held`, open, made (and committed) if absent.
