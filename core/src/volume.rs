@@ -15,6 +15,10 @@
 //!   restore deletes their data with the replaced tree);
 //! - a `false` from [`InstallBackup::snapshot`] is always logged with why,
 //!   and [`InstallBackup::snapshot_outcome`] returns the reason;
+//! - a dependent's mount of the volume (upstream's dependency `mount`
+//!   effect) never makes [`InstallBackup::restore`] or [`delete_tree`]
+//!   fail, and what is written through it is never deleted while it is
+//!   mounted: the tree it shows is kept until then (upstream deletes it);
 //! - the only good copy of a volume is never deleted ([`InstallBackup::begin`]
 //!   puts back a backup that has no live volume beside it rather than
 //!   deleting it);
@@ -279,7 +283,10 @@ pub async fn ensure_volume_root_at(
 /// Deletes whatever is at `path` (upstream's `util::btrfs::delete_tree`,
 /// which its uninstall cleanup calls on a package's volume root): a
 /// volume root is renamed aside first and deleted in O(1) per subvolume,
-/// its backup kept; see [`volume::delete_tree`].
+/// its backup kept; see [`volume::delete_tree`]. A dependent's mount of the
+/// volume never makes it fail: the volume leaves its name, and is kept as
+/// `<pkg>.held/<n>` (the holders named in a warning) until no mount holds
+/// it, then deleted by the package's next operation or the next boot.
 pub async fn delete_tree(path: impl AsRef<Path>) -> Result<(), Error> {
     let path = path.as_ref().to_owned();
     blocking(move || backend::delete_tree(&path)).await
