@@ -801,7 +801,8 @@ fn subvolume_flow(tree: &Tree) -> Report {
             "seed {seed}: the replaced volume is kept while mounted"
         );
         c.unmount();
-        outcomes.push("restored while mounted, the replaced volume kept until unmounted".to_owned());
+        outcomes
+            .push("restored while mounted, the replaced volume kept until unmounted".to_owned());
     }
     c.drop_backup().must_succeed();
     c.snapshot().must_succeed();

@@ -165,7 +165,10 @@ async fn a_rollback_under_a_dependents_mounts_restores_and_keeps_the_replaced_vo
     assert_eq!(dep.write("before").0, "before");
 
     let ib = InstallBackup::at(&root, "app");
-    let outcome = ib.restore_outcome().await.expect("the rollback must succeed");
+    let outcome = ib
+        .restore_outcome()
+        .await
+        .expect("the rollback must succeed");
     assert!(outcome.restored);
     assert_eq!(fs::read(main.join("state")).unwrap(), b"v1", "restored");
     assert!(!main.join("after").exists(), "nothing of v2 in the volume");
@@ -195,7 +198,11 @@ async fn a_rollback_under_a_dependents_mounts_restores_and_keeps_the_replaced_vo
         "what the dependent writes through its mount is kept"
     );
     assert!(!main.join("after").exists());
-    assert_eq!(leftovers(&store), ["app.held/1"], "list shows the held tree");
+    assert_eq!(
+        leftovers(&store),
+        ["app.held/1"],
+        "list shows the held tree"
+    );
 
     // Every operation's recovery keeps it while it is mounted.
     ib.resolve_pending().await.unwrap();
@@ -225,7 +232,11 @@ async fn a_delete_under_a_dependents_mount_keeps_the_volume_until_the_boot_after
     assert!(outcome.deleted);
     let kept = outcome.held.expect("the volume is held");
     assert!(kept.holders.iter().any(|h| h.pid == dep.pid()), "{kept:?}");
-    assert_eq!(root_names(&root), ["app.held"], "only the held tree is left");
+    assert_eq!(
+        root_names(&root),
+        ["app.held"],
+        "only the held tree is left"
+    );
     dep.write("after the uninstall");
     assert_eq!(
         fs::read(held(&root, 1).join("after")).unwrap(),
@@ -234,7 +245,9 @@ async fn a_delete_under_a_dependents_mount_keeps_the_volume_until_the_boot_after
     assert_eq!(fs::read(held(&root, 1).join("state")).unwrap(), b"v2");
 
     // A reinstall gets a fresh volume beside it.
-    core_volume::ensure_volume_root_at(&root, "app").await.unwrap();
+    core_volume::ensure_volume_root_at(&root, "app")
+        .await
+        .unwrap();
     assert!(!main.join("state").exists(), "a fresh volume");
     assert!(held(&root, 1).join("after").exists());
 
@@ -270,8 +283,14 @@ fn the_cli_names_the_holder_and_lists_the_held_tree() {
     let said = must_succeed(&out, "restore under a dependent's mount");
     let warned = text(&out.stderr);
     for needle in [&pid, &rw, &"app.held/1".to_owned()] {
-        assert!(said.contains(needle.as_str()), "stdout names {needle}: {said}");
-        assert!(warned.contains(needle.as_str()), "warning names {needle}: {warned}");
+        assert!(
+            said.contains(needle.as_str()),
+            "stdout names {needle}: {said}"
+        );
+        assert!(
+            warned.contains(needle.as_str()),
+            "warning names {needle}: {warned}"
+        );
     }
     assert_eq!(fs::read(main.join("state")).unwrap(), b"v1");
 

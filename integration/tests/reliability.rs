@@ -475,16 +475,20 @@ fn a_mount_made_while_a_restore_copies_keeps_the_replaced_volume_and_nothing_is_
     assert_same(&live, &digest(&held), "the replaced volume, kept");
     fs::write(bind.target().join("through-the-mount"), b"the old volume").unwrap();
     assert_eq!(
-        fs::read(held.join("data/main/through-the-mount")).ok().as_deref(),
+        fs::read(held.join("data/main/through-the-mount"))
+            .ok()
+            .as_deref(),
         Some(&b"the old volume"[..]),
         "the mount must still show the replaced volume"
     );
     assert!(!main.join("through-the-mount").exists());
     bind.unmount();
-    must_succeed(
-        &volume_cli(&root, &["recover"], &[]),
-        "the recovery once unmounted",
-    );
+    reclaimed_eventually(&root, "app", || {
+        must_succeed(
+            &volume_cli(&root, &["recover"], &[]),
+            "the recovery once unmounted",
+        );
+    });
     Expect {
         live: Some(backup),
         backup: None,
@@ -1351,6 +1355,9 @@ fn a_mount_inside_a_volume_being_deleted_is_never_deleted_with_it() {
         b"volume's own",
         "kept whole until unmounted"
     );
+    reclaimed_eventually(&root, "app", || {
+        must_succeed(&volume_cli(&root, &["recover"], &[]), "recover");
+    });
 
     must_succeed(
         &volume_cli(&root, &["recover"], &[]),
@@ -1385,7 +1392,11 @@ fn recovery_never_exchanges_back_a_restore_whose_replaced_volume_is_in_use() {
 
     let out = volume_cli(&root, &["recover"], &[]);
     must_succeed(&out, "recover beside the mount of the replaced volume");
-    assert!(text(&out.stderr).contains("app.held/1"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("app.held/1"),
+        "{}",
+        text(&out.stderr)
+    );
     fs::write(held.join("through"), b"kept").unwrap();
     assert_eq!(
         fs::read(root.join("app.held/1/data/main/through")).unwrap(),
@@ -1404,10 +1415,12 @@ fn recovery_never_exchanges_back_a_restore_whose_replaced_volume_is_in_use() {
     );
     mount.unmount();
 
-    must_succeed(
-        &volume_cli(&root, &["recover"], &[]),
-        "recover after the unmount",
-    );
+    reclaimed_eventually(&root, "app", || {
+        must_succeed(
+            &volume_cli(&root, &["recover"], &[]),
+            "recover after the unmount",
+        );
+    });
     assert_no_transient_names(&root, "after the recovery");
     assert_eq!(fs::read(main.join("state")).unwrap(), b"v1");
     assert_eq!(

@@ -668,8 +668,7 @@ fn bind_mount_of_the_volume_never_blocks_restore_or_delete() {
     assert!(held.exists());
     mount.unmount();
     // ... and deletes it, nested subvolumes included, once it is not.
-    assert_eq!(store.recover(&app).unwrap().actions.len(), 1);
-    assert!(!root.join("app.held").exists());
+    reclaimed_eventually(&root, "app", || drop(store.recover(&app).unwrap()));
     let left = package_subvolumes(&fs, "app");
     assert!(left.iter().all(|s| !s.contains("held")), "{left:?}");
 
@@ -695,8 +694,8 @@ fn bind_mount_of_the_volume_never_blocks_restore_or_delete() {
         &store.data_dir(&tools, &vol("main")),
         &fs.path("lxc/app-tools/rootfs/data"),
     );
+    reclaimed_eventually(&root, "app", || drop(store.recover(&app).unwrap()));
     store.create(&app, &[vol("main")]).expect("create again");
-    assert!(!root.join("app.held").exists(), "reclaimed by the create");
     store.snapshot(&app).expect("snapshot");
     let restored = store.restore_outcome(&app).expect("restore");
     assert!(restored.restored && restored.held.is_none(), "{restored:?}");
@@ -707,7 +706,7 @@ fn bind_mount_of_the_volume_never_blocks_restore_or_delete() {
     let deleted = store.delete_outcome(&tools).expect("app-tools is mounted");
     assert!(deleted.held.is_some(), "{deleted:?}");
     other.unmount();
-    store.recover(&tools).unwrap();
+    reclaimed_eventually(&root, "app-tools", || drop(store.recover(&tools).unwrap()));
     assert!(root_names(&root).is_empty());
 }
 
@@ -737,8 +736,7 @@ fn mount_inside_the_volume_never_blocks_restore_or_delete() {
     assert!(!live.join("data/main/cache/scratch").exists());
     integration::run(std::process::Command::new("umount").arg(&moved)).unwrap();
     drop(mount);
-    store.recover(&app).unwrap();
-    assert!(!root.join("app.held").exists());
+    reclaimed_eventually(&root, "app", || drop(store.recover(&app).unwrap()));
 
     assert!(store.delete(&app).expect("delete"));
     assert!(!live.exists());
@@ -1182,10 +1180,11 @@ fn plain_volume_with_a_read_only_nested_subvolume_is_deleted() {
 fn recover_all_goes_on_past_a_package_it_cannot_recover() {
     let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
     let root = volumes_root(&fs);
-    // "aa.delete" cannot be removed while something is mounted in it; "zz"
-    // sorts after it and has a partial backup to discard.
-    fs::create_dir_all(root.join("aa.delete/m")).expect("mkdir");
-    let busy = MountGuard::tmpfs(&root.join("aa.delete/m"));
+    // "aa" has a regular file under one of its names, no state of ours,
+    // which its recovery refuses; "zz" sorts after it and has a partial
+    // backup to discard.
+    fs::create_dir_all(root.join("aa.delete")).expect("mkdir");
+    fs::write(root.join("aa.replaced"), b"not ours").expect("a stray");
     fs::create_dir_all(root.join("zz.install-backup.tmp")).expect("mkdir");
     let store = VolumeStore::open_without_recovery(&root).expect("open");
     let done = store.recover_all().expect("recover_all");
@@ -1195,11 +1194,11 @@ fn recover_all_goes_on_past_a_package_it_cannot_recover() {
     assert_eq!(done[1].package.as_str(), "zz");
     assert_eq!(done[1].actions, ["deleted an incomplete install backup"]);
     assert!(!root.join("zz.install-backup.tmp").exists());
-    drop(busy);
+    fs::remove_file(root.join("aa.replaced")).expect("the stray removed");
     let done = store.recover_all().expect("recover_all");
     assert_eq!(done.len(), 1, "{done:?}");
     assert_eq!(done[0].error, None);
-    assert_no_transient_names(&root, "after the mount is gone");
+    assert_no_transient_names(&root, "after the stray is gone");
 }
 
 /// The kernel refuses a link to an immutable or append-only inode; the copy

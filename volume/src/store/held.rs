@@ -173,7 +173,11 @@ impl VolumeStore {
     /// The entries of `<pkg>.held`, sorted; empty if it is absent. An
     /// entry under that name that is no directory is refused as any stray
     /// under one of the package's names.
-    pub(super) fn held_trees(&self, pkg: &PackageId, names: &Names) -> Result<Vec<OsString>, Error> {
+    pub(super) fn held_trees(
+        &self,
+        pkg: &PackageId,
+        names: &Names,
+    ) -> Result<Vec<OsString>, Error> {
         if self.tree(pkg, &names.held)?.is_none() {
             return Ok(Vec::new());
         }
@@ -235,7 +239,10 @@ impl VolumeStore {
                     kept += 1;
                     continue;
                 }
-                match super::delete_tree_at(dir.as_fd(), name).and_then(|()| sys::fsync(dir.as_fd())) {
+                match self
+                    .delete_entry_in(dir.as_fd(), name)
+                    .and_then(|()| sys::fsync(dir.as_fd()))
+                {
                     Ok(()) => actions.push(format!(
                         "deleted {}, kept while it was mounted, now that no mount holds it",
                         path.display()
@@ -250,7 +257,9 @@ impl VolumeStore {
         if kept == 0 {
             match sys::rmdir_at(self.root_fd(), &names.held).and_then(|()| self.fsync_root()) {
                 Ok(()) => {}
-                Err(e) => tracing::warn!(package = %pkg, "could not remove {}: {e}", base.display()),
+                Err(e) => {
+                    tracing::warn!(package = %pkg, "could not remove {}: {e}", base.display())
+                }
             }
         }
         Ok(())

@@ -363,6 +363,14 @@ impl VolumeStore {
         delete_tree_at(self.root_fd(), name)
     }
 
+    /// Removes the entry `name` of `dir`, a directory of the store's own
+    /// under the root (`<pkg>.held`), and everything below it (see
+    /// [`delete_tree_at`]): a crash part-way leaves part of a tree that
+    /// was garbage already.
+    fn delete_entry_in(&self, dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+        delete_tree_at(dir, name)
+    }
+
     /// Whether the tree `name` can be deleted in one atomic step, under its
     /// own name: a subvolume with no subvolume nested in it (one
     /// `SNAP_DESTROY`, which leaves it either whole or gone, read-only or

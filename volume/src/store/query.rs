@@ -58,7 +58,8 @@ impl VolumeStore {
 
     /// How `pkg`'s volume and backup are stored, each `None` if absent. An
     /// entry under the package's name that is no directory is an error
-    /// naming it. Reads two names; takes no lock.
+    /// naming it. Reads its names (and the entries of `<pkg>.held`); takes
+    /// no lock.
     pub fn info(&self, pkg: &PackageId) -> Result<VolumeInfo, Error> {
         let names = Names::new(pkg)?;
         Ok(VolumeInfo {
@@ -82,7 +83,10 @@ impl VolumeStore {
             if name == names.held {
                 let held = self.held_trees(pkg, names)?;
                 let base = names.held.to_string_lossy();
-                out.extend(held.iter().map(|n| format!("{base}/{}", n.to_string_lossy())));
+                out.extend(
+                    held.iter()
+                        .map(|n| format!("{base}/{}", n.to_string_lossy())),
+                );
                 if held.is_empty() && self.tree(pkg, name)?.is_some() {
                     out.push(base.into_owned());
                 }
