@@ -71,9 +71,9 @@ impl VolumeStore {
     ///
     /// A crash leaves the tree under `name` (the caller's recovery runs
     /// this again), part-deleted under it (nothing held it), or whole in
-    /// `<pkg>.held`. A mount made after the tables are read is not seen; a
-    /// removal never crosses a mount of this namespace, so such a mount
-    /// makes the delete fail rather than reach through it.
+    /// `<pkg>.held`. A mount made between the reading of the tables and
+    /// the delete is not seen (the name is off the package's by then, so
+    /// only a process already holding a mount of it can make one).
     pub(super) fn discard_tree(
         &self,
         pkg: &PackageId,
