@@ -389,8 +389,9 @@ pub fn birth_time(fd: BorrowedFd<'_>) -> io::Result<Option<FileTime>> {
 /// its own, yet is no mount). `None` before Linux 5.8, which does not say.
 pub(crate) fn mount_id(fd: BorrowedFd<'_>) -> io::Result<Option<u64>> {
     use rustix::fs::{StatxFlags, statx};
-    super::fault::check("statx")?;
-    let st = statx(fd, "", AtFlags::EMPTY_PATH, StatxFlags::MNT_ID)?;
+    let st = super::fault::check("statx")
+        .and_then(|()| Ok(statx(fd, "", AtFlags::EMPTY_PATH, StatxFlags::MNT_ID)?))
+        .map_err(statx_error)?;
     Ok(StatxFlags::from_bits_retain(st.stx_mask)
         .contains(StatxFlags::MNT_ID)
         .then_some(st.stx_mnt_id))
@@ -401,11 +402,48 @@ pub(crate) fn mount_id(fd: BorrowedFd<'_>) -> io::Result<Option<u64>> {
 /// over which a file can be bind-mounted all the same.
 pub(crate) fn mount_id_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<u64>> {
     use rustix::fs::{StatxFlags, statx};
-    super::fault::check("statx")?;
-    let st = statx(dir, name, AtFlags::SYMLINK_NOFOLLOW, StatxFlags::MNT_ID)?;
+    let st = super::fault::check("statx")
+        .and_then(|()| {
+            Ok(statx(
+                dir,
+                name,
+                AtFlags::SYMLINK_NOFOLLOW,
+                StatxFlags::MNT_ID,
+            )?)
+        })
+        .map_err(statx_error)?;
     Ok(StatxFlags::from_bits_retain(st.stx_mask)
         .contains(StatxFlags::MNT_ID)
         .then_some(st.stx_mnt_id))
+}
+
+/// The mount id of the directory open as `fd`, which every walk compares
+/// to tell a mount inside a tree: an error naming the kernel needed where
+/// statx does not give one (before Linux 5.8), so that the first call on a
+/// volumes root says so in one line rather than walking blind.
+pub(crate) fn require_mount_id(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    mount_id(fd)?.ok_or_else(|| needs_kernel("statx's mount id (STATX_MNT_ID)", "5.8"))
+}
+
+/// statx's error, where ENOSYS (no statx at all, before Linux 4.11) says
+/// which kernel the crate needs.
+fn statx_error(e: io::Error) -> io::Error {
+    match e.raw_os_error() {
+        Some(libc::ENOSYS) => needs_kernel("statx's mount id (STATX_MNT_ID)", "5.8"),
+        _ => e,
+    }
+}
+
+/// An error saying that `what` needs Linux `version` or later, naming the
+/// running kernel (`Unsupported`, so no errno the kernel did not give is
+/// made up).
+pub(crate) fn needs_kernel(what: &str, version: &str) -> io::Error {
+    let release = rustix::system::uname();
+    let release = release.release().to_string_lossy();
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        format!("{what} needs Linux {version} or later; this kernel is {release}"),
+    )
 }
 
 /// Locks `fd` exclusively (flock), waiting as long as it takes.
