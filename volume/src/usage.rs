@@ -392,7 +392,11 @@ pub fn tree_usage(fd: BorrowedFd<'_>) -> io::Result<(Usage, ExtentSet)> {
 /// How the disk bytes of a volume and its install backup split.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Split {
-    /// Held only by the backup: what dropping it frees.
+    /// Held by the backup and not by the live volume: at most what
+    /// dropping the backup frees. Only these two trees are compared; an
+    /// extent another tree also holds (a conversion's old tree or its rest,
+    /// a reflink copy elsewhere on the filesystem) stays allocated after
+    /// the drop, so this overstates by whatever they share with the backup.
     pub backup_only: u64,
     /// Held only by the live volume.
     pub live_only: u64,
