@@ -159,22 +159,39 @@ impl Stat {
 /// Opens a directory by absolute or relative path, refusing a final symlink.
 pub fn open_dir_path(path: &Path) -> io::Result<OwnedFd> {
     super::fault::check("open")?;
-    Ok(rustix::fs::open(
+    open_read_only(
+        rustix::fs::CWD,
         path,
         OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?)
+    )
 }
 
 /// Opens the directory `name` inside `dir`, never following a symlink.
 pub fn open_dir_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<OwnedFd> {
     super::fault::check("openat")?;
-    Ok(rustix::fs::openat(
+    open_read_only(
         dir,
         name,
         OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?)
+    )
+}
+
+/// openat for reading, with O_NOATIME where the caller may: a walk, a
+/// copy or a count reads a package's tree without writing its access
+/// times, which would dirty every inode it reads (metadata written in the
+/// next transaction) and mark each as changed since a copy of it began
+/// (`copy::SourceChanges`). O_NOATIME needs the file's owner or
+/// CAP_FOWNER (root has it); without either the kernel says EPERM, and the
+/// open goes on without the flag.
+fn open_read_only<P: rustix::path::Arg + Copy>(
+    dir: BorrowedFd<'_>,
+    name: P,
+    flags: OFlags,
+) -> io::Result<OwnedFd> {
+    match rustix::fs::openat(dir, name, flags | OFlags::NOATIME, Mode::empty()) {
+        Err(Errno::PERM) => Ok(rustix::fs::openat(dir, name, flags, Mode::empty())?),
+        r => Ok(r?),
+    }
 }
 
 /// Opens (creating if needed) a regular file inside `dir` for writing.
@@ -508,12 +525,11 @@ pub(crate) fn block_size(fd: BorrowedFd<'_>) -> io::Result<u64> {
 /// `name` may hold several components, as for [`stat_at`].
 pub(crate) fn open_read_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<OwnedFd> {
     super::fault::check("openat")?;
-    Ok(rustix::fs::openat(
+    open_read_only(
         dir,
         name,
         OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?)
+    )
 }
 
 /// Opens the regular file `name` in `dir` for writing, never following a
