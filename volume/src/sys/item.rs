@@ -38,6 +38,8 @@ const FILE_EXTENT: &str = "file extent";
 
 /// `generation` in `struct btrfs_inode_item`.
 const INODE_GENERATION: usize = 0;
+/// `transid`: the transaction that last wrote the inode item.
+const INODE_TRANSID: usize = 8;
 /// `size`.
 const INODE_SIZE: usize = 16;
 /// `mode`.
@@ -224,6 +226,11 @@ pub struct InodeItem {
     /// The transaction that made the inode, which a file handle carries
     /// to tell a reused number apart.
     pub(crate) generation: u64,
+    /// The transaction that last wrote the item: any change to the file
+    /// (data, size, times, owner, mode, links, xattrs) updates its ctime and
+    /// so writes the item in the transaction the change is part of. The
+    /// filesystem's own order of changes, which no clock can set back.
+    pub(crate) transid: u64,
     /// The file's size in bytes.
     pub size: u64,
     /// Its mode (type and permissions).
@@ -241,6 +248,7 @@ impl InodeItem {
         }
         Ok(InodeItem {
             generation: le64(body, INODE_GENERATION).ok_or(short)?,
+            transid: le64(body, INODE_TRANSID).ok_or(short)?,
             size: le64(body, INODE_SIZE).ok_or(short)?,
             mode: le32(body, INODE_MODE).ok_or(short)?,
             flags: le64(body, INODE_FLAGS).ok_or(short)?,
