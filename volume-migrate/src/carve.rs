@@ -22,6 +22,7 @@ use std::path::Path;
 
 use volume::copy;
 use volume::failpoint::failpoint;
+use volume::sys::item::EMPTY_SUBVOL_DIR_OBJECTID;
 use volume::sys::{self, FileType, InodeFlags};
 
 /// A step of [`carve`], for progress and cancellation: an error returned
@@ -35,7 +36,8 @@ pub enum CarveEvent {
     /// count so far).
     Removed(u64),
     /// With [`Removal::Deferred`]: one more top entry of what is not kept
-    /// was moved into the rest's directory (the count so far).
+    /// was moved into the rest's directory, or removed if a nested
+    /// subvolume's stub (the count so far).
     SetAside(u64),
     /// One more entry of the kept directory was lifted to the root (the
     /// count so far).
@@ -49,7 +51,8 @@ pub enum Removal {
     Now,
     /// Later: each top entry of it is moved into one directory at the root
     /// ([`Carved::rest`]), O(top entries), for the caller to remove once the
-    /// subvolume is in use ([`remove_rest`]).
+    /// subvolume is in use ([`remove_rest`]); the stub of a subvolume
+    /// nested at the top, which cannot be moved, is removed at once.
     Deferred,
 }
 
@@ -74,7 +77,11 @@ const REST: &str = ".startos-carve-rest";
 /// removed), timestamps and inode flags. With [`Removal::Now`] everything
 /// else the subvolume held is removed, entry by entry (immutable and
 /// append-only flags cleared first); placeholders of nested subvolumes are
-/// removed by `rmdir`.
+/// removed by `rmdir`. With [`Removal::Deferred`] too, a placeholder at
+/// the top: the kernel refuses to rename one (ENOTEMPTY), so moving it
+/// into the rest would fail the cut whenever a subvolume sits at the top
+/// of the snapshot (a converted package beside the volumes root's
+/// packages, or any subvolume at the top of the filesystem).
 ///
 /// The directory itself must hold no nested subvolume (its placeholders
 /// would be kept as empty directories).
@@ -133,8 +140,14 @@ pub fn carve(
             let rest = free_name(REST, &top_names, &kept_names, Some(&hold));
             sys::mkdir_at(snapshot, &rest, 0o700)?;
             let rest_fd = sys::open_dir_at(snapshot, &rest)?;
-            for (i, (entry, _, _)) in top_names.iter().enumerate() {
-                lift(snapshot, rest_fd.as_fd(), entry)?;
+            for (i, (entry, kind, _)) in top_names.iter().enumerate() {
+                // A nested subvolume's stub cannot be renamed (ENOTEMPTY);
+                // it holds nothing, so it goes now.
+                if is_subvolume_stub(snapshot, entry, *kind)? {
+                    sys::rmdir_at(snapshot, entry)?;
+                } else {
+                    lift(snapshot, rest_fd.as_fd(), entry)?;
+                }
                 on_event(CarveEvent::SetAside(i as u64 + 1))?;
             }
             Some(rest)
@@ -250,6 +263,21 @@ fn free_name(
         name = OsString::from(format!("{base}.{i}"));
     }
     name
+}
+
+/// Whether the entry `name` of the snapshot open as `snapshot` (of type
+/// `kind`, as its directory said) is the stub a nested subvolume leaves in
+/// a snapshot: a directory whose inode number is
+/// [`EMPTY_SUBVOL_DIR_OBJECTID`], which no inode of a subvolume's tree can
+/// have (theirs start at 256). Decided by what the kernel reports, never by
+/// the name; a fresh snapshot has nothing mounted in it, and `rmdir`
+/// removes nothing else that is not empty.
+fn is_subvolume_stub(snapshot: BorrowedFd<'_>, name: &OsStr, kind: FileType) -> io::Result<bool> {
+    if !matches!(kind, FileType::Directory | FileType::Unknown) {
+        return Ok(false);
+    }
+    Ok(sys::stat_at(snapshot, name)?
+        .is_some_and(|st| st.is_dir() && st.ino == EMPTY_SUBVOL_DIR_OBJECTID))
 }
 
 /// Moves `name` from `from` to `to`. An immutable or append-only entry
