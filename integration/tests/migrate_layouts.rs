@@ -102,6 +102,20 @@ fn root_at_the_top_of_the_filesystem_beside_a_converted_package() {
     assert_run_as_planned("top of the filesystem", &root, &["p1", "p2"]);
 }
 
+/// The volumes root at the top of a subvolume of its own, two plain
+/// packages and nothing else: the first converted, its stub is at the top
+/// of the second's snapshot.
+#[test]
+fn root_at_the_top_of_its_own_subvolume_two_plain_packages() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = fs.path("own");
+    subvolume_create(&root);
+    for p in ["p1", "p2"] {
+        plain_package(&root, p);
+    }
+    assert_run_as_planned("own subvolume", &root, &["p1", "p2"]);
+}
+
 /// The volumes root one level below the top, a subvolume beside it at the
 /// top and a converted package inside it, and a plain file elsewhere.
 #[test]
