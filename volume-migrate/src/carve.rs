@@ -291,3 +291,57 @@ fn lift(from: BorrowedFd<'_>, to: BorrowedFd<'_>, name: &OsStr) -> io::Result<()
         r => r,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::fs;
+    use std::os::unix::fs::MetadataExt;
+
+    use super::*;
+
+    /// A deferred cut of a snapshot whose top holds a nested subvolume's
+    /// stub and an empty plain directory: the stub is removed (it cannot be
+    /// moved), the plain directory set aside like anything else, and the
+    /// kept directory's file is the very same inode.
+    #[test]
+    fn a_deferred_cut_removes_a_stub_at_the_top_and_sets_the_rest_aside() {
+        let fs = test_fs::fs_or_skip!(test_fs::LoopFs::btrfs(256 << 20));
+        let top = fs::File::open(fs.mount_point()).unwrap();
+        sys::create_subvolume(top.as_fd(), OsStr::new("src")).unwrap();
+        let src = fs.path("src");
+        let src_fd = fs::File::open(&src).unwrap();
+        sys::create_subvolume(src_fd.as_fd(), OsStr::new("sub")).unwrap();
+        fs::create_dir(src.join("empty")).unwrap();
+        fs::create_dir(src.join("keep")).unwrap();
+        fs::write(src.join("keep/file"), b"kept").unwrap();
+        let ino = fs::metadata(src.join("keep/file")).unwrap().ino();
+        sys::snapshot(src_fd.as_fd(), top.as_fd(), OsStr::new("snap")).unwrap();
+        let snap = fs.path("snap");
+        assert_eq!(
+            fs::symlink_metadata(snap.join("sub")).unwrap().ino(),
+            EMPTY_SUBVOL_DIR_OBJECTID
+        );
+
+        let snap_fd = fs::File::open(&snap).unwrap();
+        let carved = carve(
+            snap_fd.as_fd(),
+            Path::new("keep"),
+            Removal::Deferred,
+            &mut |_| Ok(()),
+        )
+        .expect("the cut");
+        let rest = carved.rest.expect("a rest");
+        let mut names: Vec<_> = fs::read_dir(&snap)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        assert_eq!(names, [rest.clone(), OsString::from("file")]);
+        assert_eq!(fs::metadata(snap.join("file")).unwrap().ino(), ino);
+        let aside: Vec<_> = fs::read_dir(snap.join(&rest))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(aside, [OsString::from("empty")]);
+    }
+}
