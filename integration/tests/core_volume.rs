@@ -646,6 +646,41 @@ async fn a_hard_uninstall_removes_every_name_and_a_reinstall_starts_empty() {
     delete_tree_at(&c.root, c.root.join("ghost")).await.unwrap();
 }
 
+/// `Service::load`'s Installing arm on undo, as upstream writes it:
+/// `resolve_pending`, then `cleanup` with `keep_volumes = !is_fresh()`
+/// (a hard one, `delete_tree` of the volume root, only for a fresh
+/// install), then `restore` and `remove`. A fresh install had no backup
+/// (`begin` found nothing to back up), so the hard cleanup loses nothing
+/// and leaves no name; an install over data keeps its volume and gets the
+/// backup back.
+#[tokio::test]
+async fn the_installing_arms_undo_leaves_nothing_of_a_fresh_install_and_restores_the_rest() {
+    let Some(c) = Case::new() else { return };
+    async fn undo(c: &Case) {
+        c.ib.resolve_pending().await.unwrap();
+        if c.ib.is_fresh().await {
+            delete_tree_at(&c.root, c.live()).await.unwrap();
+        }
+        c.ib.restore().await.unwrap();
+        c.ib.remove().await.unwrap();
+    }
+    // A fresh install: begin, snapshot (nothing), the install's writes.
+    c.ib.begin().await.unwrap();
+    assert!(!c.ib.snapshot().await.unwrap());
+    ensure_volume_root_at(&c.root, "app").await.unwrap();
+    seed(&c.live(), "the failed install's");
+    undo(&c).await;
+    assert_eq!(root_names(&c.root), Vec::<String>::new());
+    // Over data: the backup comes back, the volume stays.
+    seed_subvolume(&c.live(), "before");
+    c.ib.begin().await.unwrap();
+    assert!(c.ib.snapshot().await.unwrap());
+    seed(&c.live(), "the failed install's");
+    undo(&c).await;
+    assert_eq!(marker(&c.live()).as_deref(), Some("before"));
+    assert_eq!(root_names(&c.root), ["app"]);
+}
+
 /// `delete_tree` of a tree named as a package but not in the volumes root
 /// (`<fs>/x/app`) is no volume: deleted in place, as upstream's, with its
 /// siblings (names a volume store would recover: `app.delete`,
