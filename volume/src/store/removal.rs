@@ -1,7 +1,8 @@
 //! Removing what a package has: its backup ([`VolumeStore::drop_backup`]),
 //! its volume with everything else of it ([`VolumeStore::delete`]), or its
 //! live volume alone ([`VolumeStore::discard_volume`]), and deleting any
-//! tree ([`delete_tree`], [`delete_tree_at`]).
+//! tree ([`delete_tree`], [`delete_tree_in`], [`delete_tree_at`]): only a
+//! direct child of the volumes root is a package's volume.
 //!
 //! A tree is renamed aside to a transient name first, so a crash never
 //! leaves a half-deleted tree under a name that says "complete"; where the
@@ -180,7 +181,9 @@ impl VolumeStore {
     }
 
     /// Deletes the live volume `<pkg>` only, keeping its backup, after
-    /// which a restore may still put the backup in. The volume is renamed to `<pkg>.replaced` first
+    /// which a restore may still put the backup in (a hard uninstall's
+    /// `delete_tree` deletes every name instead, [`delete_tree_in`]).
+    /// The volume is renamed to `<pkg>.replaced` first
     /// (garbage to recovery, which never touches the backup for it), then
     /// deleted: O(1) per subvolume. Returns whether there was a volume.
     /// Refuses while anything is mounted from inside it.
