@@ -711,6 +711,9 @@ async fn delete_tree_outside_the_volumes_root_is_a_plain_delete() {
         rustix::fs::minor(st.dev()),
         st.ino()
     ));
+    // A lock directory of an earlier run whose loop device and directory
+    // had the same numbers (this test makes one below) is not this one's.
+    let _ = fs::remove_dir_all(&lock_dir);
     for with_root in [true, false] {
         if with_root {
             delete_tree_at(&c.root, &app).await.unwrap();
@@ -735,6 +738,8 @@ async fn delete_tree_outside_the_volumes_root_is_a_plain_delete() {
     .await;
     assert!(matches!(done, Ok(Ok(()))), "{done:?}");
     assert!(gone(&app));
+    drop(_held);
+    let _ = fs::remove_dir_all(&lock_dir);
 }
 
 /// Upstream's `ServiceMap::install`, its volume calls in its order:
