@@ -1,0 +1,373 @@
+//! Upstream's own call sites, run: the `call-sites` runner of
+//! `fixtures/upstream-call-sites` drives start-core's `ServiceMap::install`,
+//! `Service::load` (its Installing and Updating arms, its undo), the
+//! uninstall `cleanup`, the dependency `mount` effect, the 0.3.6
+//! migration's `post_up` and `cleanup_and_initialize` as upstream writes
+//! them, with stand-ins that run (a state store on the data directory, a
+//! real container process per service holding its bind mounts, the
+//! notifications), on a loop-mounted btrfs seen at upstream's
+//! `/media/startos/data`. Each run of the runner is one boot of the box;
+//! a SIGKILL at a failpoint then the next run is a crash and a reboot.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::MIB;
+use integration::{LoopFs, fs_or_skip};
+use serde_json::{Value, json};
+
+/// One run of the runner: what it printed.
+#[derive(Debug)]
+struct Run {
+    /// Each step's error, `None` for one that succeeded.
+    steps: Vec<Option<String>>,
+    events: Vec<Value>,
+    running: BTreeMap<String, String>,
+    db: BTreeMap<String, Value>,
+    stderr: String,
+}
+
+impl Run {
+    fn ok(&self) -> bool {
+        self.steps.iter().all(Option::is_none)
+    }
+
+    fn notifications(&self, id: &str) -> Vec<String> {
+        self.events
+            .iter()
+            .filter_map(|e| e.get("notification"))
+            .filter(|n| n["id"] == id)
+            .map(|n| n["message"].as_str().unwrap_or_default().to_owned())
+            .collect()
+    }
+
+    /// Each `Service::load` of `id`: its disposition, and whether it
+    /// returned a service (`Ok(true)`), none, or an error.
+    fn loads(&self, id: &str) -> Vec<(String, Result<bool, String>)> {
+        self.events
+            .iter()
+            .filter_map(|e| e.get("load"))
+            .filter(|l| l["id"] == id)
+            .map(|l| {
+                let outcome = match l["error"].as_str() {
+                    Some(e) => Err(e.to_owned()),
+                    None => Ok(l["service"].as_bool().unwrap_or(false)),
+                };
+                (l["disposition"].as_str().unwrap_or("").to_owned(), outcome)
+            })
+            .collect()
+    }
+
+    /// When each package's load volume calls returned, in ms from boot start.
+    fn volumes_ready(&self) -> BTreeMap<String, f64> {
+        let mut out = BTreeMap::new();
+        for r in self.events.iter().filter_map(|e| e.get("volumes_ready")) {
+            out.entry(r["id"].as_str().unwrap_or("").to_owned())
+                .or_insert(r["ms"].as_f64().unwrap_or(f64::NAN));
+        }
+        out
+    }
+
+    /// The version the database has `id` installed at, if `Installed`.
+    fn installed(&self, id: &str) -> Option<String> {
+        self.db.get(id)?["Installed"]["installed"]
+            .as_str()
+            .map(str::to_owned)
+    }
+}
+
+/// A box: its data filesystem, driven through the runner.
+struct Box_ {
+    fs: LoopFs,
+    bin: PathBuf,
+}
+
+/// How a run ended.
+enum Ended {
+    Completed(Run),
+    Killed,
+}
+
+impl Box_ {
+    fn new(size: u64) -> Option<Box_> {
+        let fs = fs_or_skip!(LoopFs::btrfs(size), None);
+        let bin = integration::workspace_bin("call-sites").unwrap_or_else(|e| {
+            panic!("{e} (build it first: cargo build --workspace --bins --features ...)")
+        });
+        Some(Box_ { fs, bin })
+    }
+
+    fn volumes(&self) -> PathBuf {
+        self.fs.path("package-data/volumes")
+    }
+
+    /// `id`'s main volume (`data_dir(DATA_DIR, id, "main")`).
+    fn main(&self, id: &str) -> PathBuf {
+        self.volumes().join(id).join("data/main")
+    }
+
+    /// The version the package's init last wrote into its main volume.
+    fn data_version(&self, id: &str) -> Option<String> {
+        fs::read_to_string(self.main(id).join("version")).ok()
+    }
+
+    /// The names in the volumes root that belong to `id`.
+    fn names(&self, id: &str) -> Vec<String> {
+        let Ok(dir) = fs::read_dir(self.volumes()) else {
+            return Vec::new();
+        };
+        let mut names: Vec<String> = dir
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n == id || n.starts_with(&format!("{id}.")))
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// Runs `steps` as one boot of the box, with `failpoint` armed from
+    /// the environment if given; kills whatever the run left (its
+    /// containers) before returning.
+    fn run_with(&self, steps: &[Value], failpoint: Option<&str>) -> Ended {
+        let mut cmd = Command::new(&self.bin);
+        cmd.arg("run").arg(self.fs.mount_point());
+        for s in steps {
+            cmd.arg(s.to_string());
+        }
+        cmd.env_remove("STARTOS_VOLUME_FAILPOINT")
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        if let Some(fp) = failpoint {
+            cmd.env("STARTOS_VOLUME_FAILPOINT", fp);
+        }
+        let child = cmd.spawn().expect("starting call-sites");
+        let pgid = child.id();
+        let out = child.wait_with_output().expect("waiting for call-sites");
+        reap_group(pgid);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        use std::os::unix::process::ExitStatusExt;
+        if out.status.signal() == Some(libc::SIGKILL) {
+            return Ended::Killed;
+        }
+        let code = out.status.code();
+        assert!(
+            matches!(code, Some(0) | Some(3)),
+            "call-sites ended with {:?}:\n{stderr}",
+            out.status
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let mut run = Run {
+            steps: Vec::new(),
+            events: Vec::new(),
+            running: BTreeMap::new(),
+            db: BTreeMap::new(),
+            stderr,
+        };
+        for line in stdout.lines() {
+            let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{line}: {e}"));
+            if v.get("step").is_some() {
+                run.steps.push(v["error"].as_str().map(str::to_owned));
+            } else {
+                run.events = v["events"].as_array().cloned().unwrap_or_default();
+                run.running = serde_json::from_value(v["running"].clone()).unwrap();
+                run.db = serde_json::from_value(v["db"].clone()).unwrap();
+            }
+        }
+        Ended::Completed(run)
+    }
+
+    fn run(&self, steps: &[Value]) -> Run {
+        match self.run_with(steps, None) {
+            Ended::Completed(run) => run,
+            Ended::Killed => panic!("call-sites killed without a failpoint"),
+        }
+    }
+
+    /// Runs `steps`, each of which must succeed.
+    #[track_caller]
+    fn run_ok(&self, steps: &[Value]) -> Run {
+        let run = self.run(steps);
+        assert!(run.ok(), "steps failed: {:?}\n{}", run.steps, run.stderr);
+        run
+    }
+}
+
+/// Kills every process left in the run's process group (its containers)
+/// and waits until none is left, so no mount of theirs outlives the run,
+/// as none outlives a reboot.
+fn reap_group(pgid: u32) {
+    let pgid = rustix::process::Pid::from_raw(pgid as i32).expect("a process group id");
+    let _ = rustix::process::kill_process_group(pgid, rustix::process::Signal::KILL);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        let alive = fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| fs::read_to_string(e.path().join("stat")).ok())
+            .any(|stat| {
+                // Fields after the command's closing parenthesis: state, ppid, pgrp.
+                let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+                let f: Vec<&str> = rest.split_whitespace().collect();
+                f.len() > 2 && f[0] != "Z" && f[2] == pgid.as_raw_nonzero().to_string()
+            });
+        if !alive {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("processes of group {pgid:?} still alive after SIGKILL");
+}
+
+fn boot() -> Value {
+    json!("boot")
+}
+
+fn install(id: &str, version: &str) -> Value {
+    json!({"install": {"id": id, "version": version}})
+}
+
+fn install_failing(id: &str, version: &str, fail: &str) -> Value {
+    json!({"install": {"id": id, "version": version, "fail": fail}})
+}
+
+/// A dependent whose container mounts `dep`'s main volume read-only and
+/// writable (two `mount` effects).
+fn install_dependent(id: &str, version: &str, dep: &str) -> Value {
+    let mount = |readonly| json!({"package_id": dep, "volume_id": "main", "subpath": null, "readonly": readonly});
+    json!({"install": {"id": id, "version": version, "dependencies": [mount(true), mount(false)]}})
+}
+
+fn uninstall(id: &str, soft: bool) -> Value {
+    json!({"uninstall": {"id": id, "soft": soft}})
+}
+
+fn arm(failpoint: &str) -> Value {
+    json!({"arm": {"failpoint": failpoint}})
+}
+
+const SIZE: u64 = 512 * MIB;
+
+#[test]
+fn install_update_and_each_failed_update_through_the_undo_arm() {
+    let Some(b) = Box_::new(SIZE) else { return };
+    let run = b.run_ok(&[boot(), install("app", "1"), install("app", "2")]);
+    assert_eq!(run.installed("app").as_deref(), Some("2"));
+    assert_eq!(run.running.get("app").map(String::as_str), Some("2"));
+    assert_eq!(b.data_version("app").as_deref(), Some("2"));
+    assert!(b.main("app").join("data-1").exists(), "the update kept v1's data");
+    assert!(
+        fs::read_to_string(b.main("app").join("app.log")).is_ok_and(|l| l.contains("app ")),
+        "the container wrote through its bind mount"
+    );
+    assert_eq!(b.names("app"), ["app"], "no backup or temporary left");
+
+    // Each phase an update can fail at: the download, a cancel, the new
+    // version's init (after it wrote into the volume). Each is undone
+    // through `Service::load`'s Updating arm: v2's data back, v2 running.
+    for (version, fail) in [("3", "download"), ("4", "cancel"), ("5", "init")] {
+        let run = b.run(&[boot(), install_failing("app", version, fail)]);
+        assert!(run.steps[0].is_none(), "{fail}: boot: {:?}", run.steps);
+        assert!(run.steps[1].is_some(), "{fail}: the update must fail");
+        assert_eq!(
+            run.loads("app").last(),
+            Some(&("Undo".to_owned(), Ok(true))),
+            "{fail}: the undo arm loads the old version: {:?}",
+            run.loads("app")
+        );
+        assert!(
+            run.notifications("app").iter().any(|n| n.contains(fail)),
+            "{fail}: the user is told: {:?}",
+            run.notifications("app")
+        );
+        assert_eq!(run.installed("app").as_deref(), Some("2"), "{fail}");
+        assert_eq!(run.running.get("app").map(String::as_str), Some("2"), "{fail}");
+        assert_eq!(b.data_version("app").as_deref(), Some("2"), "{fail}");
+        assert!(
+            !b.main("app").join(format!("data-{version}")).exists(),
+            "{fail}: the failed version's data was rolled back"
+        );
+        assert_eq!(b.names("app"), ["app"], "{fail}: no name left");
+    }
+}
+
+#[test]
+fn an_update_crashed_after_its_snapshot_is_undone_at_the_next_boot() {
+    let Some(b) = Box_::new(SIZE) else { return };
+    b.run_ok(&[boot(), install("app", "1")]);
+    // The new version's init fails again at the boot's retry: the boot's
+    // `Service::load` (Retry) falls through to its undo arm.
+    let killed = b.run_with(
+        &[boot(), arm("snapshot.created"), install_failing("app", "2", "init")],
+        None,
+    );
+    assert!(matches!(killed, Ended::Killed), "snapshot.created not reached");
+    let run = b.run_ok(&[boot()]);
+    assert_eq!(
+        run.loads("app"),
+        [("Retry".to_owned(), Ok(true))],
+        "{}",
+        run.stderr
+    );
+    assert_eq!(run.installed("app").as_deref(), Some("1"));
+    assert_eq!(b.data_version("app").as_deref(), Some("1"));
+    assert_eq!(b.names("app"), ["app"]);
+}
+
+#[test]
+fn hard_and_soft_uninstall_then_reinstall_after_a_reboot() {
+    let Some(b) = Box_::new(SIZE) else { return };
+    b.run_ok(&[boot(), install("kept", "1"), install("gone", "1")]);
+    fs::write(b.main("kept").join("precious"), "user data").unwrap();
+    fs::write(b.main("gone").join("precious"), "user data").unwrap();
+    let run = b.run_ok(&[boot(), uninstall("kept", true), uninstall("gone", false)]);
+    assert!(run.db.is_empty(), "both left the database: {:?}", run.db);
+    assert!(run.running.is_empty());
+    assert!(b.main("kept").join("precious").exists(), "a soft uninstall keeps the volume");
+    assert_eq!(b.names("gone"), Vec::<String>::new(), "a hard uninstall leaves no name");
+
+    let run = b.run_ok(&[boot(), install("kept", "2"), install("gone", "2")]);
+    assert_eq!(run.installed("kept").as_deref(), Some("2"));
+    assert_eq!(run.installed("gone").as_deref(), Some("2"));
+    assert!(b.main("kept").join("precious").exists(), "a reinstall finds kept data");
+    assert!(
+        !b.main("gone").join("precious").exists() && !b.main("gone").join("data-1").exists(),
+        "a hard uninstall's data never comes back"
+    );
+}
+
+#[test]
+fn a_hard_uninstall_after_a_failed_rollback_does_not_come_back() {
+    let Some(b) = Box_::new(SIZE) else { return };
+    b.run_ok(&[boot(), install("app", "1")]);
+    // The rollback's restore fails (an I/O error in it): upstream's
+    // `report_failed_rollback` aborts the load, the backup stays.
+    let run = b.run(&[boot(), arm("restore.recorded=eio"), install_failing("app", "2", "init")]);
+    assert!(
+        run.notifications("app").iter().any(|n| n.contains("rollback-failed")),
+        "the failed rollback is told: {:?}\n{}",
+        run.notifications("app"),
+        run.stderr
+    );
+    let run = b.run_ok(&[boot(), uninstall("app", false)]);
+    assert!(run.db.is_empty());
+    b.run_ok(&[boot()]);
+    assert_eq!(
+        b.names("app"),
+        Vec::<String>::new(),
+        "a hard uninstall removes every name of the package, at the boot sweep too"
+    );
+    b.run_ok(&[boot(), install("app", "3")]);
+    assert!(
+        !b.main("app").join("data-1").exists(),
+        "the reinstall finds none of the uninstalled data"
+    );
+}
