@@ -88,10 +88,34 @@ struct Box_ {
     bin: PathBuf,
 }
 
-/// How a run ended.
+/// How a run ended; a killed run has what it printed before it died.
 enum Ended {
     Completed(Run),
-    Killed,
+    Killed(Run),
+}
+
+/// The runner's lines: one a step, one an event as it happened, and a
+/// last one with the running services and the database.
+fn parse(stdout: &str) -> Run {
+    let mut run = Run {
+        steps: Vec::new(),
+        events: Vec::new(),
+        running: BTreeMap::new(),
+        db: BTreeMap::new(),
+        stderr: String::new(),
+    };
+    for line in stdout.lines() {
+        let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{line}: {e}"));
+        if v.get("step").is_some() {
+            run.steps.push(v["error"].as_str().map(str::to_owned));
+        } else if v.get("db").is_some() {
+            run.running = serde_json::from_value(v["running"].clone()).unwrap();
+            run.db = serde_json::from_value(v["db"].clone()).unwrap();
+        } else {
+            run.events.push(v);
+        }
+    }
+    run
 }
 
 impl Box_ {
@@ -155,7 +179,9 @@ impl Box_ {
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
         use std::os::unix::process::ExitStatusExt;
         if out.status.signal() == Some(libc::SIGKILL) {
-            return Ended::Killed;
+            let mut run = parse(&String::from_utf8_lossy(&out.stdout));
+            run.stderr = stderr;
+            return Ended::Killed(run);
         }
         let code = out.status.code();
         assert!(
@@ -163,31 +189,15 @@ impl Box_ {
             "call-sites ended with {:?}:\n{stderr}",
             out.status
         );
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let mut run = Run {
-            steps: Vec::new(),
-            events: Vec::new(),
-            running: BTreeMap::new(),
-            db: BTreeMap::new(),
-            stderr,
-        };
-        for line in stdout.lines() {
-            let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{line}: {e}"));
-            if v.get("step").is_some() {
-                run.steps.push(v["error"].as_str().map(str::to_owned));
-            } else {
-                run.events = v["events"].as_array().cloned().unwrap_or_default();
-                run.running = serde_json::from_value(v["running"].clone()).unwrap();
-                run.db = serde_json::from_value(v["db"].clone()).unwrap();
-            }
-        }
+        let mut run = parse(&String::from_utf8_lossy(&out.stdout));
+        run.stderr = stderr;
         Ended::Completed(run)
     }
 
     fn run(&self, steps: &[Value]) -> Run {
         match self.run_with(steps, None) {
             Ended::Completed(run) => run,
-            Ended::Killed => panic!("call-sites killed without a failpoint"),
+            Ended::Killed(run) => panic!("call-sites killed without a failpoint:\n{}", run.stderr),
         }
     }
 
@@ -309,7 +319,7 @@ fn an_update_crashed_after_its_snapshot_is_undone_at_the_next_boot() {
         &[boot(), arm("snapshot.created"), install_failing("app", "2", "init")],
         None,
     );
-    assert!(matches!(killed, Ended::Killed), "snapshot.created not reached");
+    assert!(matches!(killed, Ended::Killed(_)), "snapshot.created not reached");
     let run = b.run_ok(&[boot()]);
     assert_eq!(
         run.loads("app"),
@@ -370,4 +380,157 @@ fn a_hard_uninstall_after_a_failed_rollback_does_not_come_back() {
         !b.main("app").join("data-1").exists(),
         "the reinstall finds none of the uninstalled data"
     );
+}
+
+/// Whether `path` is the top of a btrfs subvolume (inode 256).
+fn is_subvolume(path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    fs::metadata(path).is_ok_and(|m| m.ino() == 256)
+}
+
+/// A volume's content as a package sees it, without what its container
+/// appended since (`<id>.log`) or the directory times that changed.
+fn content(b: &Box_, id: &str) -> integration::TreeDigest {
+    common::digest(&b.main(id))
+        .without(format!("{id}.log"))
+        .ignore_dir_mtimes()
+}
+
+#[test]
+fn first_boot_of_a_real_node_box_every_load_returns() {
+    let shape = integration::node::NodeShape::small();
+    let Some(b) = Box_::new(shape.image_bytes()) else {
+        return;
+    };
+    fs::create_dir_all(b.volumes()).unwrap();
+    integration::node::build(&b.volumes(), &shape).expect("building the box");
+    let before: BTreeMap<&str, _> = shape
+        .packages()
+        .into_iter()
+        .map(|p| (p, content(&b, p)))
+        .collect();
+    let seeds: Vec<Value> = shape
+        .packages()
+        .iter()
+        .map(|p| json!({"seed": {"id": p, "version": "1"}}))
+        .collect();
+    b.run_ok(&seeds);
+
+    let run = b.run_ok(&[boot()]);
+    let ready = run.volumes_ready();
+    for (p, digest) in &before {
+        assert_eq!(
+            run.loads(p),
+            [("Retry".to_owned(), Ok(true))],
+            "{p}: its Service::load returns its service\n{}",
+            run.stderr
+        );
+        assert_eq!(run.running.get(*p).map(String::as_str), Some("1"), "{p}");
+        assert!(is_subvolume(&b.volumes().join(p)), "{p}: converted");
+        common::assert_same(digest, &content(&b, p), p);
+        assert!(ready.contains_key(*p), "{p}: its volume calls returned");
+    }
+    // The readiness the services see: from boot start to each load's
+    // volume calls returning (`ensure_volume_root` and the data_dir checks).
+    eprintln!("volume calls returned (ms from boot start): {ready:?}");
+}
+
+#[test]
+fn the_0_3_6_migration_converts_then_installs() {
+    let Some(b) = Box_::new(SIZE) else { return };
+    let files = b.main("legacy").join("files");
+    fs::create_dir_all(&files).unwrap();
+    for i in 0..50u64 {
+        fs::write(files.join(format!("{i:03}")), common::bytes(i, 3000)).unwrap();
+    }
+    let before = common::digest(&files);
+    let run = b.run_ok(&[
+        boot(),
+        json!({"migrate036": {"packages": [["legacy", "1"]]}}),
+        install("legacy", "2"),
+    ]);
+    assert!(run.notifications("legacy").is_empty(), "{:?}", run.notifications("legacy"));
+    assert!(is_subvolume(&b.volumes().join("legacy")), "converted to a subvolume");
+    common::assert_same(&before, &common::digest(&files), "the migrated data");
+    assert_eq!(run.installed("legacy").as_deref(), Some("2"));
+    assert_eq!(b.data_version("legacy").as_deref(), Some("2"));
+    assert_eq!(b.names("legacy"), ["legacy"]);
+}
+
+/// The names of `id` other than its volume that hold a tree with
+/// `file` in its main volume directory.
+fn held_with(b: &Box_, id: &str, file: &str) -> Vec<String> {
+    b.names(id)
+        .into_iter()
+        .filter(|n| n != id && b.volumes().join(n).join("data/main").join(file).exists())
+        .collect()
+}
+
+#[test]
+fn rollback_while_a_dependent_holds_a_read_only_and_a_writable_mount() {
+    let Some(b) = Box_::new(SIZE) else { return };
+    let run = b.run(&[
+        boot(),
+        install("lnd", "1"),
+        install_dependent("wallet", "1", "lnd"),
+        install_failing("lnd", "2", "init"),
+    ]);
+    assert!(run.steps[..3].iter().all(Option::is_none), "{:?}", run.steps);
+    assert_eq!(
+        run.loads("lnd").last(),
+        Some(&("Undo".to_owned(), Ok(true))),
+        "the rollback under the dependent's mounts succeeds: {:?}\n{}",
+        run.loads("lnd"),
+        run.stderr
+    );
+    assert_eq!(run.running.get("lnd").map(String::as_str), Some("1"));
+    assert_eq!(run.running.get("wallet").map(String::as_str), Some("1"));
+    assert_eq!(b.data_version("lnd").as_deref(), Some("1"));
+    assert!(!b.main("lnd").join("data-2").exists(), "the restored volume is v1's");
+    assert!(
+        run.stderr
+            .lines()
+            .any(|l| l.contains("WARN") && l.contains("/media/startos/containers/wallet")),
+        "a warning names the holders (their mount points)\n{}",
+        run.stderr
+    );
+    assert!(
+        !held_with(&b, "lnd", "wallet.log").is_empty(),
+        "what the dependent wrote through its mount is kept under a name of lnd: {:?}",
+        b.names("lnd")
+    );
+    // Nothing holds it any more: the boot sweep reclaims it.
+    b.run_ok(&[boot()]);
+    assert_eq!(b.names("lnd"), ["lnd"]);
+}
+
+#[test]
+fn uninstall_with_a_dependent_hard_and_soft() {
+    let Some(b) = Box_::new(SIZE) else { return };
+    b.run_ok(&[
+        boot(),
+        install("soft", "1"),
+        install_dependent("wallet-a", "1", "soft"),
+        install("hard", "1"),
+        install_dependent("wallet-b", "1", "hard"),
+    ]);
+    let run = b.run(&[boot(), uninstall("soft", true), uninstall("hard", false)]);
+    assert!(run.steps[1].is_none(), "soft: {:?}", run.steps);
+    assert!(
+        run.steps[2].is_none(),
+        "a dependent's mount never makes an uninstall fail: {:?}\n{}",
+        run.steps,
+        run.stderr
+    );
+    assert!(!run.db.contains_key("soft") && !run.db.contains_key("hard"));
+    assert!(b.main("soft").join("data-1").exists(), "a soft uninstall keeps the volume");
+    assert!(
+        !b.volumes().join("hard").exists(),
+        "the hard-uninstalled volume is gone from its path"
+    );
+    // The dependents are stopped with the run; the next boot reclaims
+    // what they held: no name of the hard-uninstalled package is left.
+    let run = b.run_ok(&[boot()]);
+    assert_eq!(b.names("hard"), Vec::<String>::new());
+    assert_eq!(run.running.len(), 2, "both dependents run: {:?}", run.running);
 }
