@@ -273,7 +273,10 @@ fn install_update_and_each_failed_update_through_the_undo_arm() {
     assert_eq!(run.installed("app").as_deref(), Some("2"));
     assert_eq!(run.running.get("app").map(String::as_str), Some("2"));
     assert_eq!(b.data_version("app").as_deref(), Some("2"));
-    assert!(b.main("app").join("data-1").exists(), "the update kept v1's data");
+    assert!(
+        b.main("app").join("data-1").exists(),
+        "the update kept v1's data"
+    );
     assert!(
         fs::read_to_string(b.main("app").join("app.log")).is_ok_and(|l| l.contains("app ")),
         "the container wrote through its bind mount"
@@ -299,7 +302,11 @@ fn install_update_and_each_failed_update_through_the_undo_arm() {
             run.notifications("app")
         );
         assert_eq!(run.installed("app").as_deref(), Some("2"), "{fail}");
-        assert_eq!(run.running.get("app").map(String::as_str), Some("2"), "{fail}");
+        assert_eq!(
+            run.running.get("app").map(String::as_str),
+            Some("2"),
+            "{fail}"
+        );
         assert_eq!(b.data_version("app").as_deref(), Some("2"), "{fail}");
         assert!(
             !b.main("app").join(format!("data-{version}")).exists(),
@@ -316,10 +323,17 @@ fn an_update_crashed_after_its_snapshot_is_undone_at_the_next_boot() {
     // The new version's init fails again at the boot's retry: the boot's
     // `Service::load` (Retry) falls through to its undo arm.
     let killed = b.run_with(
-        &[boot(), arm("snapshot.created"), install_failing("app", "2", "init")],
+        &[
+            boot(),
+            arm("snapshot.created"),
+            install_failing("app", "2", "init"),
+        ],
         None,
     );
-    assert!(matches!(killed, Ended::Killed(_)), "snapshot.created not reached");
+    assert!(
+        matches!(killed, Ended::Killed(_)),
+        "snapshot.created not reached"
+    );
     let run = b.run_ok(&[boot()]);
     assert_eq!(
         run.loads("app"),
@@ -341,13 +355,23 @@ fn hard_and_soft_uninstall_then_reinstall_after_a_reboot() {
     let run = b.run_ok(&[boot(), uninstall("kept", true), uninstall("gone", false)]);
     assert!(run.db.is_empty(), "both left the database: {:?}", run.db);
     assert!(run.running.is_empty());
-    assert!(b.main("kept").join("precious").exists(), "a soft uninstall keeps the volume");
-    assert_eq!(b.names("gone"), Vec::<String>::new(), "a hard uninstall leaves no name");
+    assert!(
+        b.main("kept").join("precious").exists(),
+        "a soft uninstall keeps the volume"
+    );
+    assert_eq!(
+        b.names("gone"),
+        Vec::<String>::new(),
+        "a hard uninstall leaves no name"
+    );
 
     let run = b.run_ok(&[boot(), install("kept", "2"), install("gone", "2")]);
     assert_eq!(run.installed("kept").as_deref(), Some("2"));
     assert_eq!(run.installed("gone").as_deref(), Some("2"));
-    assert!(b.main("kept").join("precious").exists(), "a reinstall finds kept data");
+    assert!(
+        b.main("kept").join("precious").exists(),
+        "a reinstall finds kept data"
+    );
     assert!(
         !b.main("gone").join("precious").exists() && !b.main("gone").join("data-1").exists(),
         "a hard uninstall's data never comes back"
@@ -360,9 +384,15 @@ fn a_hard_uninstall_after_a_failed_rollback_does_not_come_back() {
     b.run_ok(&[boot(), install("app", "1")]);
     // The rollback's restore fails (an I/O error in it): upstream's
     // `report_failed_rollback` aborts the load, the backup stays.
-    let run = b.run(&[boot(), arm("restore.recorded=eio"), install_failing("app", "2", "init")]);
+    let run = b.run(&[
+        boot(),
+        arm("restore.recorded=eio"),
+        install_failing("app", "2", "init"),
+    ]);
     assert!(
-        run.notifications("app").iter().any(|n| n.contains("rollback-failed")),
+        run.notifications("app")
+            .iter()
+            .any(|n| n.contains("rollback-failed")),
         "the failed rollback is told: {:?}\n{}",
         run.notifications("app"),
         run.stderr
@@ -449,8 +479,15 @@ fn the_0_3_6_migration_converts_then_installs() {
         json!({"migrate036": {"packages": [["legacy", "1"]]}}),
         install("legacy", "2"),
     ]);
-    assert!(run.notifications("legacy").is_empty(), "{:?}", run.notifications("legacy"));
-    assert!(is_subvolume(&b.volumes().join("legacy")), "converted to a subvolume");
+    assert!(
+        run.notifications("legacy").is_empty(),
+        "{:?}",
+        run.notifications("legacy")
+    );
+    assert!(
+        is_subvolume(&b.volumes().join("legacy")),
+        "converted to a subvolume"
+    );
     common::assert_same(&before, &common::digest(&files), "the migrated data");
     assert_eq!(run.installed("legacy").as_deref(), Some("2"));
     assert_eq!(b.data_version("legacy").as_deref(), Some("2"));
@@ -475,7 +512,11 @@ fn rollback_while_a_dependent_holds_a_read_only_and_a_writable_mount() {
         install_dependent("wallet", "1", "lnd"),
         install_failing("lnd", "2", "init"),
     ]);
-    assert!(run.steps[..3].iter().all(Option::is_none), "{:?}", run.steps);
+    assert!(
+        run.steps[..3].iter().all(Option::is_none),
+        "{:?}",
+        run.steps
+    );
     assert_eq!(
         run.loads("lnd").last(),
         Some(&("Undo".to_owned(), Ok(true))),
@@ -486,7 +527,10 @@ fn rollback_while_a_dependent_holds_a_read_only_and_a_writable_mount() {
     assert_eq!(run.running.get("lnd").map(String::as_str), Some("1"));
     assert_eq!(run.running.get("wallet").map(String::as_str), Some("1"));
     assert_eq!(b.data_version("lnd").as_deref(), Some("1"));
-    assert!(!b.main("lnd").join("data-2").exists(), "the restored volume is v1's");
+    assert!(
+        !b.main("lnd").join("data-2").exists(),
+        "the restored volume is v1's"
+    );
     assert!(
         run.stderr
             .lines()
@@ -523,7 +567,10 @@ fn uninstall_with_a_dependent_hard_and_soft() {
         run.stderr
     );
     assert!(!run.db.contains_key("soft") && !run.db.contains_key("hard"));
-    assert!(b.main("soft").join("data-1").exists(), "a soft uninstall keeps the volume");
+    assert!(
+        b.main("soft").join("data-1").exists(),
+        "a soft uninstall keeps the volume"
+    );
     assert!(
         !b.volumes().join("hard").exists(),
         "the hard-uninstalled volume is gone from its path"
@@ -532,5 +579,231 @@ fn uninstall_with_a_dependent_hard_and_soft() {
     // what they held: no name of the hard-uninstalled package is left.
     let run = b.run_ok(&[boot()]);
     assert_eq!(b.names("hard"), Vec::<String>::new());
-    assert_eq!(run.running.len(), 2, "both dependents run: {:?}", run.running);
+    assert_eq!(
+        run.running.len(),
+        2,
+        "both dependents run: {:?}",
+        run.running
+    );
+}
+
+/// The failpoints of the volume store (`failpoint("..")` in
+/// `volume/src`), read from its sources so a new one is swept too: every
+/// step of a snapshot, restore, create, drop and delete. The finalizer's
+/// and the conversion's own (core's `finalize`, volume-migrate) are not on
+/// these flows' path. Each is armed at its first hit.
+fn store_failpoints() -> Vec<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../volume/src");
+    let mut names = std::collections::BTreeSet::new();
+    let mut dirs = vec![root];
+    while let Some(dir) = dirs.pop() {
+        for entry in fs::read_dir(&dir).unwrap().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = fs::read_to_string(&path).unwrap();
+                for part in text.split("failpoint(\"").skip(1) {
+                    if let Some((name, _)) = part.split_once('"') {
+                        names.insert(name.to_owned());
+                    }
+                }
+            }
+        }
+    }
+    assert!(names.len() >= 10, "the store's failpoints: {names:?}");
+    names.into_iter().collect()
+}
+
+/// A flow whose every failpoint is swept. A fresh install reaches none
+/// of the store's (no volume to snapshot, `ensure` makes one in place), so
+/// the install swept is the one over a soft-uninstalled package's kept
+/// volume, whose data must survive.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Flow {
+    Reinstall,
+    Update,
+    Rollback,
+    HardUninstall,
+}
+
+impl Flow {
+    fn setup(self, id: &str) -> Vec<Value> {
+        match self {
+            Flow::Reinstall => vec![install(id, "1"), uninstall(id, true)],
+            _ => vec![install(id, "1")],
+        }
+    }
+
+    fn op(self, id: &str) -> Value {
+        match self {
+            Flow::Reinstall => install(id, "2"),
+            Flow::Update => install(id, "2"),
+            Flow::Rollback => install_failing(id, "2", "init"),
+            Flow::HardUninstall => uninstall(id, false),
+        }
+    }
+
+    /// What `id` may be after the crash and the reboot: the old version
+    /// with the old data or the new with the new, nothing lost, no name
+    /// but its volume (and a backup an `Installed` package may keep until
+    /// its next `begin`, as upstream's own flow leaves one). `Ok(Some(_))`
+    /// names an outcome upstream's own flow makes (`UPSTREAM_OUTCOMES`).
+    fn check(
+        self,
+        b: &Box_,
+        run: &Run,
+        id: &str,
+        fp: &str,
+    ) -> Result<Option<&'static str>, String> {
+        let installed = run.installed(id);
+        if run.db.contains_key(id) && installed.is_none() {
+            return Err(format!("{fp}: left {:?}", run.db[id]));
+        }
+        let names = b.names(id);
+        let stray: Vec<&String> = names
+            .iter()
+            .filter(|n| *n != id && **n != format!("{id}.install-backup"))
+            .collect();
+        if !stray.is_empty() {
+            return Err(format!("{fp}: stray names {stray:?}"));
+        }
+        if run.running.get(id) != installed.as_ref() {
+            return Err(format!(
+                "{fp}: running {:?}, installed {installed:?}",
+                run.running.get(id)
+            ));
+        }
+        let data = b.data_version(id);
+        let has = |v: &str| b.main(id).join(format!("data-{v}")).exists();
+        let backup = names.contains(&format!("{id}.install-backup"));
+        let ok = match (self, installed.as_deref()) {
+            // Undone, the kept volume (with v1's data) stays as it was.
+            (Flow::Reinstall, None) => names == [id] && has("1") && !has("2"),
+            (Flow::HardUninstall, None) => names.is_empty() || (names == [id] && has("1")),
+            (_, Some("1")) if data.as_deref() == Some("1") && has("1") && !has("2") => true,
+            (Flow::Rollback, Some("1")) if has("1") && has("2") => {
+                // The failed init's data left on v1: the undo committed
+                // `Installed` before its restore, or the crash came
+                // before the snapshot completed.
+                return Ok(Some(if backup {
+                    UPSTREAM_OUTCOMES[0]
+                } else {
+                    UPSTREAM_OUTCOMES[1]
+                }));
+            }
+            (Flow::Update | Flow::Reinstall, Some("2")) => {
+                data.as_deref() == Some("2") && has("1") && has("2")
+            }
+            _ => false,
+        };
+        if ok {
+            Ok(None)
+        } else {
+            Err(format!(
+                "{fp}: installed {installed:?}, data version {data:?}, data-1 {}, data-2 {}, names {names:?}",
+                has("1"),
+                has("2")
+            ))
+        }
+    }
+}
+
+/// What upstream's own `Service::load` leaves after a crash inside a
+/// failed update's rollback, which no volume backend can change
+/// (`docs/upstream.md`, "What start-core's flow should change"): the
+/// version is the old one, the volume holds the failed init's writes
+/// beside the old data, and
+/// - its undo committed `Installed` before its restore, so a crash inside
+///   the restore, undone by recovery, boots the old version on that data,
+///   the backup (the old data, whole) kept beside it;
+/// - a crash before the snapshot completed leaves no backup, and the
+///   boot's Retry runs the new version's init again with no rollback point.
+const UPSTREAM_OUTCOMES: [&str; 2] = [
+    "old version on the failed init's data, backup kept (Installed committed before restore)",
+    "old version on the failed init's data, no backup (the Retry re-ran init without a snapshot)",
+];
+
+/// Every store failpoint inside `flow`, a package each: SIGKILL there,
+/// then the next run's boot (maintenance and loads) and a last boot; each
+/// boot's every `Service::load` returns, and each package is whole.
+fn sweep_flow(flow: Flow) {
+    let Some(b) = Box_::new(SIZE) else { return };
+    let fps = store_failpoints();
+    let ids: Vec<String> = (0..fps.len()).map(|i| format!("p{i}")).collect();
+    let setup: Vec<Value> = std::iter::once(boot())
+        .chain(ids.iter().flat_map(|id| flow.setup(id)))
+        .collect();
+    b.run_ok(&setup);
+    let mut reached = Vec::new();
+    let mut problems = Vec::new();
+    let mut upstream = Vec::new();
+    for (fp, id) in fps.iter().zip(&ids) {
+        match b.run_with(&[boot(), arm(fp), flow.op(id)], None) {
+            Ended::Killed(run) | Ended::Completed(run) if run.steps.first() != Some(&None) => {
+                problems.push(format!(
+                    "{fp}: the boot failed: {:?}\n{}",
+                    run.steps, run.stderr
+                ));
+            }
+            Ended::Killed(run) => {
+                reached.push(fp.clone());
+                let failed: Vec<_> = run
+                    .events
+                    .iter()
+                    .filter_map(|e| e.get("load"))
+                    .filter(|l| !l["error"].is_null())
+                    .collect();
+                if !failed.is_empty() {
+                    problems.push(format!("{fp}: a boot's load failed: {failed:?}"));
+                }
+            }
+            Ended::Completed(_) => {}
+        }
+    }
+    let run = b.run_ok(&[boot()]);
+    for (fp, id) in fps.iter().zip(&ids) {
+        if let Some((_, Err(e))) = run.loads(id).first() {
+            problems.push(format!("{fp}: the reboot's load of {id} failed: {e}"));
+        }
+        match flow.check(&b, &run, id, fp) {
+            Ok(Some(outcome)) => upstream.push(format!("{fp}: {outcome}")),
+            Ok(None) => {}
+            Err(e) => problems.push(e),
+        }
+    }
+    eprintln!(
+        "{flow:?}: {} failpoints reached: {reached:?}",
+        reached.len()
+    );
+    eprintln!("{flow:?}: upstream's own flow: {upstream:?}");
+    assert!(
+        reached.len() >= 2,
+        "{flow:?}: too few failpoints reached: {reached:?}"
+    );
+    assert!(
+        problems.is_empty(),
+        "{flow:?}:\n  {}",
+        problems.join("\n  ")
+    );
+}
+
+#[test]
+fn sigkill_at_each_failpoint_of_a_reinstall_over_kept_data_then_reboot() {
+    sweep_flow(Flow::Reinstall);
+}
+
+#[test]
+fn sigkill_at_each_failpoint_of_an_update_then_reboot() {
+    sweep_flow(Flow::Update);
+}
+
+#[test]
+fn sigkill_at_each_failpoint_of_a_rollback_then_reboot() {
+    sweep_flow(Flow::Rollback);
+}
+
+#[test]
+fn sigkill_at_each_failpoint_of_a_hard_uninstall_then_reboot() {
+    sweep_flow(Flow::HardUninstall);
 }
