@@ -316,6 +316,39 @@ fn install_update_and_each_failed_update_through_the_undo_arm() {
     }
 }
 
+/// A failed snapshot is an error here where upstream's returns `false`
+/// (docs/upstream.md): through `ServiceMap::install`, the update stops
+/// before anything changed, the quiesced old service comes back through
+/// the undo arm, and the user is told.
+#[test]
+fn a_failed_snapshot_brings_the_old_service_back_and_tells_the_user() {
+    let Some(b) = Box_::new(SIZE) else { return };
+    b.run_ok(&[boot(), install("app", "1")]);
+    let run = b.run(&[boot(), arm("snapshot.created=eio"), install("app", "2")]);
+    assert!(run.steps[2].is_some(), "the update fails: {:?}", run.steps);
+    assert!(
+        run.notifications("app")
+            .iter()
+            .any(|n| n.contains("service.install.failed")),
+        "the user is told: {:?}",
+        run.notifications("app")
+    );
+    assert_eq!(
+        run.loads("app").last(),
+        Some(&("Undo".to_owned(), Ok(true))),
+        "{}",
+        run.stderr
+    );
+    assert_eq!(
+        run.running.get("app").map(String::as_str),
+        Some("1"),
+        "the old service is back"
+    );
+    assert_eq!(run.installed("app").as_deref(), Some("1"));
+    assert_eq!(b.data_version("app").as_deref(), Some("1"));
+    assert_eq!(b.names("app"), ["app"]);
+}
+
 #[test]
 fn an_update_crashed_after_its_snapshot_is_undone_at_the_next_boot() {
     let Some(b) = Box_::new(SIZE) else { return };
@@ -494,13 +527,24 @@ fn the_0_3_6_migration_converts_then_installs() {
     assert_eq!(b.names("legacy"), ["legacy"]);
 }
 
-/// The names of `id` other than its volume that hold a tree with
-/// `file` in its main volume directory.
-fn held_with(b: &Box_, id: &str, file: &str) -> Vec<String> {
-    b.names(id)
-        .into_iter()
-        .filter(|n| n != id && b.volumes().join(n).join("data/main").join(file).exists())
-        .collect()
+/// The trees kept under a name of `id` other than its volume (at that
+/// name or one level in it, as `<id>.held/<n>`) with `file` in their main
+/// volume directory.
+fn held_with(b: &Box_, id: &str, file: &str) -> Vec<PathBuf> {
+    let has = |tree: &Path| tree.join("data/main").join(file).exists();
+    let mut found = Vec::new();
+    for name in b.names(id).into_iter().filter(|n| n != id) {
+        let top = b.volumes().join(name);
+        if has(&top) {
+            found.push(top.clone());
+        }
+        for entry in fs::read_dir(&top).into_iter().flatten().flatten() {
+            if has(&entry.path()) {
+                found.push(entry.path());
+            }
+        }
+    }
+    found
 }
 
 #[test]
