@@ -82,9 +82,12 @@ impl Run {
     }
 }
 
-/// A box: its data filesystem, driven through the runner.
+/// A box: its data directory (on a loop-mounted btrfs), driven through
+/// the runner.
 struct Box_ {
-    fs: LoopFs,
+    fs: std::sync::Arc<LoopFs>,
+    /// What the runner mounts at `/media/startos/data`.
+    data: PathBuf,
     bin: PathBuf,
 }
 
@@ -124,11 +127,32 @@ impl Box_ {
         let bin = integration::workspace_bin("call-sites").unwrap_or_else(|e| {
             panic!("{e} (build it first: cargo build --workspace --bins --features ...)")
         });
-        Some(Box_ { fs, bin })
+        let data = fs.mount_point().to_owned();
+        Some(Box_ {
+            fs: std::sync::Arc::new(fs),
+            data,
+            bin,
+        })
+    }
+
+    /// Another box on the same filesystem: its data directory `name`, a
+    /// plain directory or a subvolume of its own.
+    fn beside(&self, name: &str, subvolume: bool) -> Box_ {
+        let data = self.fs.path(name);
+        if subvolume {
+            common::subvolume_create(&data);
+        } else {
+            fs::create_dir_all(&data).unwrap();
+        }
+        Box_ {
+            fs: self.fs.clone(),
+            data,
+            bin: self.bin.clone(),
+        }
     }
 
     fn volumes(&self) -> PathBuf {
-        self.fs.path("package-data/volumes")
+        self.data.join("package-data/volumes")
     }
 
     /// `id`'s main volume (`data_dir(DATA_DIR, id, "main")`).
@@ -159,7 +183,7 @@ impl Box_ {
     /// containers) before returning.
     fn run_with(&self, steps: &[Value], failpoint: Option<&str>) -> Ended {
         let mut cmd = Command::new(&self.bin);
-        cmd.arg("run").arg(self.fs.mount_point());
+        cmd.arg("run").arg(&self.data);
         for s in steps {
             cmd.arg(s.to_string());
         }
@@ -632,12 +656,18 @@ fn uninstall_with_a_dependent_hard_and_soft() {
 }
 
 /// The failpoints of the volume store (`failpoint("..")` in
-/// `volume/src`), read from its sources so a new one is swept too: every
-/// step of a snapshot, restore, create, drop and delete. The finalizer's
-/// and the conversion's own (core's `finalize`, volume-migrate) are not on
-/// these flows' path. Each is armed at its first hit.
+/// `volume/src`): every step of a snapshot, restore, create, drop and
+/// delete. The finalizer's own (core's `finalize`) are not on these flows'
+/// path, the conversion's (volume-migrate) only on the first boot's.
 fn store_failpoints() -> Vec<String> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../volume/src");
+    failpoints_in("volume/src")
+}
+
+/// The failpoints named in the sources under `dir` (of the workspace),
+/// read from them so a new one is swept too. Each is armed at its first
+/// hit.
+fn failpoints_in(dir: &str) -> Vec<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(dir);
     let mut names = std::collections::BTreeSet::new();
     let mut dirs = vec![root];
     while let Some(dir) = dirs.pop() {
@@ -655,7 +685,7 @@ fn store_failpoints() -> Vec<String> {
             }
         }
     }
-    assert!(names.len() >= 10, "the store's failpoints: {names:?}");
+    assert!(names.len() >= 10, "the failpoints of {dir}: {names:?}");
     names.into_iter().collect()
 }
 
@@ -850,4 +880,91 @@ fn sigkill_at_each_failpoint_of_a_rollback_then_reboot() {
 #[test]
 fn sigkill_at_each_failpoint_of_a_hard_uninstall_then_reboot() {
     sweep_flow(Flow::HardUninstall);
+}
+
+/// Builds, under box `b`, the plain-directory volumes of `ids` as the
+/// previous system left them; returns their content.
+fn plain_volumes<'a>(b: &Box_, ids: &[&'a str]) -> BTreeMap<&'a str, integration::TreeDigest> {
+    for (i, id) in ids.iter().enumerate() {
+        let dir = b.main(id).join("files");
+        fs::create_dir_all(&dir).unwrap();
+        for f in 0..(3 + 4 * i as u64) {
+            let len = 4096 + 512 * f as usize;
+            fs::write(
+                dir.join(format!("{f:03}")),
+                common::bytes(f * 31 + i as u64, len),
+            )
+            .unwrap();
+        }
+    }
+    ids.iter().map(|id| (*id, content(b, id))).collect()
+}
+
+/// The first boot of a box of plain-directory volumes (as the previous
+/// system left them), through the readiness step, with a SIGKILL at each
+/// failpoint of the conversion (volume-migrate) it reaches: armed before
+/// the boot, so it fires in the boot's maintenance or in the background
+/// cleanup after it. A box a failpoint, each a data directory of the same
+/// filesystem: first one whose data directory is a subvolume of its own
+/// (little else in the parent: the conversion snapshots it and cuts the
+/// snapshot down), and if the failpoint was not reached there, one on the
+/// top-level subvolume beside the other boxes (too much else: it clones).
+/// The next boot then finds every volume converted, whole, every load
+/// returning, no name left once its cleanup ran.
+#[test]
+fn sigkill_at_each_failpoint_of_a_first_boot_then_reboot() {
+    let Some(fs) = Box_::new(SIZE) else { return };
+    let ids = ["alpha", "beta", "gamma"];
+    let mut reached = Vec::new();
+    let mut problems = Vec::new();
+    for (k, fp) in failpoints_in("volume-migrate/src").iter().enumerate() {
+        for subvolume in [true, false] {
+            let b = fs.beside(&format!("box{k}-{subvolume}"), subvolume);
+            let before = plain_volumes(&b, &ids);
+            let mut steps: Vec<Value> = ids
+                .iter()
+                .map(|id| json!({"seed": {"id": id, "version": "1"}}))
+                .collect();
+            steps.extend([arm(fp), boot(), json!({"wait": {"ms": 300}})]);
+            let Ended::Killed(run) = b.run_with(&steps, None) else {
+                continue;
+            };
+            reached.push(fp.clone());
+            for l in run.events.iter().filter_map(|e| e.get("load")) {
+                if !l["error"].is_null() {
+                    problems.push(format!("{fp}: a load failed: {l}"));
+                }
+            }
+            let run = b.run_ok(&[boot(), json!({"wait": {"ms": 500}})]);
+            for (id, digest) in &before {
+                if run.loads(id) != [("Retry".to_owned(), Ok(true))] {
+                    problems.push(format!("{fp}: {id}: load {:?}", run.loads(id)));
+                }
+                if !is_subvolume(&b.volumes().join(id)) {
+                    problems.push(format!("{fp}: {id}: not converted"));
+                }
+                let diff = digest.diff(&content(&b, id));
+                if !diff.is_empty() {
+                    problems.push(format!("{fp}: {id}: content changed: {diff:?}"));
+                }
+                if b.names(id) != [*id] {
+                    problems.push(format!("{fp}: {id}: names {:?}", b.names(id)));
+                }
+            }
+            break;
+        }
+    }
+    eprintln!(
+        "first boot: {} failpoints reached: {reached:?}",
+        reached.len()
+    );
+    assert!(
+        reached.len() >= 3,
+        "too few failpoints reached: {reached:?}"
+    );
+    assert!(
+        problems.is_empty(),
+        "first boot:\n  {}",
+        problems.join("\n  ")
+    );
 }
