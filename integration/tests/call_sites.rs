@@ -756,15 +756,19 @@ impl Flow {
             (Flow::Reinstall, None) => names == [id] && has("1") && !has("2"),
             (Flow::HardUninstall, None) => names.is_empty() || (names == [id] && has("1")),
             (_, Some("1")) if data.as_deref() == Some("1") && has("1") && !has("2") => true,
+            // The failed init's data left on v1: the undo committed
+            // `Installed` before its restore (a crash before the restore's
+            // exchange), or the crash came before the snapshot completed.
             (Flow::Rollback, Some("1")) if has("1") && has("2") => {
-                // The failed init's data left on v1: the undo committed
-                // `Installed` before its restore, or the crash came
-                // before the snapshot completed.
-                return Ok(Some(if backup {
-                    UPSTREAM_OUTCOMES[0]
-                } else {
-                    UPSTREAM_OUTCOMES[1]
-                }));
+                let before_exchange = ["restore.copied", "restore.recorded"];
+                let before_snapshot = ["snapshot.created", "snapshot.frozen"];
+                if backup && before_exchange.contains(&fp) {
+                    return Ok(Some(UPSTREAM_OUTCOMES[0]));
+                }
+                if !backup && before_snapshot.contains(&fp) {
+                    return Ok(Some(UPSTREAM_OUTCOMES[1]));
+                }
+                false
             }
             (Flow::Update | Flow::Reinstall, Some("2")) => {
                 data.as_deref() == Some("2") && has("1") && has("2")
