@@ -16,7 +16,10 @@ pub enum Event {
         version: String,
     },
     /// The install or update failed (or was cancelled) in `phase` and was
-    /// rolled back: the volume is as the old version left it.
+    /// rolled back: the volume is as the old version left it, unless
+    /// `message` says there was no backup to restore (none could be taken,
+    /// or the one taken was gone when the rollback ran), which it always
+    /// does when so.
     Failed {
         /// The phase that failed.
         phase: Phase,

@@ -19,9 +19,12 @@
 //!   effect) never makes [`InstallBackup::restore`] or [`delete_tree`]
 //!   fail, and what is written through it is never deleted while it is
 //!   mounted: the tree it shows is kept until then (upstream deletes it);
-//! - the only good copy of a volume is never deleted ([`InstallBackup::begin`]
-//!   puts back a backup that has no live volume beside it rather than
-//!   deleting it);
+//! - the only good copy of a package's volume is never deleted
+//!   ([`InstallBackup::begin`] puts back a backup that has no live volume
+//!   beside it rather than deleting it, deciding under one hold of the
+//!   package's lock); a package the database no longer lists is another
+//!   matter: [`delete_tree`] and the boot sweep remove its backup, as
+//!   upstream's uninstall and sweep do, so an uninstall stays one;
 //! - every interrupted step of upstream's own code that a box upgraded from
 //!   its release may carry is resolved with nothing lost (see
 //!   [`volume::VolumeStore::recover`]).
@@ -210,7 +213,13 @@ impl InstallBackup {
     /// if a backup now exists. `false` (a fresh install, not btrfs, a
     /// plain directory too fragmented to copy) is always logged with why;
     /// see [`InstallBackup::snapshot_outcome`] for the reason as data. An
-    /// earlier backup left by an install that skipped `begin` is replaced.
+    /// earlier backup left by an install that skipped `begin` is replaced,
+    /// decided under the same hold of the lock as the snapshot
+    /// ([`volume::VolumeStore::snapshot_replacing`]): one with no live
+    /// volume beside it is the only copy, and kept. A snapshot that fails
+    /// is an `Err` naming the package and the step (upstream logs it and
+    /// returns `Ok(false)`): an update must not go on without the rollback
+    /// point it asked for.
     pub async fn snapshot(&self) -> Result<bool, Error> {
         let outcome = self.snapshot_outcome().await?;
         match &outcome {
@@ -282,14 +291,29 @@ pub async fn ensure_volume_root_at(
 
 /// Deletes whatever is at `path` (upstream's `util::btrfs::delete_tree`,
 /// which its uninstall cleanup calls on a package's volume root): a
-/// volume root is renamed aside first and deleted in O(1) per subvolume,
-/// its backup kept; see [`volume::delete_tree`]. A dependent's mount of the
+/// package's volume root under upstream's volumes root goes with every
+/// name of the package, its backup included, so a hard uninstall leaves
+/// nothing a reinstall could find; anything else is deleted in place,
+/// as upstream's; see [`delete_tree_at`]. A dependent's mount of the
 /// volume never makes it fail: the volume leaves its name, and is kept as
 /// `<pkg>.held/<n>` (the holders named in a warning) until no mount holds
-/// it, then deleted by the package's next operation or the next boot.
+/// it, then deleted by the package's next operation or the next boot, the
+/// last of the package's names to go.
 pub async fn delete_tree(path: impl AsRef<Path>) -> Result<(), Error> {
+    delete_tree_at(volumes_root(), path).await
+}
+
+/// [`delete_tree`], with `volumes_root` the volumes root: only a direct
+/// child of it named as a package is a volume (see
+/// [`volume::delete_tree_in`]); the same name anywhere else is a plain
+/// tree, deleted with no package lock and nothing done beside it.
+pub async fn delete_tree_at(
+    volumes_root: impl Into<PathBuf>,
+    path: impl AsRef<Path>,
+) -> Result<(), Error> {
+    let root = volumes_root.into();
     let path = path.as_ref().to_owned();
-    blocking(move || backend::delete_tree(&path)).await
+    blocking(move || backend::delete_tree(&root, &path)).await
 }
 
 /// Where boot maintenance reports to: upstream's
@@ -443,14 +467,7 @@ mod backend {
     }
 
     pub(super) fn begin(root: &Path, pkg: &PackageId) -> Result<(), Error> {
-        let store = store(root)?;
-        store.recover(pkg)?;
-        if store.info(pkg)?.volume.is_some() {
-            store.drop_backup(pkg)?;
-        } else if store.restore(pkg)? {
-            tracing::warn!(package = %pkg, "begin: the install backup was the only copy of the volume; put it back");
-        }
-        store.mark_fresh(pkg, store.info(pkg)?.volume.is_none())
+        store(root)?.begin_install(pkg).map(drop)
     }
 
     pub(super) fn is_fresh(root: &Path, pkg: &PackageId) -> Result<bool, Error> {
@@ -458,13 +475,7 @@ mod backend {
     }
 
     pub(super) fn snapshot(root: &Path, pkg: &PackageId) -> Result<volume::SnapshotOutcome, Error> {
-        let store = store(root)?;
-        let info = store.info(pkg)?;
-        if info.backup.is_some() && info.volume.is_some() {
-            tracing::warn!(package = %pkg, "an install backup was left without `begin`; replacing it");
-            store.drop_backup(pkg)?;
-        }
-        store.snapshot(pkg)
+        store(root)?.snapshot_replacing(pkg)
     }
 
     pub(super) fn restore(root: &Path, pkg: &PackageId) -> Result<volume::RestoreOutcome, Error> {
@@ -486,8 +497,8 @@ mod backend {
         store(root)?.ensure(pkg).map(drop)
     }
 
-    pub(super) fn delete_tree(path: &Path) -> Result<(), Error> {
-        volume::delete_tree(path)
+    pub(super) fn delete_tree(root: &Path, path: &Path) -> Result<(), Error> {
+        volume::delete_tree_in(root, path)
     }
 
     pub(super) fn convert(root: &Path, pkg: &PackageId) -> Result<(), Error> {
@@ -621,10 +632,11 @@ mod backend {
         Ok((recovered, failed, cleanup))
     }
 
-    /// Upstream's sweep, made safe: a backup of a package no longer in the
-    /// database is dropped when its live volume is there, and put back as the
-    /// volume when it is not (the only copy); a fresh marker of a package that
-    /// is installed, or no longer known, is removed.
+    /// Upstream's sweep: the backup of a package no longer in the database
+    /// is dropped (upstream reaps it), its live volume there or not, so a
+    /// package uninstalled stays uninstalled and its reinstall starts
+    /// empty; the sweep never makes a volume. A fresh marker of a package
+    /// that is installed, or no longer known, is removed.
     fn sweep(
         store: &volume::VolumeStore,
         installed: &BTreeSet<String>,
@@ -643,14 +655,14 @@ mod backend {
             if all.contains(pkg.as_str()) || info.backup.is_none() {
                 continue;
             }
-            let (r, what) = if info.volume.is_some() {
-                (store.drop_backup(pkg).map(drop), "dropping the backup")
-            } else {
-                (store.restore(pkg).map(drop), "restoring the backup")
-            };
-            if let Err(e) = r {
-                tracing::error!(package = %pkg, step = "sweep", "{what} of a package no longer installed failed: {e}");
-                failed.push((pkg.clone(), e));
+            match store.drop_backup(pkg) {
+                Ok(_) => {
+                    tracing::info!(package = %pkg, step = "sweep", "dropped the install backup of a package no longer installed")
+                }
+                Err(e) => {
+                    tracing::error!(package = %pkg, step = "sweep", "dropping the backup of a package no longer installed failed: {e}");
+                    failed.push((pkg.clone(), e));
+                }
             }
         }
         Ok(())
@@ -710,7 +722,7 @@ mod backend {
         std::fs::create_dir_all(&path).map_err(io(&path))
     }
 
-    pub(super) fn delete_tree(path: &Path) -> Result<(), Error> {
+    pub(super) fn delete_tree(_: &Path, path: &Path) -> Result<(), Error> {
         match std::fs::remove_dir_all(path) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(path)(e)),
             _ => Ok(()),

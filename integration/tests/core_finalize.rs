@@ -402,6 +402,52 @@ async fn a_failed_update_without_a_backup_says_the_data_was_not_rolled_back() {
     fin.services().stop(&p).await.unwrap();
 }
 
+/// The backup an update took is gone when its rollback runs (dropped from
+/// the command line meanwhile): the restore finds nothing to restore, and
+/// the user is told that the volume keeps what the failed update wrote,
+/// never that the data was rolled back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollback_whose_backup_vanished_says_the_data_was_not_rolled_back() {
+    let Some(env) = env() else { return };
+    let (fin, mut rx) = env.finalizer();
+    let p = pkg("vanished");
+    install_running(&fin, "vanished", "1.0", RUN).await;
+    rx.recv().await.unwrap();
+    fin.services()
+        .drop_backup_at
+        .lock()
+        .unwrap()
+        .insert(p.clone(), Phase::Init);
+    fin.services().inner.fail_at(&p, Phase::Init);
+    let e = fin
+        .install(&req("vanished", "2.0"), &Cancel::new())
+        .await
+        .expect_err("the update must fail");
+    let told = "was gone when the rollback ran";
+    assert!(e.to_string().contains(told), "{e}");
+    match rx.recv().await.unwrap().event {
+        Event::Failed { message, .. } => {
+            assert!(message.contains(told), "{message}");
+            assert!(
+                message.contains("the data was not rolled back"),
+                "{message}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    // What the failed update's init wrote is still there: nothing restored.
+    let main = env.volume(&p).join("data/main");
+    assert!(
+        main.join("init-2.0-from-1.0").exists(),
+        "{}",
+        main.display()
+    );
+    assert!(!env.backup(&p).exists());
+    assert_installed(entry(&fin, "vanished").await, "1.0", "after the rollback");
+    assert_no_transient_names(&env.root, "after the rollback");
+    fin.services().stop(&p).await.unwrap();
+}
+
 /// A dependent's service holds a bind mount of a dependency's volume in a
 /// mount namespace of its own, as a container does. A failed update of the
 /// dependency must still roll back: the dependent is stopped (the volume

@@ -15,7 +15,8 @@ use std::process::Command;
 use common::*;
 use integration::{LoopFs, fs_or_skip, run};
 use startos_core::volume::{
-    self, BootProgress, InstallBackup, boot_volume_maintenance_at, ensure_volume_root_at,
+    self, BootProgress, InstallBackup, boot_volume_maintenance_at, delete_tree_at,
+    ensure_volume_root_at,
 };
 
 /// One btrfs with a volumes root, and `app`'s install backup in it.
@@ -111,6 +112,33 @@ async fn a_failed_snapshot_cannot_restore_a_stale_backup() {
     assert_eq!(marker(&c.live()).as_deref(), Some("current"));
     assert!(!c.ib.exists().await);
     assert_no_transient_names(&c.root, "after the failed snapshot");
+}
+
+/// A backup left beside the volume when `snapshot` is called (an install
+/// that skipped `begin`), and, while `snapshot` waits for the package's
+/// lock, another operation deletes the volume: the backup is now the only
+/// copy of the data. `snapshot` decides under the lock, from what is there
+/// then: it keeps the backup and takes none (`false`), where deciding from
+/// a look taken before the lock dropped the only copy.
+#[tokio::test]
+async fn snapshot_decides_under_the_lock_and_keeps_the_only_copy() {
+    let Some(c) = Case::new() else { return };
+    seed_subvolume(&c.live(), "current");
+    seed_subvolume(&c.backup(), "only copy");
+    let dir = ::volume::sys::open_dir_path(&c.root).unwrap();
+    let locks = ::volume::lock::LockDir::for_root(std::os::fd::AsFd::as_fd(&dir)).unwrap();
+    let held = locks.lock(&"app".parse().unwrap()).unwrap();
+    let root = c.root.clone();
+    let snapshot = tokio::spawn(async move { InstallBackup::at(&root, "app").snapshot().await });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(!snapshot.is_finished(), "the snapshot ran without the lock");
+    // The concurrent operation, holding the lock: the volume goes.
+    ::volume::delete_tree_at(std::os::fd::AsFd::as_fd(&dir), std::ffi::OsStr::new("app")).unwrap();
+    drop(held);
+    let taken = snapshot.await.unwrap().unwrap();
+    assert!(!taken, "no volume, so no backup taken");
+    assert_eq!(marker(&c.backup()).as_deref(), Some("only copy"));
+    assert_no_transient_names(&c.root, "after the snapshot");
 }
 
 #[tokio::test]
@@ -365,20 +393,25 @@ async fn sweep_clears_a_half_written_snapshot() {
     assert_eq!(marker(&c.live()).as_deref(), Some("live"));
 }
 
-/// An orphaned backup (its package gone from the database) beside its live
-/// volume is dropped; one with no live volume is the only copy, put back.
+/// An orphaned backup (its package gone from the database) is reaped, as
+/// upstream's sweep reaps it, beside its live volume or not: the sweep
+/// never makes a volume for a package the database does not list.
 #[tokio::test]
-async fn sweep_drops_an_orphaned_backup_unless_it_is_the_only_copy() {
+async fn sweep_drops_an_orphaned_backup_and_never_makes_a_volume_of_it() {
     let Some(c) = Case::new() else { return };
     seed_subvolume(&c.live(), "live");
     seed_subvolume(&c.backup(), "orphan");
     let other = c.root.join("other.install-backup");
-    seed_subvolume(&other, "only copy");
-    sweep(&c, &[], &[]).await;
+    seed_subvolume(&other, "uninstalled");
+    let m = sweep(&c, &[], &[]).await;
+    assert!(m.failed.is_empty(), "{:?}", m.failed);
     assert!(!c.ib.exists().await);
     assert_eq!(marker(&c.live()).as_deref(), Some("live"));
-    assert_eq!(marker(&c.root.join("other")).as_deref(), Some("only copy"));
     assert!(gone(&other));
+    assert!(
+        gone(&c.root.join("other")),
+        "the sweep made a volume for a package the database does not list"
+    );
 }
 
 // ------------------------------------------------- upstream's leftovers, each state
@@ -573,23 +606,186 @@ async fn ensure_volume_root_makes_an_empty_subvolume_and_keeps_an_existing_volum
     assert_eq!(marker(&root.join("app")).as_deref(), Some("kept"));
 }
 
+/// A hard uninstall (upstream's `cleanup`, `delete_tree` of the volume
+/// root) of a package with a backup, nested subvolumes and leftovers:
+/// every name of it goes, so the boot sweep after it (the package no
+/// longer listed) has nothing to bring back, and a reinstall starts empty.
 #[tokio::test]
-async fn delete_tree_of_a_volume_root_keeps_its_backup_and_is_crash_safe() {
+async fn a_hard_uninstall_removes_every_name_and_a_reinstall_starts_empty() {
     let Some(c) = Case::new() else { return };
     seed_subvolume(&c.live(), "live");
     subvolume_create(&c.live().join("data/main/nested"));
     seed_subvolume(&c.backup(), "backup");
-    volume::delete_tree(c.live()).await.unwrap();
-    assert!(gone(&c.live()));
-    assert_eq!(marker(&c.backup()).as_deref(), Some("backup"));
+    seed(&c.path(".restore-conflict"), "kept by upstream");
+    let neighbour = c.root.join("neighbour");
+    seed_subvolume(&neighbour, "its own");
+    // The path as upstream's cleanup joins it, but spelt another way: it
+    // is the same directory, so the same volume.
+    let spelt = c.root.join("../volumes/app");
+    delete_tree_at(&c.root, &spelt).await.unwrap();
     assert_eq!(
-        package_subvolumes(&c.fs, "app"),
-        ["volumes/app.install-backup"]
+        root_names(&c.root),
+        ["neighbour"],
+        "every name of app must go"
     );
-    // Anything else, in place; absent is fine.
-    let other = c.fs.path("other");
-    seed(&other, "x");
-    volume::delete_tree(&other).await.unwrap();
-    assert!(gone(&other));
-    volume::delete_tree(&other).await.unwrap();
+    assert_eq!(package_subvolumes(&c.fs, "app"), Vec::<String>::new());
+    assert_eq!(marker(&neighbour).as_deref(), Some("its own"));
+    // The reboot: the package is in no list.
+    let m = sweep(&c, &["neighbour"], &["neighbour"]).await;
+    assert!(m.failed.is_empty(), "{:?}", m.failed);
+    assert!(
+        gone(&c.live()),
+        "the boot brought the uninstalled volume back"
+    );
+    // The reinstall.
+    ensure_volume_root_at(&c.root, "app").await.unwrap();
+    let d = digest(&c.live());
+    assert_eq!(d.len(), 1, "the reinstall must start empty: {d:?}");
+    assert!(!c.ib.exists().await);
+    // Absent is fine.
+    delete_tree_at(&c.root, c.root.join("ghost")).await.unwrap();
+}
+
+/// `Service::load`'s Installing arm on undo, as upstream writes it:
+/// `resolve_pending`, then `cleanup` with `keep_volumes = !is_fresh()`
+/// (a hard one, `delete_tree` of the volume root, only for a fresh
+/// install), then `restore` and `remove`. A fresh install had no backup
+/// (`begin` found nothing to back up), so the hard cleanup loses nothing
+/// and leaves no name; an install over data keeps its volume and gets the
+/// backup back.
+#[tokio::test]
+async fn the_installing_arms_undo_leaves_nothing_of_a_fresh_install_and_restores_the_rest() {
+    let Some(c) = Case::new() else { return };
+    async fn undo(c: &Case) {
+        c.ib.resolve_pending().await.unwrap();
+        if c.ib.is_fresh().await {
+            delete_tree_at(&c.root, c.live()).await.unwrap();
+        }
+        c.ib.restore().await.unwrap();
+        c.ib.remove().await.unwrap();
+    }
+    // A fresh install: begin, snapshot (nothing), the install's writes.
+    c.ib.begin().await.unwrap();
+    assert!(!c.ib.snapshot().await.unwrap());
+    ensure_volume_root_at(&c.root, "app").await.unwrap();
+    seed(&c.live(), "the failed install's");
+    undo(&c).await;
+    assert_eq!(root_names(&c.root), Vec::<String>::new());
+    // Over data: the backup comes back, the volume stays.
+    seed_subvolume(&c.live(), "before");
+    c.ib.begin().await.unwrap();
+    assert!(c.ib.snapshot().await.unwrap());
+    seed(&c.live(), "the failed install's");
+    undo(&c).await;
+    assert_eq!(marker(&c.live()).as_deref(), Some("before"));
+    assert_eq!(root_names(&c.root), ["app"]);
+}
+
+/// `delete_tree` of a tree named as a package but not in the volumes root
+/// (`<fs>/x/app`) is no volume: deleted in place, as upstream's, with its
+/// siblings (names a volume store would recover: `app.delete`,
+/// `app.rollback`, `app.install-backup`) untouched and no package lock
+/// taken, not even the lock directory made.
+#[tokio::test]
+async fn delete_tree_outside_the_volumes_root_is_a_plain_delete() {
+    use std::os::unix::fs::MetadataExt;
+    let Some(c) = Case::new() else { return };
+    let x = c.fs.path("x");
+    fs::create_dir_all(&x).unwrap();
+    let app = x.join("app");
+    let siblings = ["app.delete", "app.rollback", "app.install-backup"];
+    let make = || {
+        seed_subvolume(&app, "tree");
+        subvolume_create(&app.join("data/main/nested"));
+        for s in siblings {
+            if !x.join(s).exists() {
+                seed(&x.join(s), s);
+            }
+        }
+    };
+    make();
+    let st = fs::metadata(&x).unwrap();
+    let lock_dir = Path::new(::volume::lock::LOCK_DIR).join(format!(
+        "{}:{}-{}",
+        rustix::fs::major(st.dev()),
+        rustix::fs::minor(st.dev()),
+        st.ino()
+    ));
+    // A lock directory of an earlier run whose loop device and directory
+    // had the same numbers (this test makes one below) is not this one's.
+    let _ = fs::remove_dir_all(&lock_dir);
+    for with_root in [true, false] {
+        if with_root {
+            delete_tree_at(&c.root, &app).await.unwrap();
+        } else {
+            volume::delete_tree(&app).await.unwrap();
+        }
+        assert!(gone(&app), "{with_root}");
+        for s in siblings {
+            assert_eq!(marker(&x.join(s)).as_deref(), Some(s), "{s} ({with_root})");
+        }
+        assert!(!lock_dir.exists(), "a lock directory for {}", x.display());
+        make();
+    }
+    // Not even a holder of a package lock there stops it: there is none.
+    let dir = ::volume::sys::open_dir_path(&x).unwrap();
+    let locks = ::volume::lock::LockDir::for_root(std::os::fd::AsFd::as_fd(&dir)).unwrap();
+    let _held = locks.lock(&"app".parse().unwrap()).unwrap();
+    let done = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        delete_tree_at(&c.root, &app),
+    )
+    .await;
+    assert!(matches!(done, Ok(Ok(()))), "{done:?}");
+    assert!(gone(&app));
+    drop(_held);
+    let _ = fs::remove_dir_all(&lock_dir);
+}
+
+/// Upstream's `ServiceMap::install`, its volume calls in its order:
+/// `begin`, then `snapshot` once the old service is quiesced, `?` on each.
+/// Returns how far it got.
+async fn install_shaped(ib: &InstallBackup, uninit: &mut bool) -> Result<(), models::Error> {
+    ib.begin().await?;
+    ib.snapshot().await?;
+    // `service.uninstall()`: the old version's uninit, writing its
+    // down-migration into the volume.
+    *uninit = true;
+    ib.remove().await
+}
+
+/// A snapshot that fails is an `Err` (upstream's is `Ok(false)`, so its
+/// update goes on with no rollback point): the install's `?` stops it
+/// before the old version's uninit touches the volume, and the error the
+/// user gets names the package, the volume and what failed. Nothing of a
+/// partial backup is left, and the next try goes through.
+#[tokio::test]
+async fn a_failed_snapshot_stops_the_install_and_tells_the_user_why() {
+    let Some(c) = Case::new() else { return };
+    seed_subvolume(&c.live(), "current");
+    // `begin` passes, then the snapshot cannot put its copy in the root.
+    let mut uninit = false;
+    c.ib.begin().await.unwrap();
+    immutable(&c.root, true);
+    let snapshot = c.ib.snapshot().await;
+    immutable(&c.root, false);
+    let e = snapshot.expect_err("the snapshot must fail, not return false");
+    let told = format!("{e:#}");
+    assert!(told.contains("app"), "{told}");
+    assert!(told.contains(&c.live().display().to_string()), "{told}");
+    assert!(told.contains("snapshot"), "{told}");
+    // The same, through the install's sequence of calls.
+    immutable(&c.root, true);
+    let r = install_shaped(&c.ib, &mut uninit).await;
+    immutable(&c.root, false);
+    assert!(r.is_err(), "the install must stop at the snapshot");
+    assert!(
+        !uninit,
+        "the old version's uninit ran without a rollback point"
+    );
+    assert_eq!(marker(&c.live()).as_deref(), Some("current"));
+    assert!(!c.ib.exists().await);
+    assert_no_transient_names(&c.root, "after the failed snapshot");
+    install_shaped(&c.ib, &mut uninit).await.unwrap();
+    assert!(uninit);
 }

@@ -803,6 +803,7 @@ fn auto_snapshots_the_parent_wherever_a_snapshot_serves() {
             .convert(&pkg(name), &auto, &mut no_progress)
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(r.outcome, Outcome::Converted, "{name}");
+        assert_eq!(r.fallback, None, "{name}: converted as planned");
         assert_same(&expected_after(&before), &raw(&vol), name);
         r.method.expect("a method")
     };

@@ -224,6 +224,15 @@ fn every_package_of_the_box_keeps_every_files_identity() {
         })
         .expect("run");
     assert_eq!(reports.len(), all.len());
+    for r in &reports {
+        let p = r.package.as_str();
+        assert_eq!(
+            r.decision,
+            planned_of(&before_plan, p).decision,
+            "{p}: the dry run and the run agree"
+        );
+        assert_eq!(r.fallback, None, "{p}");
+    }
     for (p, method, outcome) in &order {
         assert_eq!(
             (*method, *outcome),

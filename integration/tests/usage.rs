@@ -129,6 +129,13 @@ fn populate_mixed(dir: &Path) {
         .arg(dir.join("big.clone")))
     .expect("reflink clone");
     make_fragmented_file(&dir.join("db"), 16 * MIB, 2000, 11).expect("fragmented file");
+    // Symlinks: btrfs stores each target as an inline extent, which
+    // compsize (regular files only) does not count.
+    fs::create_dir_all(dir.join("links")).expect("mkdir links");
+    for i in 0..20 {
+        std::os::unix::fs::symlink(format!("../target-{i}"), dir.join(format!("links/l{i}")))
+            .expect("symlink");
+    }
     sync();
 }
 

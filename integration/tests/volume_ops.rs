@@ -212,6 +212,130 @@ fn snapshot_over_an_existing_backup_is_incoherent_and_changes_nothing() {
     assert!(is_read_only(&store.backup_path(&app)));
 }
 
+/// Holds `pkg`'s lock in the store at `root` while `op` runs on another
+/// thread, and while `op` waits for it, `change`s the disk as a concurrent
+/// operation holding the lock would; then lets `op` go on and returns what
+/// it returned. `op` must decide from the disk as it is once it holds the
+/// lock, not as it was when it was called.
+fn race<T: Send + 'static>(
+    root: &std::path::Path,
+    pkg: &volume::PackageId,
+    op: impl FnOnce(&VolumeStore) -> T + Send + 'static,
+    change: impl FnOnce(),
+) -> T {
+    let dir = volume::sys::open_dir_path(root).expect("opening the volumes root");
+    let locks =
+        volume::lock::LockDir::for_root(std::os::fd::AsFd::as_fd(&dir)).expect("the lock dir");
+    let held = locks.lock(pkg).expect("taking the package lock");
+    let (tx, rx) = mpsc::channel();
+    let root = root.to_owned();
+    let t = thread::spawn(move || {
+        let store = VolumeStore::open_without_recovery(&root).expect("opening the store");
+        let _ = tx.send(op(&store));
+    });
+    assert!(
+        rx.recv_timeout(Duration::from_millis(300)).is_err(),
+        "the operation ran without the package lock"
+    );
+    change();
+    drop(held);
+    let r = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the operation never finished");
+    t.join().unwrap();
+    r
+}
+
+/// The volume deleted in place while the operation waits for the lock
+/// (the backup then is the only copy of the data).
+fn delete_live(root: &std::path::Path) {
+    let dir = volume::sys::open_dir_path(root).unwrap();
+    volume::delete_tree_at(std::os::fd::AsFd::as_fd(&dir), std::ffi::OsStr::new("app")).unwrap();
+}
+
+/// `begin_install` of a package with a volume and a backup, whose volume
+/// another operation deletes while `begin_install` waits for the lock:
+/// what it decides on is what it finds under the lock, so the backup, now
+/// the only copy, is put back as the volume, never dropped.
+#[test]
+fn begin_install_puts_back_a_backup_left_alone_while_it_waited() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let store = open(&root);
+    let app = pkg("app");
+    store.create(&app, &[vol("main")]).expect("create");
+    populate_volume(&store.volume_path(&app), true);
+    store.snapshot(&app).expect("snapshot");
+    let backed_up = digest(&store.backup_path(&app));
+    modify_volume(&store.volume_path(&app), true);
+    let begun = race(
+        &root,
+        &app,
+        |s| s.begin_install(&pkg("app")),
+        || delete_live(&root),
+    )
+    .expect("begin");
+    assert_eq!(begun, volume::Begun::PutBack);
+    assert!(!store.backup_path(&app).exists());
+    assert!(!store.is_fresh(&app).unwrap());
+    assert_same(&backed_up, &digest(&store.volume_path(&app)), "put back");
+    // And with the volume there, the backup goes and nothing is fresh.
+    store.snapshot(&app).expect("snapshot");
+    assert_eq!(
+        store.begin_install(&app).expect("begin"),
+        volume::Begun::Volume {
+            dropped_backup: true
+        }
+    );
+    assert!(!store.backup_path(&app).exists());
+    // With nothing at all, a fresh install is marked.
+    let fresh = pkg("fresh");
+    assert_eq!(
+        store.begin_install(&fresh).expect("begin"),
+        volume::Begun::Fresh
+    );
+    assert!(store.is_fresh(&fresh).unwrap());
+}
+
+/// `snapshot_replacing` (upstream's `snapshot`, which replaces a leftover
+/// backup) of a package whose volume another operation deletes while it
+/// waits for the lock: the backup is then the only copy, kept, and the
+/// result is `NoVolume`, as the store's own rule says.
+#[test]
+fn snapshot_replacing_keeps_a_backup_left_alone_while_it_waited() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let store = open(&root);
+    let app = pkg("app");
+    store.create(&app, &[vol("main")]).expect("create");
+    populate_volume(&store.volume_path(&app), true);
+    store.snapshot(&app).expect("snapshot");
+    let backed_up = digest(&store.backup_path(&app));
+    let outcome = race(
+        &root,
+        &app,
+        |s| s.snapshot_replacing(&pkg("app")),
+        || delete_live(&root),
+    )
+    .expect("snapshot");
+    assert_eq!(outcome, SnapshotOutcome::NoVolume);
+    assert_same(
+        &backed_up,
+        &digest(&store.backup_path(&app)),
+        "the only copy",
+    );
+    // With the volume there, the leftover backup is replaced by a new one.
+    store.restore(&app).expect("restore");
+    store.snapshot(&app).expect("snapshot");
+    modify_volume(&store.volume_path(&app), true);
+    let now = digest(&store.volume_path(&app));
+    assert_eq!(
+        store.snapshot_replacing(&app).expect("snapshot"),
+        SnapshotOutcome::Snapshot
+    );
+    assert_same(&now, &digest(&store.backup_path(&app)), "the new backup");
+}
+
 #[test]
 fn restore_rolls_back_everything_including_nested_subvolumes() {
     let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));

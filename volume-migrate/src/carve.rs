@@ -22,6 +22,7 @@ use std::path::Path;
 
 use volume::copy;
 use volume::failpoint::failpoint;
+use volume::sys::item::EMPTY_SUBVOL_DIR_OBJECTID;
 use volume::sys::{self, FileType, InodeFlags};
 
 /// A step of [`carve`], for progress and cancellation: an error returned
@@ -35,7 +36,8 @@ pub enum CarveEvent {
     /// count so far).
     Removed(u64),
     /// With [`Removal::Deferred`]: one more top entry of what is not kept
-    /// was moved into the rest's directory (the count so far).
+    /// was moved into the rest's directory, or removed if a nested
+    /// subvolume's stub (the count so far).
     SetAside(u64),
     /// One more entry of the kept directory was lifted to the root (the
     /// count so far).
@@ -49,7 +51,8 @@ pub enum Removal {
     Now,
     /// Later: each top entry of it is moved into one directory at the root
     /// ([`Carved::rest`]), O(top entries), for the caller to remove once the
-    /// subvolume is in use ([`remove_rest`]).
+    /// subvolume is in use ([`remove_rest`]); the stub of a subvolume
+    /// nested at the top, which cannot be moved, is removed at once.
     Deferred,
 }
 
@@ -74,7 +77,11 @@ const REST: &str = ".startos-carve-rest";
 /// removed), timestamps and inode flags. With [`Removal::Now`] everything
 /// else the subvolume held is removed, entry by entry (immutable and
 /// append-only flags cleared first); placeholders of nested subvolumes are
-/// removed by `rmdir`.
+/// removed by `rmdir`. With [`Removal::Deferred`] too, a placeholder at
+/// the top: the kernel refuses to rename one (ENOTEMPTY), so moving it
+/// into the rest would fail the cut whenever a subvolume sits at the top
+/// of the snapshot (a converted package beside the volumes root's
+/// packages, or any subvolume at the top of the filesystem).
 ///
 /// The directory itself must hold no nested subvolume (its placeholders
 /// would be kept as empty directories).
@@ -133,8 +140,14 @@ pub fn carve(
             let rest = free_name(REST, &top_names, &kept_names, Some(&hold));
             sys::mkdir_at(snapshot, &rest, 0o700)?;
             let rest_fd = sys::open_dir_at(snapshot, &rest)?;
-            for (i, (entry, _, _)) in top_names.iter().enumerate() {
-                lift(snapshot, rest_fd.as_fd(), entry)?;
+            for (i, (entry, kind, _)) in top_names.iter().enumerate() {
+                // A nested subvolume's stub cannot be renamed (ENOTEMPTY);
+                // it holds nothing, so it goes now.
+                if is_subvolume_stub(snapshot, entry, *kind)? {
+                    sys::rmdir_at(snapshot, entry)?;
+                } else {
+                    lift(snapshot, rest_fd.as_fd(), entry)?;
+                }
                 on_event(CarveEvent::SetAside(i as u64 + 1))?;
             }
             Some(rest)
@@ -252,6 +265,21 @@ fn free_name(
     name
 }
 
+/// Whether the entry `name` of the snapshot open as `snapshot` (of type
+/// `kind`, as its directory said) is the stub a nested subvolume leaves in
+/// a snapshot: a directory whose inode number is
+/// [`EMPTY_SUBVOL_DIR_OBJECTID`], which no inode of a subvolume's tree can
+/// have (theirs start at 256). Decided by what the kernel reports, never by
+/// the name; a fresh snapshot has nothing mounted in it, and `rmdir`
+/// removes nothing else that is not empty.
+fn is_subvolume_stub(snapshot: BorrowedFd<'_>, name: &OsStr, kind: FileType) -> io::Result<bool> {
+    if !matches!(kind, FileType::Directory | FileType::Unknown) {
+        return Ok(false);
+    }
+    Ok(sys::stat_at(snapshot, name)?
+        .is_some_and(|st| st.is_dir() && st.ino == EMPTY_SUBVOL_DIR_OBJECTID))
+}
+
 /// Moves `name` from `from` to `to`. An immutable or append-only entry
 /// cannot be renamed: its flags are lifted for the move.
 fn lift(from: BorrowedFd<'_>, to: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
@@ -261,5 +289,59 @@ fn lift(from: BorrowedFd<'_>, to: BorrowedFd<'_>, name: &OsStr) -> io::Result<()
             sys::with_stuck_flags_lifted(from, name, rename)
         }
         r => r,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs;
+    use std::os::unix::fs::MetadataExt;
+
+    use super::*;
+
+    /// A deferred cut of a snapshot whose top holds a nested subvolume's
+    /// stub and an empty plain directory: the stub is removed (it cannot be
+    /// moved), the plain directory set aside like anything else, and the
+    /// kept directory's file is the very same inode.
+    #[test]
+    fn a_deferred_cut_removes_a_stub_at_the_top_and_sets_the_rest_aside() {
+        let fs = test_fs::fs_or_skip!(test_fs::LoopFs::btrfs(256 << 20));
+        let top = fs::File::open(fs.mount_point()).unwrap();
+        sys::create_subvolume(top.as_fd(), OsStr::new("src")).unwrap();
+        let src = fs.path("src");
+        let src_fd = fs::File::open(&src).unwrap();
+        sys::create_subvolume(src_fd.as_fd(), OsStr::new("sub")).unwrap();
+        fs::create_dir(src.join("empty")).unwrap();
+        fs::create_dir(src.join("keep")).unwrap();
+        fs::write(src.join("keep/file"), b"kept").unwrap();
+        let ino = fs::metadata(src.join("keep/file")).unwrap().ino();
+        sys::snapshot(src_fd.as_fd(), top.as_fd(), OsStr::new("snap")).unwrap();
+        let snap = fs.path("snap");
+        assert_eq!(
+            fs::symlink_metadata(snap.join("sub")).unwrap().ino(),
+            EMPTY_SUBVOL_DIR_OBJECTID
+        );
+
+        let snap_fd = fs::File::open(&snap).unwrap();
+        let carved = carve(
+            snap_fd.as_fd(),
+            Path::new("keep"),
+            Removal::Deferred,
+            &mut |_| Ok(()),
+        )
+        .expect("the cut");
+        let rest = carved.rest.expect("a rest");
+        let mut names: Vec<_> = fs::read_dir(&snap)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        assert_eq!(names, [rest.clone(), OsString::from("file")]);
+        assert_eq!(fs::metadata(snap.join("file")).unwrap().ino(), ino);
+        let aside: Vec<_> = fs::read_dir(snap.join(&rest))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(aside, [OsString::from("empty")]);
     }
 }

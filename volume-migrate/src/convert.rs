@@ -161,6 +161,7 @@ impl Migrator {
         if self.carve_as_planned(&mut job, planned, resume)? {
             let mut report = job.report;
             report.method = Some(Method::SnapshotParent);
+            report.decision = Some(Decision::SnapshotParent);
             report.outcome = Outcome::Converted;
             if opts.method == Method::Auto && !opts.defer_cut {
                 // Auto deferred the cut whatever the options (its
@@ -181,6 +182,14 @@ impl Migrator {
         }
         job.clone_volume(resume)?;
         job.report.method = Some(Method::Clone);
+        job.report.decision = Some(Decision::Clone(
+            match (&job.report.fallback, &planned.decision) {
+                (Some(why), _) => why.clone(),
+                (None, Some(Decision::Clone(why))) => why.clone(),
+                (None, _) if resume => CloneReason::Resume,
+                (None, _) => CloneReason::Forced,
+            },
+        ));
         job.report.outcome = Outcome::Converted;
         if opts.defer_cut && job.report.nocow_files > 0 {
             self.release_nocow(&mut job.report, &names);
@@ -314,8 +323,12 @@ impl Migrator {
     ) -> Result<bool, Error> {
         let (pkg, names) = (job.pkg, job.names);
         let forced = job.opts.method == Method::SnapshotParent;
-        let Some(plan) = self.parent_plan(job, planned, forced, resume)? else {
-            return Ok(false);
+        let plan = match self.parent_plan(job, planned, forced, resume)? {
+            Ok(plan) => plan,
+            Err(fallback) => {
+                job.report.fallback = fallback;
+                return Ok(false);
+            }
         };
         if forced && resume {
             copy::remove_tree_at(self.root_fd(), &names.migrate, &mut |_| Ok(()))
@@ -330,7 +343,9 @@ impl Migrator {
                 Err(failure.into_error(pkg, &self.root.path().join(&names.live)))
             }
             Err(failure) => {
-                tracing::warn!(package = %pkg, "cutting a parent snapshot failed, cloning instead: {}", failure.reason());
+                let why = failure.reason();
+                tracing::warn!(package = %pkg, "cutting a parent snapshot failed, cloning instead: {why}");
+                job.report.fallback = Some(why);
                 Ok(false)
             }
         }
@@ -338,17 +353,19 @@ impl Migrator {
 
     /// What the cut needs, where the plan decided on a snapshot of the
     /// parent (and, unless forced, no partial clone is there to finish) and
-    /// the checks just before it still allow one.
+    /// the checks just before it still allow one; else why not, where the
+    /// plan said to snapshot (`None`: it said to clone).
     fn parent_plan(
         &self,
         job: &Job<'_, '_>,
         planned: &Planned,
         forced: bool,
         resume: bool,
-    ) -> Result<Option<ParentPlan>, Error> {
+    ) -> Result<Result<ParentPlan, Option<CloneReason>>, Error> {
         match &planned.decision {
             Some(Decision::SnapshotParent) if forced || !resume => {}
-            _ => return Ok(None),
+            Some(Decision::SnapshotParent) => return Ok(Err(Some(CloneReason::Resume))),
+            _ => return Ok(Err(None)),
         }
         let pkg = job.pkg;
         let prepared = ParentPlan::prepare(
@@ -361,7 +378,7 @@ impl Migrator {
         )?;
         let reason = match prepared {
             Ok(plan) => match plan.check_space(&job.space, job.room.reserve) {
-                Ok(()) => return Ok(Some(plan)),
+                Ok(()) => return Ok(Ok(plan)),
                 Err(short) if forced => {
                     return Err(Error::for_package(
                         pkg,
@@ -386,7 +403,7 @@ impl Migrator {
             ));
         }
         tracing::info!(package = %pkg, "cloning, not snapshotting the parent: {reason}");
-        Ok(None)
+        Ok(Err(Some(reason)))
     }
 
     /// Removes, for the cloned package `pkg`, every other copy of its old

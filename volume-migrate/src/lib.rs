@@ -54,8 +54,9 @@
 //! how far a crashed run got: a *subvolume* `<pkg>.migrate` beside a plain
 //! `<pkg>` is a partial copy, resumed (files continue from their destination
 //! size, aligned down to the block size; entries whose source changed since
-//! the partial copy was started, by ctime against the subvolume's creation
-//! time, are copied again); a *subvolume* `<pkg>.migrate-parent` is a cut
+//! the partial copy was started are copied again, told by the transaction
+//! that last wrote each source inode against the one that created the
+//! copy, never by a clock); a *subvolume* `<pkg>.migrate-parent` is a cut
 //! that did not finish, deleted in O(1) with its record `<pkg>.migrate-rest`
 //! (a new snapshot costs nothing); a *plain directory* under either name
 //! beside a subvolume `<pkg>` is the old directory after the exchange;

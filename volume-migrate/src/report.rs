@@ -7,7 +7,7 @@ use models::{Error, PackageId};
 use serde::Serialize;
 
 use crate::cost::Cost;
-use crate::decide::Decision;
+use crate::decide::{CloneReason, Decision};
 use crate::{Estimate, Method};
 
 /// What happened to one package.
@@ -59,6 +59,15 @@ pub struct PackageReport {
     pub estimate: Option<Estimate>,
     /// How it was converted, when it was now.
     pub method: Option<Method>,
+    /// How it was converted and why, when it was now: what a dry run's
+    /// [`Planned::decision`] says unless the conversion fell back
+    /// ([`PackageReport::fallback`]).
+    pub decision: Option<Decision>,
+    /// Why it was cloned although its schedule said to snapshot the
+    /// parent (checked again just before the cut, or the cut failed and its
+    /// snapshot was deleted): the difference between the dry run and the
+    /// run, which every report shows, never only a log line.
+    pub fallback: Option<CloneReason>,
     /// Whether an interrupted earlier run's partial copy was reused.
     pub resumed: bool,
     /// Bytes cloned by this run (a resumed run skips what was in place).
@@ -87,6 +96,8 @@ impl PackageReport {
             outcome,
             estimate: None,
             method: None,
+            decision: None,
+            fallback: None,
             resumed: false,
             bytes_cloned: 0,
             entries_reused: 0,

@@ -31,10 +31,12 @@ use std::path::{Path, PathBuf};
 use crate::sys::{self, FileType, InodeFlags, Stat, inode_flags, set_inode_flags as set_flags};
 use crate::walk::{Chain, Step, Walk, crosses_mount};
 
+mod changes;
 mod helpers;
 mod metadata;
 mod remove;
 
+pub use changes::SourceChanges;
 use helpers::{HELPER_MAX_BYTES, Helpers, SharedDirs};
 use metadata::{Target, copy_xattrs_at, finish_file_metadata, finish_metadata};
 pub use metadata::{finish_fd_metadata, remove_xattrs_missing_from};
@@ -81,8 +83,8 @@ pub struct CopyStats {
 }
 
 /// How [`reflink_into`] copies.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct CopyOptions {
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CopyOptions<'a> {
     /// Reuse what an interrupted earlier copy left in the destination:
     /// directories are recursed into, regular files continue from their
     /// current size (aligned down to the block size), symlinks and special
@@ -97,11 +99,11 @@ pub struct CopyOptions {
     /// Recreate a nested btrfs subvolume of the source as a subvolume (and
     /// read-only if the source is); without it, as a plain directory.
     pub nested_subvolumes: bool,
-    /// With `resume`: a source entry whose ctime is at or after this instant
-    /// (seconds, nanoseconds) changed since the earlier copy started, so its
-    /// destination (a whole subtree for a directory) is discarded and copied
-    /// again. `None`: every existing destination entry is trusted.
-    pub changed_since: Option<(i64, i64)>,
+    /// With `resume`: the source entries changed since the earlier copy
+    /// began, as the filesystem orders changes (never by a clock): each
+    /// one's destination (a whole subtree for a directory) is discarded and
+    /// copied again. `None`: every existing destination entry is trusted.
+    pub changed_since: Option<&'a SourceChanges>,
 }
 
 /// A step of a copy, for progress and cancellation: returning an error from
@@ -196,7 +198,7 @@ struct Copier<'a, 'p> {
     /// later names become hardlinks again.
     links: HashMap<(u64, u64), FirstLink>,
     stats: CopyStats,
-    opts: CopyOptions,
+    opts: CopyOptions<'a>,
     /// Filesystem block size: FICLONERANGE offsets are multiples of it.
     block: u64,
     progress: &'p mut Progress<'p>,
@@ -370,7 +372,7 @@ impl Copier<'_, '_> {
             && self.opts.nested_subvolumes
             && st.ino == sys::SUBVOLUME_ROOT_INO
             && sys::is_btrfs(src_dir)?;
-        let existing = self.kept_from_earlier_copy(dst_dir, name, &st, ty, nested)?;
+        let existing = self.kept_from_earlier_copy(src_dir, dst_dir, name, &st, nested)?;
         if ty != FileType::Directory
             && st.nlink > 1
             && let Some(placed) = self.link_to_first(dst_dir, name, rel, &st, existing.as_ref())?
@@ -433,12 +435,13 @@ impl Copier<'_, '_> {
     /// there is removed (and counted), so the entry is made afresh.
     fn kept_from_earlier_copy(
         &mut self,
+        src_dir: BorrowedFd<'_>,
         dst_dir: BorrowedFd<'_>,
         name: &OsStr,
         st: &Stat,
-        ty: FileType,
         nested: bool,
     ) -> io::Result<Option<Stat>> {
+        let ty = st.file_type;
         if !self.opts.resume {
             return Ok(None);
         }
@@ -446,7 +449,10 @@ impl Copier<'_, '_> {
             return Ok(None);
         };
         let dst_ty = dst_st.file_type;
-        let changed = self.opts.changed_since.is_some_and(|t| st.ctime >= t);
+        let changed = match self.opts.changed_since {
+            Some(c) => c.changed(src_dir, name, st)?,
+            None => false,
+        };
         let keep = !changed
             && dst_ty == ty
             && match ty {

@@ -80,11 +80,12 @@ pub use outcome::{
 // The volumes root, open.
 #[cfg(target_os = "linux")]
 pub use root::Root;
-// The store, its usage figures, the default bound on a reflink backup, and
-// the deletion of a tree by path.
+// The store, its usage figures, what its `begin_install` did, the default
+// bound on a reflink backup, and the deletion of a tree by path.
 #[cfg(target_os = "linux")]
 pub use store::{
-    DEFAULT_REFLINK_EXTENT_LIMIT, VolumeStore, VolumeUsage, delete_tree, delete_tree_at,
+    Begun, DEFAULT_REFLINK_EXTENT_LIMIT, VolumeStore, VolumeUsage, delete_tree, delete_tree_at,
+    delete_tree_in,
 };
 
 /// Upstream's data directory.

@@ -56,6 +56,14 @@ impl Root {
                 format!("stat of the volumes root {}", canonical.display()),
             )
         })?;
+        // Every walk tells a mount inside a tree by statx's mount id: a
+        // kernel without it is refused here, once, in one line.
+        sys::require_mount_id(dir.as_fd()).with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                format!("volumes root {}", canonical.display()),
+            )
+        })?;
         let btrfs = sys::is_btrfs(dir.as_fd()).with_ctx(|_| {
             (
                 ErrorKind::Filesystem,

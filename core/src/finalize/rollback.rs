@@ -25,6 +25,11 @@ struct RolledBack {
     /// The services stopped because they held a mount of the volume, each
     /// with how starting it again went.
     holders: Vec<(PackageId, Result<(), Error>)>,
+    /// The backup the update took was gone when the rollback came to
+    /// restore it (another command dropped or restored it meanwhile):
+    /// nothing was restored, and the volume keeps what the failed update
+    /// wrote. Its own outcome, never told as a rollback of the data.
+    backup_gone: bool,
 }
 
 impl RolledBack {
@@ -32,6 +37,14 @@ impl RolledBack {
     /// version not starting again, and the services stopped because they
     /// held a mount of the volume, each that did not start again named.
     fn told(&self, message: String) -> String {
+        let mut message = message;
+        if self.backup_gone {
+            message.push_str(
+                "; the install backup taken before the update was gone when the rollback \
+                 ran (dropped or restored by another command meanwhile), so the data was not \
+                 rolled back: the volume keeps what the failed update wrote",
+            );
+        }
         let mut message = match &self.restart {
             Ok(()) => message,
             Err(e) => format!("{message}; the old version did not start again: {e}"),
@@ -111,7 +124,8 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
         ));
         tracing::warn!("{message}; rolling back");
         let message = without_backup(message, what, old.is_some(), had_volume, progress);
-        match self.restore_old(pkg, old.as_ref(), had_volume).await {
+        let taken = progress.backup_taken;
+        match self.restore_old(pkg, old.as_ref(), had_volume, taken).await {
             Ok(back) => {
                 let rolled_back_to = old.map(|(v, _)| v);
                 let message = back.told(message);
@@ -179,19 +193,26 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
         pkg: &PackageId,
         old: Option<&(String, String)>,
         had_volume: bool,
+        backup_taken: bool,
     ) -> Result<RolledBack, Error> {
         self.services.stop(pkg).await?;
         failpoint("rollback.stopped")?;
         // Whatever happens from here, every holder stopped is started again.
         let mut stopped = Vec::new();
-        let back = self.put_back(pkg, old, had_volume, &mut stopped).await;
+        let back = self
+            .put_back(pkg, old, (had_volume, backup_taken), &mut stopped)
+            .await;
         let restart = match (&back, old) {
-            (Ok(()), Some((v, _))) => self.services.start(pkg, v).await,
+            (Ok(_), Some((v, _))) => self.services.start(pkg, v).await,
             _ => Ok(()),
         };
         let holders = self.start_again(stopped).await;
         match back {
-            Ok(()) => Ok(RolledBack { restart, holders }),
+            Ok(backup_gone) => Ok(RolledBack {
+                restart,
+                holders,
+                backup_gone,
+            }),
             Err(e) => {
                 for (h, r) in holders {
                     match r {
@@ -211,24 +232,32 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
     /// The volume and the state put back: holders of mounts of the volume
     /// stopped (each added to `stopped` as it is), the backup restored (or
     /// a fresh install's volume deleted), the state back to the old version.
+    /// `(had_volume, backup_taken)` say what the install found and made.
+    /// Returns whether the backup it took was gone, so nothing was restored
+    /// (logged as an error here).
     async fn put_back(
         &self,
         pkg: &PackageId,
         old: Option<&(String, String)>,
-        had_volume: bool,
+        (had_volume, backup_taken): (bool, bool),
         stopped: &mut Vec<(PackageId, Option<String>)>,
-    ) -> Result<(), Error> {
+    ) -> Result<bool, Error> {
         self.stop_mount_holders(pkg, stopped).await?;
         let (store, p) = (self.store()?, pkg.clone());
-        blocking(move || {
-            if !store.restore_deferring_purge(&p)? && !had_volume {
+        let restored = blocking(move || {
+            let restored = store.restore_deferring_purge(&p)?;
+            if !restored && !had_volume {
                 // A fresh install with nothing before it: the volume holds
                 // only what the failed install wrote.
                 store.delete(&p)?;
             }
-            Ok(())
+            Ok(restored)
         })
         .await?;
+        let backup_gone = had_volume && backup_taken && !restored;
+        if backup_gone {
+            tracing::error!(package = %pkg, "the install backup was gone at the rollback: nothing restored, the volume keeps what the failed install wrote");
+        }
         failpoint("rollback.restored")?;
         let p = pkg.clone();
         let back = old.cloned();
@@ -253,7 +282,7 @@ impl<D: Db, S: Services, N: Notifier> Finalizer<D, S, N> {
             })
             .await?;
         failpoint("rollback.recorded")?;
-        Ok(())
+        Ok(backup_gone)
     }
 
     /// Stops every service that holds a mount of `pkg`'s volume in a mount

@@ -108,6 +108,9 @@ pub struct Probe {
     pub backup_seq_at_uninit: Mutex<HashMap<PackageId, Option<u64>>>,
     pub calls: Mutex<Vec<Call>>,
     pub cancel_at: Mutex<HashMap<PackageId, (Phase, Cancel)>>,
+    /// A phase at which the package's install backup is dropped from under
+    /// the install, as `startos-volume drop` run meanwhile would.
+    pub drop_backup_at: Mutex<HashMap<PackageId, Phase>>,
 }
 
 impl Probe {
@@ -120,6 +123,7 @@ impl Probe {
             backup_seq_at_uninit: Mutex::default(),
             calls: Mutex::default(),
             cancel_at: Mutex::default(),
+            drop_backup_at: Mutex::default(),
         }
     }
 
@@ -134,6 +138,16 @@ impl Probe {
         if m.get(p).is_some_and(|(ph, _)| *ph == phase) {
             let (_, c) = m.remove(p).unwrap();
             c.cancel();
+        }
+        drop(m);
+        let mut d = self.drop_backup_at.lock().unwrap();
+        if d.get(p) == Some(&phase) {
+            d.remove(p);
+            drop(d);
+            let dropped = volume::VolumeStore::open_without_recovery(&self.root)
+                .and_then(|s| s.drop_backup(p))
+                .unwrap_or_else(|e| panic!("dropping {p}'s backup at {phase}: {e}"));
+            assert!(dropped, "{p} had no backup to drop at {phase}");
         }
     }
 

@@ -586,6 +586,13 @@ mod convert {
                 }
                 _ => {}
             }
+            // What the dry run said differs: shown, whatever the outcome.
+            if let Some(why) = &r.fallback {
+                println!(
+                    "{}: cloned, not snapshotted as planned (every inode number changed): {why}",
+                    r.package
+                );
+            }
         }
     }
 

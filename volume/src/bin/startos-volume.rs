@@ -134,7 +134,7 @@ mod run {
         }
         if let Some(s) = &u.split {
             println!(
-                "disk bytes: {} only in the backup (freed by dropping it), {} only in the volume, {} shared",
+                "disk bytes: {} in the backup, not the volume (at most what dropping it frees), {} in the volume, not the backup, {} in both",
                 human_bytes(s.backup_only),
                 human_bytes(s.live_only),
                 human_bytes(s.shared)

@@ -55,7 +55,8 @@
 //! [`Held`], the one way an operation takes its package (names, lock, and
 //! recovery where it recovers first). The operations, one family a file:
 //! [`create`], [`snapshot`], [`restore`], [`removal`] (with [`held`], the
-//! trees kept while mounted), [`recovery`] (with
+//! trees kept while mounted), [`install`] (upstream's `begin` and
+//! `snapshot`, each decided under one hold), [`recovery`] (with
 //! what upstream's own code leaves behind, in `recovery/upstream.rs`) and
 //! [`query`].
 
@@ -75,14 +76,16 @@ use crate::sys::{self, FileType};
 
 mod create;
 mod held;
+mod install;
 mod query;
 mod recovery;
 mod removal;
 mod restore;
 mod snapshot;
 
+pub use install::Begun;
 pub use query::VolumeUsage;
-pub use removal::{delete_tree, delete_tree_at};
+pub use removal::{delete_tree, delete_tree_at, delete_tree_in};
 
 /// Default bound on the extent count of a plain (not yet converted) volume
 /// directory for which a reflink backup is still taken. At the ~6.7 us per

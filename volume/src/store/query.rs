@@ -28,8 +28,12 @@ pub struct VolumeUsage {
     pub volume: Option<Usage>,
     /// The install backup; `None` if it has none.
     pub backup: Option<Usage>,
-    /// With a backup: disk bytes held only by it (what dropping it frees),
-    /// only by the live volume, and by both.
+    /// With a backup: disk bytes held by it and not by the live volume (at
+    /// most what dropping it frees: no other tree is compared, see
+    /// [`Split::backup_only`]), by the live volume and not the backup, and
+    /// by both.
+    ///
+    /// [`Split::backup_only`]: crate::usage::Split::backup_only
     pub split: Option<Split>,
 }
 

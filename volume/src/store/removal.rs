@@ -1,7 +1,8 @@
 //! Removing what a package has: its backup ([`VolumeStore::drop_backup`]),
 //! its volume with everything else of it ([`VolumeStore::delete`]), or its
 //! live volume alone ([`VolumeStore::discard_volume`]), and deleting any
-//! tree ([`delete_tree`], [`delete_tree_at`]).
+//! tree ([`delete_tree`], [`delete_tree_in`], [`delete_tree_at`]): only a
+//! direct child of the volumes root is a package's volume.
 //!
 //! A tree is renamed aside to a transient name first, so a crash never
 //! leaves a half-deleted tree under a name that says "complete"; where the
@@ -203,10 +204,10 @@ impl VolumeStore {
         Ok((dropped || removed || pending, last.and_then(Disposal::held)))
     }
 
-    /// Deletes the live volume `<pkg>` only, keeping its backup: what
-    /// upstream's uninstall cleanup and fresh-install rollback ask of
-    /// `delete_tree` on a volume root, after which a restore may still put
-    /// the backup in. The volume is renamed to `<pkg>.replaced` first
+    /// Deletes the live volume `<pkg>` only, keeping its backup, after
+    /// which a restore may still put the backup in (a hard uninstall's
+    /// `delete_tree` deletes every name instead, [`delete_tree_in`]).
+    /// The volume is renamed to `<pkg>.replaced` first
     /// (garbage to recovery, which never touches the backup for it), then
     /// deleted: O(1) per subvolume. Returns whether there was a volume.
     /// A volume a mount still holds, in any namespace, is kept under
@@ -280,16 +281,27 @@ pub fn delete_tree_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
     }
 }
 
+/// Deletes whatever is at `path`, as upstream's `util::btrfs::delete_tree`
+/// (which its uninstall cleanup calls on a package's volume root):
+/// [`delete_tree_in`] with the volumes root of a StartOS server
+/// ([`crate::default_root`]).
+pub fn delete_tree(path: &Path) -> Result<(), Error> {
+    delete_tree_in(&crate::default_root(), path)
+}
+
 /// Deletes whatever is at `path`, as upstream's `util::btrfs::delete_tree`:
 /// its parent is resolved as given (a trusted path), its last component
 /// never followed; absent is fine.
 ///
-/// A package's volume root (`<volumes root>/<pkg>`, the one place upstream
-/// calls it) goes through [`VolumeStore::discard_volume`]: renamed aside
-/// first, so a crash never leaves half a volume under its name, then
-/// deleted in O(1) per subvolume, and its backup kept for the restore that
-/// may follow. Anything else is deleted in place ([`delete_tree_at`]).
-pub fn delete_tree(path: &Path) -> Result<(), Error> {
+/// A package's volume, a direct child of `volumes_root` named as a package
+/// (the one place upstream calls it, a hard uninstall), goes with every
+/// other name of the package, its backup included
+/// ([`VolumeStore::delete`]): renamed aside first, so a crash leaves the
+/// whole package or a delete that recovery finishes. Anything else, the
+/// same name elsewhere included, is no volume: deleted in place
+/// ([`delete_tree_at`]: subvolumes in O(1), no symlink followed, no mount
+/// crossed), with no package lock and nothing done to its siblings.
+pub fn delete_tree_in(volumes_root: &Path, path: &Path) -> Result<(), Error> {
     let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
         return Err(Error::new(
             eyre!("cannot delete {}: no parent directory", path.display()),
@@ -301,22 +313,54 @@ pub fn delete_tree(path: &Path) -> Result<(), Error> {
     } else {
         parent
     };
-    let pkg = name.to_str().and_then(|n| n.parse::<PackageId>().ok());
-    if let Some(pkg) = pkg.filter(|p| layout::check_id_len(p).is_ok()) {
-        return VolumeStore::open_without_recovery(parent)?
-            .discard_volume(&pkg)
-            .map(drop);
-    }
     let dir = sys::open_dir_path(parent).with_ctx(|_| {
         (
             ErrorKind::Filesystem,
             format!("opening {}", parent.display()),
         )
     })?;
+    if let Some(pkg) = volume_of(volumes_root, dir.as_fd(), name)? {
+        return VolumeStore::open_without_recovery(volumes_root)?
+            .delete(&pkg)
+            .map(drop);
+    }
     delete_tree_at(dir.as_fd(), name).with_ctx(|_| {
         (
             ErrorKind::Filesystem,
             format!("deleting {}", path.display()),
         )
     })
+}
+
+/// The package whose volume the entry `name` of the directory open as
+/// `dir` is: `None` unless `dir` is `volumes_root` itself (the same inode,
+/// however either path is spelt) and `name` a package id. A volumes root
+/// that does not exist has no volume.
+fn volume_of(
+    volumes_root: &Path,
+    dir: BorrowedFd<'_>,
+    name: &OsStr,
+) -> Result<Option<PackageId>, Error> {
+    let pkg = name.to_str().and_then(|n| n.parse::<PackageId>().ok());
+    let Some(pkg) = pkg.filter(|p| layout::check_id_len(p).is_ok()) else {
+        return Ok(None);
+    };
+    let ctx = |_: &io::Error| {
+        (
+            ErrorKind::Filesystem,
+            format!("looking at the volumes root {}", volumes_root.display()),
+        )
+    };
+    let root = match sys::open_dir_path(volumes_root) {
+        Ok(fd) => fd,
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ENOTDIR)) => {
+            return Ok(None);
+        }
+        Err(e) => return Err(e).with_ctx(ctx),
+    };
+    let (root, dir) = (
+        sys::stat(root.as_fd()).with_ctx(ctx)?,
+        sys::stat(dir).with_ctx(ctx)?,
+    );
+    Ok((root.dev == dir.dev && root.ino == dir.ino).then_some(pkg))
 }

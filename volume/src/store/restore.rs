@@ -123,7 +123,7 @@ impl VolumeStore {
         Ok(done)
     }
 
-    fn restore_locked(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
+    pub(super) fn restore_locked(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
         // Refuses a non-directory under the package's name first.
         self.tree(pkg, &names.live)?;
         let Some(backup_kind) = self.tree(pkg, &names.backup)? else {

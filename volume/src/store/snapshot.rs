@@ -44,7 +44,15 @@ impl VolumeStore {
             return Ok(SnapshotOutcome::NoVolume);
         };
         let held = self.hold_recovered(pkg, names)?;
-        let names = &held.names;
+        self.snapshot_locked(pkg, &held.names)
+    }
+
+    /// [`VolumeStore::snapshot`] once the package is held and recovered.
+    pub(super) fn snapshot_locked(
+        &self,
+        pkg: &PackageId,
+        names: &Names,
+    ) -> Result<SnapshotOutcome, Error> {
         let Some(kind) = self.tree(pkg, &names.live)? else {
             return Ok(SnapshotOutcome::NoVolume);
         };

@@ -159,22 +159,39 @@ impl Stat {
 /// Opens a directory by absolute or relative path, refusing a final symlink.
 pub fn open_dir_path(path: &Path) -> io::Result<OwnedFd> {
     super::fault::check("open")?;
-    Ok(rustix::fs::open(
+    open_read_only(
+        rustix::fs::CWD,
         path,
         OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?)
+    )
 }
 
 /// Opens the directory `name` inside `dir`, never following a symlink.
 pub fn open_dir_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<OwnedFd> {
     super::fault::check("openat")?;
-    Ok(rustix::fs::openat(
+    open_read_only(
         dir,
         name,
         OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?)
+    )
+}
+
+/// openat for reading, with O_NOATIME where the caller may: a walk, a
+/// copy or a count reads a package's tree without writing its access
+/// times, which would dirty every inode it reads (metadata written in the
+/// next transaction) and mark each as changed since a copy of it began
+/// (`copy::SourceChanges`). O_NOATIME needs the file's owner or
+/// CAP_FOWNER (root has it); without either the kernel says EPERM, and the
+/// open goes on without the flag.
+fn open_read_only<P: rustix::path::Arg + Copy>(
+    dir: BorrowedFd<'_>,
+    name: P,
+    flags: OFlags,
+) -> io::Result<OwnedFd> {
+    match rustix::fs::openat(dir, name, flags | OFlags::NOATIME, Mode::empty()) {
+        Err(Errno::PERM) => Ok(rustix::fs::openat(dir, name, flags, Mode::empty())?),
+        r => Ok(r?),
+    }
 }
 
 /// Opens (creating if needed) a regular file inside `dir` for writing.
@@ -389,8 +406,9 @@ pub fn birth_time(fd: BorrowedFd<'_>) -> io::Result<Option<FileTime>> {
 /// its own, yet is no mount). `None` before Linux 5.8, which does not say.
 pub(crate) fn mount_id(fd: BorrowedFd<'_>) -> io::Result<Option<u64>> {
     use rustix::fs::{StatxFlags, statx};
-    super::fault::check("statx")?;
-    let st = statx(fd, "", AtFlags::EMPTY_PATH, StatxFlags::MNT_ID)?;
+    let st = super::fault::check("statx")
+        .and_then(|()| Ok(statx(fd, "", AtFlags::EMPTY_PATH, StatxFlags::MNT_ID)?))
+        .map_err(statx_error)?;
     Ok(StatxFlags::from_bits_retain(st.stx_mask)
         .contains(StatxFlags::MNT_ID)
         .then_some(st.stx_mnt_id))
@@ -401,11 +419,48 @@ pub(crate) fn mount_id(fd: BorrowedFd<'_>) -> io::Result<Option<u64>> {
 /// over which a file can be bind-mounted all the same.
 pub(crate) fn mount_id_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<Option<u64>> {
     use rustix::fs::{StatxFlags, statx};
-    super::fault::check("statx")?;
-    let st = statx(dir, name, AtFlags::SYMLINK_NOFOLLOW, StatxFlags::MNT_ID)?;
+    let st = super::fault::check("statx")
+        .and_then(|()| {
+            Ok(statx(
+                dir,
+                name,
+                AtFlags::SYMLINK_NOFOLLOW,
+                StatxFlags::MNT_ID,
+            )?)
+        })
+        .map_err(statx_error)?;
     Ok(StatxFlags::from_bits_retain(st.stx_mask)
         .contains(StatxFlags::MNT_ID)
         .then_some(st.stx_mnt_id))
+}
+
+/// The mount id of the directory open as `fd`, which every walk compares
+/// to tell a mount inside a tree: an error naming the kernel needed where
+/// statx does not give one (before Linux 5.8), so that the first call on a
+/// volumes root says so in one line rather than walking blind.
+pub(crate) fn require_mount_id(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    mount_id(fd)?.ok_or_else(|| needs_kernel("statx's mount id (STATX_MNT_ID)", "5.8"))
+}
+
+/// statx's error, where ENOSYS (no statx at all, before Linux 4.11) says
+/// which kernel the crate needs.
+fn statx_error(e: io::Error) -> io::Error {
+    match e.raw_os_error() {
+        Some(libc::ENOSYS) => needs_kernel("statx's mount id (STATX_MNT_ID)", "5.8"),
+        _ => e,
+    }
+}
+
+/// An error saying that `what` needs Linux `version` or later, naming the
+/// running kernel (`Unsupported`, so no errno the kernel did not give is
+/// made up).
+pub(crate) fn needs_kernel(what: &str, version: &str) -> io::Error {
+    let release = rustix::system::uname();
+    let release = release.release().to_string_lossy();
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        format!("{what} needs Linux {version} or later; this kernel is {release}"),
+    )
 }
 
 /// Locks `fd` exclusively (flock), waiting as long as it takes.
@@ -470,12 +525,11 @@ pub(crate) fn block_size(fd: BorrowedFd<'_>) -> io::Result<u64> {
 /// `name` may hold several components, as for [`stat_at`].
 pub(crate) fn open_read_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<OwnedFd> {
     super::fault::check("openat")?;
-    Ok(rustix::fs::openat(
+    open_read_only(
         dir,
         name,
         OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?)
+    )
 }
 
 /// Opens the regular file `name` in `dir` for writing, never following a

@@ -17,7 +17,12 @@
 //!
 //! The generation in the handle is the inode item's: a number reused after
 //! a deletion gets a new generation, so a stale handle fails (ESTALE).
+//!
+//! Inode items also say which transaction last changed each inode: what a
+//! resumed copy asks ([`inodes_written_since`]), the filesystem's own order
+//! of changes rather than times a clock wrote.
 
+use std::collections::HashSet;
 use std::ffi::OsString;
 use std::io;
 use std::ops::ControlFlow;
@@ -71,6 +76,45 @@ fn generation(fs: BorrowedFd<'_>, tree: u64, ino: u64) -> io::Result<u64> {
             format!("no inode {ino} in subvolume {tree}"),
         )
     })
+}
+
+/// The inode numbers of the subvolume holding `fd` whose inode item was
+/// written in transaction `since` or later: every file changed in any way
+/// (data, size, times, owner, mode, links, xattrs) from that transaction
+/// on, as the filesystem orders its changes, whatever the clock said.
+/// Reads only the tree blocks written since (a leaf written since may
+/// hold older items too, each told apart by its own `transid`), so it costs
+/// what changed, not the tree.
+///
+/// btrfs keeps the latest inode updates in memory (delayed items) until a
+/// commit writes them into the tree: commit first
+/// ([`super::commit_metadata`]) for an answer that holds every change made
+/// before the call. Needs CAP_SYS_ADMIN; ENOTTY off btrfs.
+pub fn inodes_written_since(fd: BorrowedFd<'_>, since: u64) -> io::Result<HashSet<u64>> {
+    let mut changed = HashSet::new();
+    let mut bad = None;
+    Searcher::default()
+        .written_since(since)
+        .search_tree(fd, 0, KeyRange::all(), |key, body| {
+            if key.item_type != INODE_ITEM_KEY {
+                return ControlFlow::Continue(());
+            }
+            match InodeItem::parse(body) {
+                Ok(inode) if inode.transid >= since => {
+                    changed.insert(key.objectid);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    bad = Some(e);
+                    return ControlFlow::Break(());
+                }
+            }
+            ControlFlow::Continue(())
+        })?;
+    match bad {
+        Some(e) => Err(e.into()),
+        None => Ok(changed),
+    }
 }
 
 /// Opens the directory that is inode `ino` of tree `tree`, on the

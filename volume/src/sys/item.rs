@@ -38,6 +38,8 @@ const FILE_EXTENT: &str = "file extent";
 
 /// `generation` in `struct btrfs_inode_item`.
 const INODE_GENERATION: usize = 0;
+/// `transid`: the transaction that last wrote the inode item.
+const INODE_TRANSID: usize = 8;
 /// `size`.
 const INODE_SIZE: usize = 16;
 /// `mode`.
@@ -47,8 +49,18 @@ const INODE_FLAGS: usize = 64;
 /// `sizeof(struct btrfs_inode_item)`: the kernel writes every inode item
 /// whole (its tree checker refuses any other size).
 const INODE_ITEM_LEN: usize = 160;
-/// `BTRFS_INODE_NODATACOW` in those flags (`chattr +C`).
-const INODE_NODATACOW: u64 = 1;
+/// `BTRFS_INODE_NODATASUM` in those flags: no checksums (a file created
+/// on a `nodatasum` mount, or NOCOW).
+const INODE_NODATASUM: u64 = 1 << 0;
+/// `BTRFS_INODE_NODATACOW`: written in place (`chattr +C`, which sets
+/// NODATASUM too, or a `nodatacow` mount).
+const INODE_NODATACOW: u64 = 1 << 1;
+
+/// `BTRFS_EMPTY_SUBVOL_DIR_OBJECTID`: the inode number of the stub a
+/// subvolume nested in another leaves in a snapshot of that other (an empty
+/// directory that can be removed, not renamed). No inode of a subvolume's
+/// tree has it: theirs start at 256.
+pub const EMPTY_SUBVOL_DIR_OBJECTID: u64 = 2;
 
 /// `BTRFS_ROOT_REF_KEY`: (parent id, ROOT_REF, child id) in the root tree,
 /// one per subvolume linked into a directory of the parent.
@@ -224,6 +236,11 @@ pub struct InodeItem {
     /// The transaction that made the inode, which a file handle carries
     /// to tell a reused number apart.
     pub(crate) generation: u64,
+    /// The transaction that last wrote the item: any change to the file
+    /// (data, size, times, owner, mode, links, xattrs) updates its ctime and
+    /// so writes the item in the transaction the change is part of. The
+    /// filesystem's own order of changes, which no clock can set back.
+    pub(crate) transid: u64,
     /// The file's size in bytes.
     pub size: u64,
     /// Its mode (type and permissions).
@@ -241,6 +258,7 @@ impl InodeItem {
         }
         Ok(InodeItem {
             generation: le64(body, INODE_GENERATION).ok_or(short)?,
+            transid: le64(body, INODE_TRANSID).ok_or(short)?,
             size: le64(body, INODE_SIZE).ok_or(short)?,
             mode: le32(body, INODE_MODE).ok_or(short)?,
             flags: le64(body, INODE_FLAGS).ok_or(short)?,
@@ -250,6 +268,12 @@ impl InodeItem {
     /// Whether btrfs writes the file in place (`chattr +C`).
     pub fn nodatacow(&self) -> bool {
         self.flags & INODE_NODATACOW != 0
+    }
+
+    /// Whether the file's data has no checksums (a NOCOW file, or one
+    /// created on a `nodatasum` mount, which is still copied on write).
+    pub fn nodatasum(&self) -> bool {
+        self.flags & INODE_NODATASUM != 0
     }
 
     /// Whether it is a regular file.
@@ -457,12 +481,17 @@ mod tests {
 
     #[test]
     fn an_inode_item_parses() {
-        let body = inode_item(12345, libc::S_IFREG | 0o644, INODE_NODATACOW | 0x10);
+        // The bits as fs/btrfs/btrfs_inode.h numbers them, not this
+        // module's constants: NODATASUM (1 << 0), NODATACOW (1 << 1),
+        // and NODUMP (1 << 8).
+        let body = inode_item(12345, libc::S_IFREG | 0o644, 0b10 | 0x100);
         let i = InodeItem::parse(&body).expect("parses");
         assert_eq!((i.generation, i.size), (42, 12345));
-        assert!(i.is_regular() && i.nodatacow());
+        assert!(i.is_regular() && i.nodatacow() && !i.nodatasum());
+        let sum = InodeItem::parse(&inode_item(1, libc::S_IFREG, 0b01)).expect("parses");
+        assert!(sum.nodatasum() && !sum.nodatacow());
         let dir = InodeItem::parse(&inode_item(0, libc::S_IFDIR | 0o755, 0)).expect("parses");
-        assert!(!dir.is_regular() && !dir.nodatacow());
+        assert!(!dir.is_regular() && !dir.nodatacow() && !dir.nodatasum());
     }
 
     #[test]
@@ -537,6 +566,220 @@ mod tests {
         );
         for bad in NOT_ONE_COMPONENT {
             assert!(RootRef::parse(300, &root_ref_body(257, bad, bad.len() as u16)).is_err());
+        }
+    }
+
+    /// Items the kernel wrote, read back by TREE_SEARCH, against what the
+    /// kernel says of the same files by other means (stat, `lsattr -v`,
+    /// the flags it sets itself): the offsets and bits above are the
+    /// kernel's, not only consistent with themselves.
+    mod kernel_written {
+        use std::fs::{self, File};
+        use std::io::{Seek, SeekFrom, Write};
+        use std::ops::ControlFlow;
+        use std::os::fd::AsFd;
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        use std::path::Path;
+
+        use super::super::*;
+        use crate::sys::{self, EXTENT_DATA_KEY, INODE_ITEM_KEY, InodeFlags, KeyRange, Searcher};
+
+        /// Every item of type `item_type` of `path`'s inode, committed
+        /// first (a new inode's items may wait in memory until then).
+        fn items_of(path: &Path, item_type: u8) -> Vec<(u64, Vec<u8>)> {
+            let f = File::open(path).unwrap();
+            sys::commit(f.as_fd()).unwrap();
+            let ino = f.metadata().unwrap().ino();
+            let mut out = Vec::new();
+            sys::search(
+                f.as_fd(),
+                KeyRange::inode_items(ino, item_type),
+                |k, body| {
+                    out.push((k.offset, body.to_vec()));
+                    ControlFlow::Continue(())
+                },
+            )
+            .unwrap();
+            out
+        }
+
+        fn inode_of(path: &Path) -> InodeItem {
+            let items = items_of(path, INODE_ITEM_KEY);
+            assert_eq!(items.len(), 1, "{}", path.display());
+            InodeItem::parse(&items[0].1).expect("the kernel's inode item parses")
+        }
+
+        fn extents_of(path: &Path) -> Vec<(u64, FileExtent)> {
+            items_of(path, EXTENT_DATA_KEY)
+                .into_iter()
+                .map(|(at, body)| (at, FileExtent::parse(&body).expect("the kernel's item")))
+                .collect()
+        }
+
+        /// The inode generation `lsattr -v` prints (FS_IOC_GETVERSION).
+        fn lsattr_generation(path: &Path) -> u64 {
+            let out = test_fs::run(std::process::Command::new("lsattr").arg("-v").arg(path))
+                .expect("lsattr -v");
+            let text = String::from_utf8_lossy(&out.stdout);
+            let first = text.split_whitespace().next().expect("a generation");
+            first.parse().unwrap_or_else(|e| panic!("{first:?}: {e}"))
+        }
+
+        fn nocow_file(path: &Path, data: &[u8]) {
+            let mut f = File::create(path).unwrap();
+            sys::set_inode_flags(f.as_fd(), InodeFlags::NOCOW).unwrap();
+            f.write_all(data).unwrap();
+        }
+
+        /// A plain file, a `chattr +C` one and one created on a
+        /// `nodatasum` mount: the kernel sets NODATACOW and NODATASUM for
+        /// the second, NODATASUM alone for the third. Generation, size and
+        /// mode are what `lsattr -v` and stat say.
+        #[test]
+        fn inode_items_and_flags_are_the_kernels() {
+            let fs = test_fs::fs_or_skip!(test_fs::LoopFs::btrfs(256 << 20));
+            let plain = fs.path("plain");
+            fs::write(&plain, vec![7u8; 12345]).unwrap();
+            fs::set_permissions(&plain, fs::Permissions::from_mode(0o640)).unwrap();
+            let nocow = fs.path("nocow");
+            nocow_file(&nocow, &[1u8; 5000]);
+            for path in [&plain, &nocow] {
+                let (item, st) = (inode_of(path), fs::metadata(path).unwrap());
+                assert_eq!(item.size, st.size());
+                assert_eq!(item.mode, st.mode());
+                assert!(item.is_regular());
+                assert_eq!(item.generation, lsattr_generation(path));
+            }
+            let item = inode_of(&plain);
+            assert!(!item.nodatacow() && !item.nodatasum(), "{:#x}", item.flags);
+            let item = inode_of(&nocow);
+            assert!(item.nodatacow() && item.nodatasum(), "{:#x}", item.flags);
+            let dir = inode_of(fs.mount_point());
+            assert!(!dir.is_regular() && dir.mode & libc::S_IFMT == libc::S_IFDIR);
+
+            let nosum_fs = test_fs::fs_or_skip!(test_fs::LoopFs::with_mount_options(
+                test_fs::FsKind::Btrfs,
+                256 << 20,
+                "nodatasum"
+            ));
+            let nosum = nosum_fs.path("nosum");
+            fs::write(&nosum, vec![3u8; 9000]).unwrap();
+            let item = inode_of(&nosum);
+            assert!(item.nodatasum() && !item.nodatacow(), "{:#x}", item.flags);
+        }
+
+        /// File extent items as the kernel writes them: inline and
+        /// compressed (with its uncompressed size), regular with an offset
+        /// into its extent after a partial overwrite, preallocated.
+        #[test]
+        fn file_extent_items_are_the_kernels() {
+            let fs = test_fs::fs_or_skip!(test_fs::LoopFs::with_mount_options(
+                test_fs::FsKind::Btrfs,
+                256 << 20,
+                "compress-force=zstd,max_inline=2048"
+            ));
+            let small = fs.path("small");
+            fs::write(&small, vec![b'a'; 1000]).unwrap();
+            let e = extents_of(&small);
+            assert_eq!(e.len(), 1);
+            let (at, inline) = e[0];
+            assert_eq!(
+                (at, inline.extent_type, inline.disk),
+                (0, ExtentType::Inline, None)
+            );
+            assert_eq!((inline.ram_bytes, inline.compression), (1000, 3));
+            assert!(inline.inline_len > 0 && inline.inline_len < 1000);
+
+            // NOCOW: never compressed; overwritten in place, so a COW
+            // file shows the offset: a clean 64 KiB extent, then its
+            // first 4 KiB written again.
+            let cow = fs.path("cow");
+            nocow_file(&fs.path("nocow"), &[5u8; 65536]);
+            let whole = extents_of(&fs.path("nocow"));
+            assert_eq!(whole.len(), 1);
+            let d = whole[0].1.disk.expect("on disk");
+            assert_eq!(
+                (whole[0].1.extent_type, whole[0].1.compression),
+                (ExtentType::Regular, 0)
+            );
+            assert_eq!((d.disk_num_bytes, d.num_bytes, d.offset), (65536, 65536, 0));
+            assert_eq!(whole[0].1.ram_bytes, 65536);
+            assert_ne!(d.disk_bytenr, 0);
+            // A reflink of its second half starts 32 KiB into the extent.
+            let src = File::open(fs.path("nocow")).unwrap();
+            let mut dst = File::create(&cow).unwrap();
+            sys::set_inode_flags(dst.as_fd(), InodeFlags::NOCOW).unwrap();
+            sys::ficlone_range(dst.as_fd(), src.as_fd(), 32768, 32768).unwrap();
+            let half = extents_of(&cow);
+            assert_eq!(half.len(), 1);
+            assert_eq!(half[0].0, 32768, "keyed by its offset in the file");
+            let h = half[0].1.disk.expect("on disk");
+            assert_eq!((h.disk_bytenr, h.disk_num_bytes), (d.disk_bytenr, 65536));
+            assert_eq!((h.offset, h.num_bytes), (32768, 32768));
+
+            dst.seek(SeekFrom::Start(0)).unwrap();
+            rustix::fs::fallocate(
+                &dst,
+                rustix::fs::FallocateFlags::KEEP_SIZE,
+                1 << 20,
+                1 << 20,
+            )
+            .unwrap();
+            let all = extents_of(&cow);
+            let (at, pre) = all.last().copied().expect("two items");
+            assert_eq!((at, pre.extent_type), (1 << 20, ExtentType::Prealloc));
+            assert_eq!(pre.disk.map(|p| p.num_bytes), Some(1 << 20));
+        }
+
+        /// A subvolume nested in another is, in a snapshot of that other, a
+        /// directory with the stub's inode number; its ROOT_REF names the
+        /// directory and the name it was made under, and a directory's
+        /// INODE_REF its name and parent.
+        #[test]
+        fn refs_and_the_stubs_number_are_the_kernels() {
+            let fs = test_fs::fs_or_skip!(test_fs::LoopFs::btrfs(256 << 20));
+            fs::create_dir(fs.path("d")).unwrap();
+            let top = File::open(fs.mount_point()).unwrap();
+            let d = File::open(fs.path("d")).unwrap();
+            sys::create_subvolume(d.as_fd(), "sub".as_ref()).unwrap();
+            sys::snapshot(top.as_fd(), top.as_fd(), "snap".as_ref()).unwrap();
+            let stub = fs::symlink_metadata(fs.path("snap/d/sub")).unwrap();
+            assert!(stub.is_dir());
+            assert_eq!(stub.ino(), EMPTY_SUBVOL_DIR_OBJECTID);
+
+            let d_ino = d.metadata().unwrap().ino();
+            let refs = items_of(&fs.path("d"), INODE_REF_KEY);
+            assert_eq!(refs.len(), 1);
+            assert_eq!(refs[0].0, 256, "keyed by the parent directory");
+            assert_eq!(InodeRef::parse(&refs[0].1).unwrap().name, "d");
+
+            let sub = File::open(fs.path("d/sub")).unwrap();
+            let sub_id = sys::subvolume_info(sub.as_fd()).unwrap().id;
+            let mut found = Vec::new();
+            // The root tree (1); the top-level subvolume is tree 5.
+            let range = KeyRange {
+                min: sys::ItemKey {
+                    objectid: 5,
+                    item_type: ROOT_REF_KEY,
+                    offset: 0,
+                },
+                max: sys::ItemKey {
+                    objectid: 5,
+                    item_type: ROOT_REF_KEY,
+                    offset: u64::MAX,
+                },
+            };
+            Searcher::default()
+                .search_tree(top.as_fd(), 1, range, |k, body| {
+                    found.push(RootRef::parse(k.offset, body).unwrap());
+                    ControlFlow::Continue(())
+                })
+                .unwrap();
+            let r = found
+                .iter()
+                .find(|r| r.child == sub_id)
+                .expect("its ROOT_REF");
+            assert_eq!((r.dirid, r.name.as_slice()), (d_ino, b"sub".as_slice()));
         }
     }
 }

@@ -62,7 +62,7 @@ pub use fs::{
     open_beneath, open_dir_at, open_dir_path, read_dir_names, rename_at, rename_exchange,
     rename_noreplace, rmdir_at, set_nofile_limit, set_times, stat, stat_at, times, write_all,
 };
-pub use inode::{dir_parent, open_subvolume};
+pub use inode::{dir_parent, inodes_written_since, open_subvolume};
 pub use ioprio::IdleIo;
 pub use proc::fd_path;
 pub use search::{Batch, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, search};
@@ -79,9 +79,9 @@ pub(crate) use clone::ficlone;
 pub(crate) use fs::{
     block_size, canonicalize, chmod, chmod_at, chown, chown_at, create_dir_all, create_file_at,
     effective_ids, link_at, lock_exclusive, major_minor, mkdir_if_missing, mkdir_path_if_missing,
-    mknod_at, mount_id, mount_id_at, open_read_at, open_write_at, read_link_at, set_times_at,
-    stat_existing_at, symlink_at, syncfs, touch_at, truncate, try_lock_exclusive, unlink_at,
-    unlink_if_exists,
+    mknod_at, mount_id, mount_id_at, open_read_at, open_write_at, read_link_at, require_mount_id,
+    set_times_at, stat_existing_at, symlink_at, syncfs, touch_at, truncate, try_lock_exclusive,
+    unlink_at, unlink_if_exists,
 };
 #[cfg(feature = "failpoints")]
 pub(crate) use fs::{kill_self, stop_self};

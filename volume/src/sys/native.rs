@@ -253,11 +253,22 @@ pub(super) fn delete_subvolume(
                 // `make_tree_writable`); the tree is going, so the flags
                 // need not come back.
                 clear_stuck_flags(holder.as_fd())?;
-                vol_ioctl::<SNAP_DESTROY_V2>(holder.as_fd(), VolArgsV2::named(&n.name)?)?;
+                destroy(holder.as_fd(), VolArgsV2::named(&n.name)?)?;
             }
         }
     }
-    vol_ioctl::<SNAP_DESTROY_V2>(parent, args)
+    destroy(parent, args)
+}
+
+/// SNAP_DESTROY_V2 (Linux 5.7) of the entry `args` names in `parent`, a
+/// directory on btrfs: there ENOTTY only ever means a kernel without the
+/// ioctl, which gets a line naming the version needed instead of a bare
+/// "Inappropriate ioctl for device".
+fn destroy(parent: BorrowedFd<'_>, args: VolArgsV2) -> io::Result<()> {
+    vol_ioctl::<SNAP_DESTROY_V2>(parent, args).map_err(|e| match e.raw_os_error() {
+        Some(libc::ENOTTY) => super::fs::needs_kernel("btrfs's SNAP_DESTROY_V2 ioctl", "5.7"),
+        _ => e,
+    })
 }
 
 pub(super) fn commit(fd: BorrowedFd<'_>) -> io::Result<()> {

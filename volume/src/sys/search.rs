@@ -204,6 +204,9 @@ impl<'a> Batch<'a> {
 pub struct Searcher {
     mem: Vec<u64>,
     buf_size: usize,
+    /// The oldest transaction whose tree blocks are read (see
+    /// [`Searcher::written_since`]); 0, every block.
+    min_transid: u64,
 }
 
 impl Default for Searcher {
@@ -221,7 +224,19 @@ impl Searcher {
             // calloc'd: pages the kernel never fills are never touched.
             mem: vec![0u64; ARGS_WORDS + buf_size / 8],
             buf_size,
+            min_transid: 0,
         }
+    }
+
+    /// Reads only the tree blocks written in transaction `transid` or
+    /// later: the kernel skips every older node and leaf, so a search for
+    /// what changed since costs what changed, not the tree. A leaf is
+    /// written whole, so the items it returns still include older ones:
+    /// each item's own record of its transaction decides (an inode item's
+    /// `transid`, for one).
+    pub(crate) fn written_since(mut self, transid: u64) -> Self {
+        self.min_transid = transid;
+        self
     }
 
     fn args(&mut self) -> &mut SearchArgsV2 {
@@ -282,6 +297,7 @@ impl Searcher {
         limit: u32,
     ) -> io::Result<Batch<'_>> {
         let buf_size = self.buf_size as u64;
+        let min_transid = self.min_transid;
         let args = self.args();
         args.key = SearchKey {
             tree_id,
@@ -289,7 +305,7 @@ impl Searcher {
             max_objectid: max.objectid,
             min_offset: from.offset,
             max_offset: max.offset,
-            min_transid: 0,
+            min_transid,
             max_transid: u64::MAX,
             min_type: u32::from(from.item_type),
             max_type: u32::from(max.item_type),

@@ -45,6 +45,9 @@ pub struct SubvolumeInfo {
     pub parent_uuid: [u8; 16],
     /// Whether it is read-only.
     pub read_only: bool,
+    /// The transaction that created it (`otransid`): every change made
+    /// after it was created is in this transaction or a later one.
+    pub created_transid: u64,
 }
 
 /// [`SubvolumeInfo`] of the subvolume holding the directory open as `fd`
@@ -93,5 +96,6 @@ pub fn subvolume_info(fd: BorrowedFd<'_>) -> io::Result<SubvolumeInfo> {
         uuid: args.uuid,
         parent_uuid: args.parent_uuid,
         read_only: args.flags & ROOT_SUBVOL_RDONLY != 0,
+        created_transid: args.otransid,
     })
 }

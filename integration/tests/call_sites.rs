@@ -1,0 +1,982 @@
+//! Upstream's own call sites, run: the `call-sites` runner of
+//! `fixtures/upstream-call-sites` drives start-core's `ServiceMap::install`,
+//! `Service::load` (its Installing and Updating arms, its undo), the
+//! uninstall `cleanup`, the dependency `mount` effect, the 0.3.6
+//! migration's `post_up` and `cleanup_and_initialize` as upstream writes
+//! them, with stand-ins that run (a state store on the data directory, a
+//! real container process per service holding its bind mounts, the
+//! notifications), on a loop-mounted btrfs seen at upstream's
+//! `/media/startos/data`. Each run of the runner is one boot of the box;
+//! a SIGKILL at a failpoint then the next run is a crash and a reboot.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::MIB;
+use integration::{LoopFs, fs_or_skip};
+use serde_json::{Value, json};
+
+/// One run of the runner: what it printed.
+#[derive(Debug)]
+struct Run {
+    /// Each step's error, `None` for one that succeeded.
+    steps: Vec<Option<String>>,
+    events: Vec<Value>,
+    running: BTreeMap<String, String>,
+    db: BTreeMap<String, Value>,
+    stderr: String,
+}
+
+impl Run {
+    fn ok(&self) -> bool {
+        self.steps.iter().all(Option::is_none)
+    }
+
+    fn notifications(&self, id: &str) -> Vec<String> {
+        self.events
+            .iter()
+            .filter_map(|e| e.get("notification"))
+            .filter(|n| n["id"] == id)
+            .map(|n| n["message"].as_str().unwrap_or_default().to_owned())
+            .collect()
+    }
+
+    /// Each `Service::load` of `id`: its disposition, and whether it
+    /// returned a service (`Ok(true)`), none, or an error.
+    fn loads(&self, id: &str) -> Vec<(String, Result<bool, String>)> {
+        self.events
+            .iter()
+            .filter_map(|e| e.get("load"))
+            .filter(|l| l["id"] == id)
+            .map(|l| {
+                let outcome = match l["error"].as_str() {
+                    Some(e) => Err(e.to_owned()),
+                    None => Ok(l["service"].as_bool().unwrap_or(false)),
+                };
+                (l["disposition"].as_str().unwrap_or("").to_owned(), outcome)
+            })
+            .collect()
+    }
+
+    /// When each package's load volume calls returned, in ms from boot start.
+    fn volumes_ready(&self) -> BTreeMap<String, f64> {
+        let mut out = BTreeMap::new();
+        for r in self.events.iter().filter_map(|e| e.get("volumes_ready")) {
+            out.entry(r["id"].as_str().unwrap_or("").to_owned())
+                .or_insert(r["ms"].as_f64().unwrap_or(f64::NAN));
+        }
+        out
+    }
+
+    /// The version the database has `id` installed at, if `Installed`.
+    fn installed(&self, id: &str) -> Option<String> {
+        self.db.get(id)?["Installed"]["installed"]
+            .as_str()
+            .map(str::to_owned)
+    }
+}
+
+/// A box: its data directory (on a loop-mounted btrfs), driven through
+/// the runner.
+struct Box_ {
+    fs: std::sync::Arc<LoopFs>,
+    /// What the runner mounts at `/media/startos/data`.
+    data: PathBuf,
+    bin: PathBuf,
+}
+
+/// How a run ended; a killed run has what it printed before it died.
+enum Ended {
+    Completed(Run),
+    Killed(Run),
+}
+
+/// The runner's lines: one a step, one an event as it happened, and a
+/// last one with the running services and the database.
+fn parse(stdout: &str) -> Run {
+    let mut run = Run {
+        steps: Vec::new(),
+        events: Vec::new(),
+        running: BTreeMap::new(),
+        db: BTreeMap::new(),
+        stderr: String::new(),
+    };
+    for line in stdout.lines() {
+        let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{line}: {e}"));
+        if v.get("step").is_some() {
+            run.steps.push(v["error"].as_str().map(str::to_owned));
+        } else if v.get("db").is_some() {
+            run.running = serde_json::from_value(v["running"].clone()).unwrap();
+            run.db = serde_json::from_value(v["db"].clone()).unwrap();
+        } else {
+            run.events.push(v);
+        }
+    }
+    run
+}
+
+impl Box_ {
+    fn new(size: u64) -> Option<Box_> {
+        let fs = fs_or_skip!(LoopFs::btrfs(size), None);
+        let bin = integration::workspace_bin("call-sites").unwrap_or_else(|e| {
+            panic!("{e} (build it first: cargo build --workspace --bins --features ...)")
+        });
+        let data = fs.mount_point().to_owned();
+        Some(Box_ {
+            fs: std::sync::Arc::new(fs),
+            data,
+            bin,
+        })
+    }
+
+    /// Another box on the same filesystem: its data directory `name`, a
+    /// plain directory or a subvolume of its own.
+    fn beside(&self, name: &str, subvolume: bool) -> Box_ {
+        let data = self.fs.path(name);
+        if subvolume {
+            common::subvolume_create(&data);
+        } else {
+            fs::create_dir_all(&data).unwrap();
+        }
+        Box_ {
+            fs: self.fs.clone(),
+            data,
+            bin: self.bin.clone(),
+        }
+    }
+
+    fn volumes(&self) -> PathBuf {
+        self.data.join("package-data/volumes")
+    }
+
+    /// `id`'s main volume (`data_dir(DATA_DIR, id, "main")`).
+    fn main(&self, id: &str) -> PathBuf {
+        self.volumes().join(id).join("data/main")
+    }
+
+    /// The version the package's init last wrote into its main volume.
+    fn data_version(&self, id: &str) -> Option<String> {
+        fs::read_to_string(self.main(id).join("version")).ok()
+    }
+
+    /// The names in the volumes root that belong to `id`.
+    fn names(&self, id: &str) -> Vec<String> {
+        let Ok(dir) = fs::read_dir(self.volumes()) else {
+            return Vec::new();
+        };
+        let mut names: Vec<String> = dir
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n == id || n.starts_with(&format!("{id}.")))
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// Runs `steps` as one boot of the box, with `failpoint` armed from
+    /// the environment if given; kills whatever the run left (its
+    /// containers) before returning.
+    fn run_with(&self, steps: &[Value], failpoint: Option<&str>) -> Ended {
+        let mut cmd = Command::new(&self.bin);
+        cmd.arg("run").arg(&self.data);
+        for s in steps {
+            cmd.arg(s.to_string());
+        }
+        cmd.env_remove("STARTOS_VOLUME_FAILPOINT")
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        if let Some(fp) = failpoint {
+            cmd.env("STARTOS_VOLUME_FAILPOINT", fp);
+        }
+        let child = cmd.spawn().expect("starting call-sites");
+        let pgid = child.id();
+        let out = child.wait_with_output().expect("waiting for call-sites");
+        reap_group(pgid);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        use std::os::unix::process::ExitStatusExt;
+        if out.status.signal() == Some(libc::SIGKILL) {
+            let mut run = parse(&String::from_utf8_lossy(&out.stdout));
+            run.stderr = stderr;
+            return Ended::Killed(run);
+        }
+        let code = out.status.code();
+        assert!(
+            matches!(code, Some(0) | Some(3)),
+            "call-sites ended with {:?}:\n{stderr}",
+            out.status
+        );
+        let mut run = parse(&String::from_utf8_lossy(&out.stdout));
+        run.stderr = stderr;
+        Ended::Completed(run)
+    }
+
+    fn run(&self, steps: &[Value]) -> Run {
+        match self.run_with(steps, None) {
+            Ended::Completed(run) => run,
+            Ended::Killed(run) => panic!("call-sites killed without a failpoint:\n{}", run.stderr),
+        }
+    }
+
+    /// Runs `steps`, each of which must succeed.
+    #[track_caller]
+    fn run_ok(&self, steps: &[Value]) -> Run {
+        let run = self.run(steps);
+        assert!(run.ok(), "steps failed: {:?}\n{}", run.steps, run.stderr);
+        run
+    }
+}
+
+/// Kills every process left in the run's process group (its containers)
+/// and waits until none is left, so no mount of theirs outlives the run,
+/// as none outlives a reboot.
+fn reap_group(pgid: u32) {
+    let pgid = rustix::process::Pid::from_raw(pgid as i32).expect("a process group id");
+    let _ = rustix::process::kill_process_group(pgid, rustix::process::Signal::KILL);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        let alive = fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| fs::read_to_string(e.path().join("stat")).ok())
+            .any(|stat| {
+                // Fields after the command's closing parenthesis: state, ppid, pgrp.
+                let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+                let f: Vec<&str> = rest.split_whitespace().collect();
+                f.len() > 2 && f[0] != "Z" && f[2] == pgid.as_raw_nonzero().to_string()
+            });
+        if !alive {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("processes of group {pgid:?} still alive after SIGKILL");
+}
+
+fn boot() -> Value {
+    json!("boot")
+}
+
+fn install(id: &str, version: &str) -> Value {
+    json!({"install": {"id": id, "version": version}})
+}
+
+fn install_failing(id: &str, version: &str, fail: &str) -> Value {
+    json!({"install": {"id": id, "version": version, "fail": fail}})
+}
+
+/// A dependent whose container mounts `dep`'s main volume read-only and
+/// writable (two `mount` effects).
+fn install_dependent(id: &str, version: &str, dep: &str) -> Value {
+    let mount = |readonly| json!({"package_id": dep, "volume_id": "main", "subpath": null, "readonly": readonly});
+    json!({"install": {"id": id, "version": version, "dependencies": [mount(true), mount(false)]}})
+}
+
+fn uninstall(id: &str, soft: bool) -> Value {
+    json!({"uninstall": {"id": id, "soft": soft}})
+}
+
+fn arm(failpoint: &str) -> Value {
+    json!({"arm": {"failpoint": failpoint}})
+}
+
+const SIZE: u64 = 512 * MIB;
+
+#[test]
+fn install_update_and_each_failed_update_through_the_undo_arm() {
+    let Some(b) = Box_::new(SIZE) else { return };
+    let run = b.run_ok(&[boot(), install("app", "1"), install("app", "2")]);
+    assert_eq!(run.installed("app").as_deref(), Some("2"));
+    assert_eq!(run.running.get("app").map(String::as_str), Some("2"));
+    assert_eq!(b.data_version("app").as_deref(), Some("2"));
+    assert!(
+        b.main("app").join("data-1").exists(),
+        "the update kept v1's data"
+    );
+    assert!(
+        fs::read_to_string(b.main("app").join("app.log")).is_ok_and(|l| l.contains("app ")),
+        "the container wrote through its bind mount"
+    );
+    assert_eq!(b.names("app"), ["app"], "no backup or temporary left");
+
+    // Each phase an update can fail at: the download, a cancel, the new
+    // version's init (after it wrote into the volume). Each is undone
+    // through `Service::load`'s Updating arm: v2's data back, v2 running.
+    for (version, fail) in [("3", "download"), ("4", "cancel"), ("5", "init")] {
+        let run = b.run(&[boot(), install_failing("app", version, fail)]);
+        assert!(run.steps[0].is_none(), "{fail}: boot: {:?}", run.steps);
+        assert!(run.steps[1].is_some(), "{fail}: the update must fail");
+        assert_eq!(
+            run.loads("app").last(),
+            Some(&("Undo".to_owned(), Ok(true))),
+            "{fail}: the undo arm loads the old version: {:?}",
+            run.loads("app")
+        );
+        assert!(
+            run.notifications("app").iter().any(|n| n.contains(fail)),
+            "{fail}: the user is told: {:?}",
+            run.notifications("app")
+        );
+        assert_eq!(run.installed("app").as_deref(), Some("2"), "{fail}");
+        assert_eq!(
+            run.running.get("app").map(String::as_str),
+            Some("2"),
+            "{fail}"
+        );
+        assert_eq!(b.data_version("app").as_deref(), Some("2"), "{fail}");
+        assert!(
+            !b.main("app").join(format!("data-{version}")).exists(),
+            "{fail}: the failed version's data was rolled back"
+        );
+        assert_eq!(b.names("app"), ["app"], "{fail}: no name left");
+    }
+}
+
+/// A failed snapshot is an error here where upstream's returns `false`
+/// (docs/upstream.md): through `ServiceMap::install`, the update stops
+/// before anything changed, the quiesced old service comes back through
+/// the undo arm, and the user is told.
+#[test]
+fn a_failed_snapshot_brings_the_old_service_back_and_tells_the_user() {
+    let Some(b) = Box_::new(SIZE) else { return };
+    b.run_ok(&[boot(), install("app", "1")]);
+    let run = b.run(&[boot(), arm("snapshot.created=eio"), install("app", "2")]);
+    assert!(run.steps[2].is_some(), "the update fails: {:?}", run.steps);
+    assert!(
+        run.notifications("app")
+            .iter()
+            .any(|n| n.contains("service.install.failed")),
+        "the user is told: {:?}",
+        run.notifications("app")
+    );
+    assert_eq!(
+        run.loads("app").last(),
+        Some(&("Undo".to_owned(), Ok(true))),
+        "{}",
+        run.stderr
+    );
+    assert_eq!(
+        run.running.get("app").map(String::as_str),
+        Some("1"),
+        "the old service is back"
+    );
+    assert_eq!(run.installed("app").as_deref(), Some("1"));
+    assert_eq!(b.data_version("app").as_deref(), Some("1"));
+    assert_eq!(b.names("app"), ["app"]);
+}
+
+#[test]
+fn an_update_crashed_after_its_snapshot_is_undone_at_the_next_boot() {
+    let Some(b) = Box_::new(SIZE) else { return };
+    b.run_ok(&[boot(), install("app", "1")]);
+    // The new version's init fails again at the boot's retry: the boot's
+    // `Service::load` (Retry) falls through to its undo arm.
+    let killed = b.run_with(
+        &[
+            boot(),
+            arm("snapshot.created"),
+            install_failing("app", "2", "init"),
+        ],
+        None,
+    );
+    assert!(
+        matches!(killed, Ended::Killed(_)),
+        "snapshot.created not reached"
+    );
+    let run = b.run_ok(&[boot()]);
+    assert_eq!(
+        run.loads("app"),
+        [("Retry".to_owned(), Ok(true))],
+        "{}",
+        run.stderr
+    );
+    assert_eq!(run.installed("app").as_deref(), Some("1"));
+    assert_eq!(b.data_version("app").as_deref(), Some("1"));
+    assert_eq!(b.names("app"), ["app"]);
+}
+
+#[test]
+fn hard_and_soft_uninstall_then_reinstall_after_a_reboot() {
+    let Some(b) = Box_::new(SIZE) else { return };
+    b.run_ok(&[boot(), install("kept", "1"), install("gone", "1")]);
+    fs::write(b.main("kept").join("precious"), "user data").unwrap();
+    fs::write(b.main("gone").join("precious"), "user data").unwrap();
+    let run = b.run_ok(&[boot(), uninstall("kept", true), uninstall("gone", false)]);
+    assert!(run.db.is_empty(), "both left the database: {:?}", run.db);
+    assert!(run.running.is_empty());
+    assert!(
+        b.main("kept").join("precious").exists(),
+        "a soft uninstall keeps the volume"
+    );
+    assert_eq!(
+        b.names("gone"),
+        Vec::<String>::new(),
+        "a hard uninstall leaves no name"
+    );
+
+    let run = b.run_ok(&[boot(), install("kept", "2"), install("gone", "2")]);
+    assert_eq!(run.installed("kept").as_deref(), Some("2"));
+    assert_eq!(run.installed("gone").as_deref(), Some("2"));
+    assert!(
+        b.main("kept").join("precious").exists(),
+        "a reinstall finds kept data"
+    );
+    assert!(
+        !b.main("gone").join("precious").exists() && !b.main("gone").join("data-1").exists(),
+        "a hard uninstall's data never comes back"
+    );
+}
+
+#[test]
+fn a_hard_uninstall_after_a_failed_rollback_does_not_come_back() {
+    let Some(b) = Box_::new(SIZE) else { return };
+    b.run_ok(&[boot(), install("app", "1")]);
+    // The rollback's restore fails (an I/O error in it): upstream's
+    // `report_failed_rollback` aborts the load, the backup stays.
+    let run = b.run(&[
+        boot(),
+        arm("restore.recorded=eio"),
+        install_failing("app", "2", "init"),
+    ]);
+    assert!(
+        run.notifications("app")
+            .iter()
+            .any(|n| n.contains("rollback-failed")),
+        "the failed rollback is told: {:?}\n{}",
+        run.notifications("app"),
+        run.stderr
+    );
+    let run = b.run_ok(&[boot(), uninstall("app", false)]);
+    assert!(run.db.is_empty());
+    b.run_ok(&[boot()]);
+    assert_eq!(
+        b.names("app"),
+        Vec::<String>::new(),
+        "a hard uninstall removes every name of the package, at the boot sweep too"
+    );
+    b.run_ok(&[boot(), install("app", "3")]);
+    assert!(
+        !b.main("app").join("data-1").exists(),
+        "the reinstall finds none of the uninstalled data"
+    );
+}
+
+/// Whether `path` is the top of a btrfs subvolume (inode 256).
+fn is_subvolume(path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    fs::metadata(path).is_ok_and(|m| m.ino() == 256)
+}
+
+/// A volume's content as a package sees it, without what its container
+/// appended since (`<id>.log`) or the directory times that changed.
+fn content(b: &Box_, id: &str) -> integration::TreeDigest {
+    common::digest(&b.main(id))
+        .without(format!("{id}.log"))
+        .ignore_dir_mtimes()
+}
+
+#[test]
+fn first_boot_of_a_real_node_box_every_load_returns() {
+    let shape = integration::node::NodeShape::small();
+    let Some(b) = Box_::new(shape.image_bytes()) else {
+        return;
+    };
+    fs::create_dir_all(b.volumes()).unwrap();
+    integration::node::build(&b.volumes(), &shape).expect("building the box");
+    let before: BTreeMap<&str, _> = shape
+        .packages()
+        .into_iter()
+        .map(|p| (p, content(&b, p)))
+        .collect();
+    let seeds: Vec<Value> = shape
+        .packages()
+        .iter()
+        .map(|p| json!({"seed": {"id": p, "version": "1"}}))
+        .collect();
+    b.run_ok(&seeds);
+
+    let run = b.run_ok(&[boot()]);
+    let ready = run.volumes_ready();
+    for (p, digest) in &before {
+        assert_eq!(
+            run.loads(p),
+            [("Retry".to_owned(), Ok(true))],
+            "{p}: its Service::load returns its service\n{}",
+            run.stderr
+        );
+        assert_eq!(run.running.get(*p).map(String::as_str), Some("1"), "{p}");
+        assert!(is_subvolume(&b.volumes().join(p)), "{p}: converted");
+        common::assert_same(digest, &content(&b, p), p);
+        assert!(ready.contains_key(*p), "{p}: its volume calls returned");
+    }
+    // The readiness the services see: from boot start to each load's
+    // volume calls returning (`ensure_volume_root` and the data_dir checks).
+    eprintln!("volume calls returned (ms from boot start): {ready:?}");
+}
+
+#[test]
+fn the_0_3_6_migration_converts_then_installs() {
+    let Some(b) = Box_::new(SIZE) else { return };
+    let files = b.main("legacy").join("files");
+    fs::create_dir_all(&files).unwrap();
+    for i in 0..50u64 {
+        fs::write(files.join(format!("{i:03}")), common::bytes(i, 3000)).unwrap();
+    }
+    let before = common::digest(&files);
+    let run = b.run_ok(&[
+        boot(),
+        json!({"migrate036": {"packages": [["legacy", "1"]]}}),
+        install("legacy", "2"),
+    ]);
+    assert!(
+        run.notifications("legacy").is_empty(),
+        "{:?}",
+        run.notifications("legacy")
+    );
+    assert!(
+        is_subvolume(&b.volumes().join("legacy")),
+        "converted to a subvolume"
+    );
+    common::assert_same(&before, &common::digest(&files), "the migrated data");
+    assert_eq!(run.installed("legacy").as_deref(), Some("2"));
+    assert_eq!(b.data_version("legacy").as_deref(), Some("2"));
+    assert_eq!(b.names("legacy"), ["legacy"]);
+}
+
+/// The trees kept under a name of `id` other than its volume (at that
+/// name or one level in it, as `<id>.held/<n>`) with `file` in their main
+/// volume directory.
+fn held_with(b: &Box_, id: &str, file: &str) -> Vec<PathBuf> {
+    let has = |tree: &Path| tree.join("data/main").join(file).exists();
+    let mut found = Vec::new();
+    for name in b.names(id).into_iter().filter(|n| n != id) {
+        let top = b.volumes().join(name);
+        if has(&top) {
+            found.push(top.clone());
+        }
+        for entry in fs::read_dir(&top).into_iter().flatten().flatten() {
+            if has(&entry.path()) {
+                found.push(entry.path());
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn rollback_while_a_dependent_holds_a_read_only_and_a_writable_mount() {
+    let Some(b) = Box_::new(SIZE) else { return };
+    let run = b.run(&[
+        boot(),
+        install("lnd", "1"),
+        install_dependent("wallet", "1", "lnd"),
+        install_failing("lnd", "2", "init"),
+    ]);
+    assert!(
+        run.steps[..3].iter().all(Option::is_none),
+        "{:?}",
+        run.steps
+    );
+    assert_eq!(
+        run.loads("lnd").last(),
+        Some(&("Undo".to_owned(), Ok(true))),
+        "the rollback under the dependent's mounts succeeds: {:?}\n{}",
+        run.loads("lnd"),
+        run.stderr
+    );
+    assert_eq!(run.running.get("lnd").map(String::as_str), Some("1"));
+    assert_eq!(run.running.get("wallet").map(String::as_str), Some("1"));
+    assert_eq!(b.data_version("lnd").as_deref(), Some("1"));
+    assert!(
+        !b.main("lnd").join("data-2").exists(),
+        "the restored volume is v1's"
+    );
+    assert!(
+        run.stderr
+            .lines()
+            .any(|l| l.contains("WARN") && l.contains("/media/startos/containers/wallet")),
+        "a warning names the holders (their mount points)\n{}",
+        run.stderr
+    );
+    assert!(
+        !held_with(&b, "lnd", "wallet.log").is_empty(),
+        "what the dependent wrote through its mount is kept under a name of lnd: {:?}",
+        b.names("lnd")
+    );
+    // Nothing holds it any more: the boot sweep reclaims it.
+    b.run_ok(&[boot()]);
+    assert_eq!(b.names("lnd"), ["lnd"]);
+}
+
+#[test]
+fn uninstall_with_a_dependent_hard_and_soft() {
+    let Some(b) = Box_::new(SIZE) else { return };
+    b.run_ok(&[
+        boot(),
+        install("soft", "1"),
+        install_dependent("wallet-a", "1", "soft"),
+        install("hard", "1"),
+        install_dependent("wallet-b", "1", "hard"),
+    ]);
+    let run = b.run(&[boot(), uninstall("soft", true), uninstall("hard", false)]);
+    assert!(run.steps[1].is_none(), "soft: {:?}", run.steps);
+    assert!(
+        run.steps[2].is_none(),
+        "a dependent's mount never makes an uninstall fail: {:?}\n{}",
+        run.steps,
+        run.stderr
+    );
+    assert!(!run.db.contains_key("soft") && !run.db.contains_key("hard"));
+    assert!(
+        b.main("soft").join("data-1").exists(),
+        "a soft uninstall keeps the volume"
+    );
+    assert!(
+        !b.volumes().join("hard").exists(),
+        "the hard-uninstalled volume is gone from its path"
+    );
+    // The dependents are stopped with the run; the next boot reclaims
+    // what they held: no name of the hard-uninstalled package is left.
+    let run = b.run_ok(&[boot()]);
+    assert_eq!(b.names("hard"), Vec::<String>::new());
+    assert_eq!(
+        run.running.len(),
+        2,
+        "both dependents run: {:?}",
+        run.running
+    );
+}
+
+/// The failpoints of the volume store (`failpoint("..")` in
+/// `volume/src`): every step of a snapshot, restore, create, drop and
+/// delete. The finalizer's own (core's `finalize`) are not on these flows'
+/// path, the conversion's (volume-migrate) only on the first boot's.
+fn store_failpoints() -> Vec<String> {
+    failpoints_in("volume/src")
+}
+
+/// The failpoints named in the sources under `dir` (of the workspace),
+/// read from them so a new one is swept too. Each is armed at its first
+/// hit.
+fn failpoints_in(dir: &str) -> Vec<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(dir);
+    let mut names = std::collections::BTreeSet::new();
+    let mut dirs = vec![root];
+    while let Some(dir) = dirs.pop() {
+        for entry in fs::read_dir(&dir).unwrap().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = fs::read_to_string(&path).unwrap();
+                for part in text.split("failpoint(\"").skip(1) {
+                    if let Some((name, _)) = part.split_once('"') {
+                        names.insert(name.to_owned());
+                    }
+                }
+            }
+        }
+    }
+    assert!(names.len() >= 10, "the failpoints of {dir}: {names:?}");
+    names.into_iter().collect()
+}
+
+/// A flow whose every failpoint is swept. A fresh install reaches none
+/// of the store's (no volume to snapshot, `ensure` makes one in place), so
+/// the install swept is the one over a soft-uninstalled package's kept
+/// volume, whose data must survive.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Flow {
+    Reinstall,
+    Update,
+    Rollback,
+    HardUninstall,
+}
+
+impl Flow {
+    fn setup(self, id: &str) -> Vec<Value> {
+        match self {
+            Flow::Reinstall => vec![install(id, "1"), uninstall(id, true)],
+            _ => vec![install(id, "1")],
+        }
+    }
+
+    fn op(self, id: &str) -> Value {
+        match self {
+            Flow::Reinstall => install(id, "2"),
+            Flow::Update => install(id, "2"),
+            Flow::Rollback => install_failing(id, "2", "init"),
+            Flow::HardUninstall => uninstall(id, false),
+        }
+    }
+
+    /// What `id` may be after the crash and the reboot: the old version
+    /// with the old data or the new with the new, nothing lost, no name
+    /// but its volume (and a backup an `Installed` package may keep until
+    /// its next `begin`, as upstream's own flow leaves one). `Ok(Some(_))`
+    /// names an outcome upstream's own flow makes (`UPSTREAM_OUTCOMES`).
+    fn check(
+        self,
+        b: &Box_,
+        run: &Run,
+        id: &str,
+        fp: &str,
+    ) -> Result<Option<&'static str>, String> {
+        let installed = run.installed(id);
+        if run.db.contains_key(id) && installed.is_none() {
+            return Err(format!("{fp}: left {:?}", run.db[id]));
+        }
+        let names = b.names(id);
+        let stray: Vec<&String> = names
+            .iter()
+            .filter(|n| *n != id && **n != format!("{id}.install-backup"))
+            .collect();
+        if !stray.is_empty() {
+            return Err(format!("{fp}: stray names {stray:?}"));
+        }
+        if run.running.get(id) != installed.as_ref() {
+            return Err(format!(
+                "{fp}: running {:?}, installed {installed:?}",
+                run.running.get(id)
+            ));
+        }
+        let data = b.data_version(id);
+        let has = |v: &str| b.main(id).join(format!("data-{v}")).exists();
+        let backup = names.contains(&format!("{id}.install-backup"));
+        let ok = match (self, installed.as_deref()) {
+            // Undone, the kept volume (with v1's data) stays as it was.
+            (Flow::Reinstall, None) => names == [id] && has("1") && !has("2"),
+            (Flow::HardUninstall, None) => names.is_empty() || (names == [id] && has("1")),
+            (_, Some("1")) if data.as_deref() == Some("1") && has("1") && !has("2") => true,
+            // The failed init's data left on v1: the undo committed
+            // `Installed` before its restore (a crash before the restore's
+            // exchange), or the crash came before the snapshot completed.
+            (Flow::Rollback, Some("1")) if has("1") && has("2") => {
+                let before_exchange = ["restore.copied", "restore.recorded"];
+                let before_snapshot = ["snapshot.created", "snapshot.frozen"];
+                if backup && before_exchange.contains(&fp) {
+                    return Ok(Some(UPSTREAM_OUTCOMES[0]));
+                }
+                if !backup && before_snapshot.contains(&fp) {
+                    return Ok(Some(UPSTREAM_OUTCOMES[1]));
+                }
+                false
+            }
+            (Flow::Update | Flow::Reinstall, Some("2")) => {
+                data.as_deref() == Some("2") && has("1") && has("2")
+            }
+            _ => false,
+        };
+        if ok {
+            Ok(None)
+        } else {
+            Err(format!(
+                "{fp}: installed {installed:?}, data version {data:?}, data-1 {}, data-2 {}, names {names:?}",
+                has("1"),
+                has("2")
+            ))
+        }
+    }
+}
+
+/// What upstream's own `Service::load` leaves after a crash inside a
+/// failed update's rollback, which no volume backend can change
+/// (`docs/upstream.md`, "What start-core's flow should change"): the
+/// version is the old one, the volume holds the failed init's writes
+/// beside the old data, and
+/// - its undo committed `Installed` before its restore, so a crash inside
+///   the restore, undone by recovery, boots the old version on that data,
+///   the backup (the old data, whole) kept beside it;
+/// - a crash before the snapshot completed leaves no backup, and the
+///   boot's Retry runs the new version's init again with no rollback point.
+const UPSTREAM_OUTCOMES: [&str; 2] = [
+    "old version on the failed init's data, backup kept (Installed committed before restore)",
+    "old version on the failed init's data, no backup (the Retry re-ran init without a snapshot)",
+];
+
+/// Every store failpoint inside `flow`, a package each: SIGKILL there,
+/// then the next run's boot (maintenance and loads) and a last boot; each
+/// boot's every `Service::load` returns, and each package is whole.
+fn sweep_flow(flow: Flow) {
+    let Some(b) = Box_::new(SIZE) else { return };
+    let fps = store_failpoints();
+    let ids: Vec<String> = (0..fps.len()).map(|i| format!("p{i}")).collect();
+    let setup: Vec<Value> = std::iter::once(boot())
+        .chain(ids.iter().flat_map(|id| flow.setup(id)))
+        .collect();
+    b.run_ok(&setup);
+    let mut reached = Vec::new();
+    let mut problems = Vec::new();
+    let mut upstream = Vec::new();
+    for (fp, id) in fps.iter().zip(&ids) {
+        match b.run_with(&[boot(), arm(fp), flow.op(id)], None) {
+            Ended::Killed(run) | Ended::Completed(run) if run.steps.first() != Some(&None) => {
+                problems.push(format!(
+                    "{fp}: the boot failed: {:?}\n{}",
+                    run.steps, run.stderr
+                ));
+            }
+            Ended::Killed(run) => {
+                reached.push(fp.clone());
+                let failed: Vec<_> = run
+                    .events
+                    .iter()
+                    .filter_map(|e| e.get("load"))
+                    .filter(|l| !l["error"].is_null())
+                    .collect();
+                if !failed.is_empty() {
+                    problems.push(format!("{fp}: a boot's load failed: {failed:?}"));
+                }
+            }
+            Ended::Completed(_) => {}
+        }
+    }
+    let run = b.run_ok(&[boot()]);
+    for (fp, id) in fps.iter().zip(&ids) {
+        if let Some((_, Err(e))) = run.loads(id).first() {
+            problems.push(format!("{fp}: the reboot's load of {id} failed: {e}"));
+        }
+        match flow.check(&b, &run, id, fp) {
+            Ok(Some(outcome)) => upstream.push(format!("{fp}: {outcome}")),
+            Ok(None) => {}
+            Err(e) => problems.push(e),
+        }
+    }
+    eprintln!(
+        "{flow:?}: {} failpoints reached: {reached:?}",
+        reached.len()
+    );
+    eprintln!("{flow:?}: upstream's own flow: {upstream:?}");
+    assert!(
+        reached.len() >= 2,
+        "{flow:?}: too few failpoints reached: {reached:?}"
+    );
+    assert!(
+        problems.is_empty(),
+        "{flow:?}:\n  {}",
+        problems.join("\n  ")
+    );
+}
+
+#[test]
+fn sigkill_at_each_failpoint_of_a_reinstall_over_kept_data_then_reboot() {
+    sweep_flow(Flow::Reinstall);
+}
+
+#[test]
+fn sigkill_at_each_failpoint_of_an_update_then_reboot() {
+    sweep_flow(Flow::Update);
+}
+
+#[test]
+fn sigkill_at_each_failpoint_of_a_rollback_then_reboot() {
+    sweep_flow(Flow::Rollback);
+}
+
+#[test]
+fn sigkill_at_each_failpoint_of_a_hard_uninstall_then_reboot() {
+    sweep_flow(Flow::HardUninstall);
+}
+
+/// Builds, under box `b`, the plain-directory volumes of `ids` as the
+/// previous system left them; returns their content.
+fn plain_volumes<'a>(b: &Box_, ids: &[&'a str]) -> BTreeMap<&'a str, integration::TreeDigest> {
+    for (i, id) in ids.iter().enumerate() {
+        let dir = b.main(id).join("files");
+        fs::create_dir_all(&dir).unwrap();
+        for f in 0..(3 + 4 * i as u64) {
+            let len = 4096 + 512 * f as usize;
+            fs::write(
+                dir.join(format!("{f:03}")),
+                common::bytes(f * 31 + i as u64, len),
+            )
+            .unwrap();
+        }
+    }
+    ids.iter().map(|id| (*id, content(b, id))).collect()
+}
+
+/// The first boot of a box of plain-directory volumes (as the previous
+/// system left them), through the readiness step, with a SIGKILL at each
+/// failpoint of the conversion (volume-migrate) it reaches: armed before
+/// the boot, so it fires in the boot's maintenance or in the background
+/// cleanup after it. A box a failpoint, each a data directory of the same
+/// filesystem: first one whose data directory is a subvolume of its own
+/// (little else in the parent: the conversion snapshots it and cuts the
+/// snapshot down), and if the failpoint was not reached there, one on the
+/// top-level subvolume beside the other boxes (too much else: it clones).
+/// The next boot then finds every volume converted, whole, every load
+/// returning, no name left once its cleanup ran.
+#[test]
+fn sigkill_at_each_failpoint_of_a_first_boot_then_reboot() {
+    let Some(fs) = Box_::new(SIZE) else { return };
+    let ids = ["alpha", "beta", "gamma"];
+    let mut reached = Vec::new();
+    let mut problems = Vec::new();
+    for (k, fp) in failpoints_in("volume-migrate/src").iter().enumerate() {
+        for subvolume in [true, false] {
+            let b = fs.beside(&format!("box{k}-{subvolume}"), subvolume);
+            let before = plain_volumes(&b, &ids);
+            let mut steps: Vec<Value> = ids
+                .iter()
+                .map(|id| json!({"seed": {"id": id, "version": "1"}}))
+                .collect();
+            steps.extend([arm(fp), boot(), json!({"wait": {"ms": 300}})]);
+            let Ended::Killed(run) = b.run_with(&steps, None) else {
+                continue;
+            };
+            reached.push(fp.clone());
+            for l in run.events.iter().filter_map(|e| e.get("load")) {
+                if !l["error"].is_null() {
+                    problems.push(format!("{fp}: a load failed: {l}"));
+                }
+            }
+            let run = b.run_ok(&[boot(), json!({"wait": {"ms": 500}})]);
+            // The cleanup runs in the idle I/O class, which other I/O may
+            // hold back: each further boot resumes it.
+            for _ in 0..5 {
+                if ids.iter().all(|id| b.names(id) == [*id]) {
+                    break;
+                }
+                b.run_ok(&[boot(), json!({"wait": {"ms": 1000}})]);
+            }
+            for (id, digest) in &before {
+                if run.loads(id) != [("Retry".to_owned(), Ok(true))] {
+                    problems.push(format!("{fp}: {id}: load {:?}", run.loads(id)));
+                }
+                if !is_subvolume(&b.volumes().join(id)) {
+                    problems.push(format!("{fp}: {id}: not converted"));
+                }
+                let diff = digest.diff(&content(&b, id));
+                if !diff.is_empty() {
+                    problems.push(format!("{fp}: {id}: content changed: {diff:?}"));
+                }
+                if b.names(id) != [*id] {
+                    problems.push(format!("{fp}: {id}: names {:?}", b.names(id)));
+                }
+            }
+            break;
+        }
+    }
+    eprintln!(
+        "first boot: {} failpoints reached: {reached:?}",
+        reached.len()
+    );
+    assert!(
+        reached.len() >= 3,
+        "too few failpoints reached: {reached:?}"
+    );
+    assert!(
+        problems.is_empty(),
+        "first boot:\n  {}",
+        problems.join("\n  ")
+    );
+}
