@@ -15,6 +15,10 @@
 //!   restore deletes their data with the replaced tree);
 //! - a `false` from [`InstallBackup::snapshot`] is always logged with why,
 //!   and [`InstallBackup::snapshot_outcome`] returns the reason;
+//! - a dependent's mount of the volume (upstream's dependency `mount`
+//!   effect) never makes [`InstallBackup::restore`] or [`delete_tree`]
+//!   fail, and what is written through it is never deleted while it is
+//!   mounted: the tree it shows is kept until then (upstream deletes it);
 //! - the only good copy of a package's volume is never deleted
 //!   ([`InstallBackup::begin`] puts back a backup that has no live volume
 //!   beside it rather than deleting it, deciding under one hold of the
@@ -239,9 +243,19 @@ impl InstallBackup {
     /// without one. One `RENAME_EXCHANGE`: the volume path holds the
     /// complete old or the complete restored volume at every instant
     /// (upstream's path is empty between two renames), nested subvolumes
-    /// included. Refuses while anything, in any mount namespace, is
-    /// mounted from inside the volume.
+    /// included. A mount of the volume, in any mount namespace (a
+    /// dependent's bind mount of its `data_dir`), never makes it fail: the
+    /// replaced volume it still shows is kept, not deleted, until no mount
+    /// holds it, and the holders (pid, mount point) are named in a warning;
+    /// see [`InstallBackup::restore_outcome`] for them as data.
     pub async fn restore(&self) -> Result<(), Error> {
+        self.restore_outcome().await.map(drop)
+    }
+
+    /// [`InstallBackup::restore`], with what it did: whether it restored,
+    /// and the replaced volume if a mount held it (where it is kept, and
+    /// the processes holding it, to restart so they see the restored one).
+    pub async fn restore_outcome(&self) -> Result<volume::RestoreOutcome, Error> {
         self.run(backend::restore).await
     }
 
@@ -280,7 +294,11 @@ pub async fn ensure_volume_root_at(
 /// package's volume root under upstream's volumes root goes with every
 /// name of the package, its backup included, so a hard uninstall leaves
 /// nothing a reinstall could find; anything else is deleted in place,
-/// as upstream's; see [`delete_tree_at`].
+/// as upstream's; see [`delete_tree_at`]. A dependent's mount of the
+/// volume never makes it fail: the volume leaves its name, and is kept as
+/// `<pkg>.held/<n>` (the holders named in a warning) until no mount holds
+/// it, then deleted by the package's next operation or the next boot, the
+/// last of the package's names to go.
 pub async fn delete_tree(path: impl AsRef<Path>) -> Result<(), Error> {
     delete_tree_at(volumes_root(), path).await
 }
@@ -460,8 +478,8 @@ mod backend {
         store(root)?.snapshot_replacing(pkg)
     }
 
-    pub(super) fn restore(root: &Path, pkg: &PackageId) -> Result<(), Error> {
-        store(root)?.restore(pkg).map(drop)
+    pub(super) fn restore(root: &Path, pkg: &PackageId) -> Result<volume::RestoreOutcome, Error> {
+        store(root)?.restore_outcome(pkg)
     }
 
     pub(super) fn resolve_pending(root: &Path, pkg: &PackageId) -> Result<(), Error> {
@@ -684,8 +702,11 @@ mod backend {
         })
     }
 
-    pub(super) fn restore(_: &Path, _: &PackageId) -> Result<(), Error> {
-        Ok(())
+    pub(super) fn restore(_: &Path, _: &PackageId) -> Result<volume::RestoreOutcome, Error> {
+        Ok(volume::RestoreOutcome {
+            restored: false,
+            held: None,
+        })
     }
 
     pub(super) fn resolve_pending(_: &Path, _: &PackageId) -> Result<(), Error> {

@@ -529,9 +529,11 @@ async fn a_rollback_stops_and_restarts_a_service_holding_a_mount_of_the_volume()
     fin.services().stop(&dep).await.unwrap();
 }
 
-/// The same, but the restore itself is refused (a bind mount in this
-/// process's own namespace, which belongs to no service): the rollback
-/// fails, and the dependent it stopped is started again all the same.
+/// The same, but the restore itself fails (a regular file planted under
+/// one of the package's names once its backup is taken: no state of ours,
+/// which every operation on the package refuses; a mount no longer makes a
+/// restore fail): the rollback fails, and the dependent it stopped is
+/// started again all the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_rollback_still_restarts_the_services_it_stopped() {
     let Some(env) = env() else { return };
@@ -542,23 +544,28 @@ async fn a_failed_rollback_still_restarts_the_services_it_stopped() {
     fin.services().inner.mount_dependency(&user, &dep);
     install_running(&fin, "user", "1.0", RUN).await;
     rx.recv().await.unwrap();
-    let own = common::MountGuard::bind(
-        &env.root.join("dep/data/main"),
-        &env.fs.path("our-own-bind"),
-    );
     fin.services().inner.fail_at(&dep, Phase::Init);
-    let e = fin
-        .install(&req("dep", "2.0"), &Cancel::new())
-        .await
-        .expect_err("the update must fail");
+    fin.services()
+        .inner
+        .delay(Phase::Init, Duration::from_millis(500));
+    let stray = env.root.join("dep.replaced");
+    let plant = async {
+        while !env.root.join("dep.install-backup").exists() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        std::fs::write(&stray, b"no state of ours").unwrap();
+    };
+    let (cancel, update) = (Cancel::new(), req("dep", "2.0"));
+    let (e, ()) = tokio::join!(fin.install(&update, &cancel), plant);
+    let e = e.expect_err("the update must fail");
     assert_eq!(e.kind, ErrorKind::Incoherent, "the rollback must fail: {e}");
-    assert!(e.to_string().contains("in use"), "{e}");
+    assert!(e.to_string().contains("dep.replaced"), "{e}");
     rx.recv().await.unwrap();
     assert!(
         fin.services().inner.is_running(&user),
         "the dependent stopped for the restore must run again"
     );
-    own.unmount();
+    std::fs::remove_file(&stray).unwrap();
     fin.services().stop(&user).await.unwrap();
     fin.services().stop(&dep).await.unwrap();
 }

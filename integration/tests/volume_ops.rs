@@ -7,6 +7,7 @@ mod common;
 
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt, symlink};
+use std::path::Path;
 use std::process::Command;
 use std::sync::mpsc;
 use std::thread;
@@ -747,30 +748,21 @@ fn fragmented_plain_directory_is_skipped_above_the_extent_bound() {
     );
 }
 
-/// Runs `restore` and `delete`, which must both refuse while `mount` exists, and
-/// checks the refusal names the mount point and changes nothing.
-fn assert_refused_while_mounted(store: &VolumeStore, app: &volume::PackageId, mount: &MountGuard) {
-    let root = store.root();
-    let before = digest(root);
-    let point = mount.target().display().to_string();
-    for (op, result) in [
-        ("restore", store.restore(app)),
-        ("delete", store.delete(app)),
-    ] {
-        let err = result.expect_err(&format!("{op} must refuse while {point} is mounted"));
-        assert_eq!(err.kind, ErrorKind::InvalidRequest, "{op}: {err}");
-        let msg = err.to_string();
-        assert!(
-            msg.contains(&point),
-            "{op}: message must name {point}: {msg}"
-        );
-        assert!(!msg.contains('\n'), "{op}: one-line message: {msg:?}");
-        assert_same(&before, &digest(root), &format!("after a refused {op}"));
-    }
+/// `held`, what a restore or a delete kept: `<root>/app.held/<n>`, held by
+/// `mount` (this namespace's).
+fn assert_held_by(store: &VolumeStore, held: Option<&volume::HeldTree>, n: u32, mount: &Path) {
+    let held = held.unwrap_or_else(|| panic!("kept while {} is mounted", mount.display()));
+    assert_eq!(held.path, store.root().join(format!("app.held/{n}")));
+    assert!(
+        held.holders
+            .iter()
+            .any(|h| h.mount_point == mount && h.own_namespace),
+        "{held:?}"
+    );
 }
 
 #[test]
-fn bind_mount_of_the_volume_blocks_restore_and_delete() {
+fn bind_mount_of_the_volume_never_blocks_restore_or_delete() {
     let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
     let root = volumes_root(&fs);
     let store = open(&root);
@@ -781,17 +773,40 @@ fn bind_mount_of_the_volume_blocks_restore_and_delete() {
     let original = digest(&live);
     store.snapshot(&app).expect("snapshot");
     modify_volume(&live, true);
+    let modified = digest(&live);
 
-    // As a container's rootfs would see it: outside the volumes root.
+    // As a container's rootfs would see it: outside the volumes root. The
+    // restore goes on; the mount keeps showing the replaced volume, kept.
     let mount = MountGuard::bind(&live.join("data/main"), &fs.path("lxc/app/rootfs/data"));
-    assert_refused_while_mounted(&store, &app, &mount);
+    let restored = store.restore_outcome(&app).expect("restore under a mount");
+    assert!(restored.restored);
+    assert_held_by(&store, restored.held.as_ref(), 1, mount.target());
+    assert_same(&original, &digest(&live), "restored");
+    let held = root.join("app.held/1");
+    assert_same(&modified, &digest(&held), "the replaced volume, kept whole");
+    fs::write(mount.target().join("through"), b"kept").unwrap();
+    assert_eq!(fs::read(held.join("data/main/through")).unwrap(), b"kept");
+    assert!(!live.join("data/main/through").exists());
+    // Every operation's recovery keeps it while it is mounted ...
+    assert!(store.recover(&app).unwrap().actions.is_empty());
+    assert!(held.exists());
     mount.unmount();
-    // A bind mount of a nested subvolume of the volume counts too.
+    // ... and deletes it, nested subvolumes included, once it is not.
+    reclaimed_eventually(&root, "app", || drop(store.recover(&app).unwrap()));
+    let left = package_subvolumes(&fs, "app");
+    assert!(left.iter().all(|s| !s.contains("held")), "{left:?}");
+
+    // A bind mount of a nested subvolume counts too; a delete keeps the
+    // volume, off the package's name, until it is unmounted.
+    let before = digest(&live);
     let mount = MountGuard::bind(
         &live.join("data/main/nested"),
         &fs.path("lxc/app/rootfs/nested"),
     );
-    assert_refused_while_mounted(&store, &app, &mount);
+    let deleted = store.delete_outcome(&app).expect("delete under a mount");
+    assert!(deleted.deleted && !live.exists());
+    assert_held_by(&store, deleted.held.as_ref(), 1, mount.target());
+    assert_same(&before, &digest(&held), "the deleted volume, kept whole");
     mount.unmount();
 
     // A mount of another package whose id extends this one's does not count.
@@ -803,20 +818,24 @@ fn bind_mount_of_the_volume_blocks_restore_and_delete() {
         &store.data_dir(&tools, &vol("main")),
         &fs.path("lxc/app-tools/rootfs/data"),
     );
-
-    assert!(store.restore(&app).expect("restore after umount"));
-    assert_same(&original, &digest(&live), "restored after umount");
-    assert!(store.delete(&app).expect("delete after umount"));
+    reclaimed_eventually(&root, "app", || drop(store.recover(&app).unwrap()));
+    store.create(&app, &[vol("main")]).expect("create again");
+    store.snapshot(&app).expect("snapshot");
+    let restored = store.restore_outcome(&app).expect("restore");
+    assert!(restored.restored && restored.held.is_none(), "{restored:?}");
+    let deleted = store.delete_outcome(&app).expect("delete");
+    assert!(deleted.deleted && deleted.held.is_none(), "{deleted:?}");
     assert!(package_subvolumes(&fs, "app").is_empty());
-    // ... while app-tools itself is still busy.
-    let err = store.delete(&tools).expect_err("app-tools is mounted");
-    assert_eq!(err.kind, ErrorKind::InvalidRequest, "{err}");
+    // ... while app-tools itself is held.
+    let deleted = store.delete_outcome(&tools).expect("app-tools is mounted");
+    assert!(deleted.held.is_some(), "{deleted:?}");
     other.unmount();
-    assert!(store.delete(&tools).expect("delete app-tools"));
+    reclaimed_eventually(&root, "app-tools", || drop(store.recover(&tools).unwrap()));
+    assert!(root_names(&root).is_empty());
 }
 
 #[test]
-fn mount_inside_the_volume_blocks_restore_and_delete() {
+fn mount_inside_the_volume_never_blocks_restore_or_delete() {
     let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
     let root = volumes_root(&fs);
     let store = open(&root);
@@ -831,13 +850,21 @@ fn mount_inside_the_volume_blocks_restore_and_delete() {
 
     let mount = MountGuard::tmpfs(&live.join("data/main/cache"));
     fs::write(mount.target().join("scratch"), b"tmp").unwrap();
-    assert_refused_while_mounted(&store, &app, &mount);
-    mount.unmount();
+    let restored = store.restore_outcome(&app).expect("restore");
+    // Named where it is now, in the kept tree.
+    let moved = root.join("app.held/1/data/main/cache");
+    assert_held_by(&store, restored.held.as_ref(), 1, &moved);
+    assert_same(&original, &digest(&live), "restored");
+    // The mount went with the replaced volume, and is never crossed.
+    assert_eq!(fs::read(moved.join("scratch")).unwrap(), b"tmp");
+    assert!(!live.join("data/main/cache/scratch").exists());
+    integration::run(std::process::Command::new("umount").arg(&moved)).unwrap();
+    drop(mount);
+    reclaimed_eventually(&root, "app", || drop(store.recover(&app).unwrap()));
 
-    assert!(store.restore(&app).expect("restore after umount"));
-    assert_same(&original, &digest(&live), "restored after umount");
-    assert!(store.delete(&app).expect("delete after umount"));
+    assert!(store.delete(&app).expect("delete"));
     assert!(!live.exists());
+    assert!(root_names(&root).is_empty());
 }
 
 #[test]
@@ -1277,10 +1304,11 @@ fn plain_volume_with_a_read_only_nested_subvolume_is_deleted() {
 fn recover_all_goes_on_past_a_package_it_cannot_recover() {
     let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
     let root = volumes_root(&fs);
-    // "aa.delete" cannot be removed while something is mounted in it; "zz"
-    // sorts after it and has a partial backup to discard.
-    fs::create_dir_all(root.join("aa.delete/m")).expect("mkdir");
-    let busy = MountGuard::tmpfs(&root.join("aa.delete/m"));
+    // "aa" has a regular file under one of its names, no state of ours,
+    // which its recovery refuses; "zz" sorts after it and has a partial
+    // backup to discard.
+    fs::create_dir_all(root.join("aa.delete")).expect("mkdir");
+    fs::write(root.join("aa.replaced"), b"not ours").expect("a stray");
     fs::create_dir_all(root.join("zz.install-backup.tmp")).expect("mkdir");
     let store = VolumeStore::open_without_recovery(&root).expect("open");
     let done = store.recover_all().expect("recover_all");
@@ -1290,11 +1318,11 @@ fn recover_all_goes_on_past_a_package_it_cannot_recover() {
     assert_eq!(done[1].package.as_str(), "zz");
     assert_eq!(done[1].actions, ["deleted an incomplete install backup"]);
     assert!(!root.join("zz.install-backup.tmp").exists());
-    drop(busy);
+    fs::remove_file(root.join("aa.replaced")).expect("the stray removed");
     let done = store.recover_all().expect("recover_all");
     assert_eq!(done.len(), 1, "{done:?}");
     assert_eq!(done[0].error, None);
-    assert_no_transient_names(&root, "after the mount is gone");
+    assert_no_transient_names(&root, "after the stray is gone");
 }
 
 /// The kernel refuses a link to an immutable or append-only inode; the copy

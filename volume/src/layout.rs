@@ -49,6 +49,22 @@ pub const REPLACED_SUFFIX: &str = ".replaced";
 /// A volume being deleted on uninstall. While it exists, the delete is in
 /// progress: recovery drops the backup, then deletes this, last.
 pub const DELETE_SUFFIX: &str = ".delete";
+/// A directory of ours holding the trees a restore or a delete took off the
+/// volume's name while a mount (in any mount namespace: a dependent's bind
+/// mount of a `data_dir`, say) still held them, each under a decimal number
+/// (`<pkg>.held/1`, `<pkg>.held/2`, ...), so that nothing written through
+/// such a mount is deleted while it is mounted. Several can pile up (a
+/// restore, then another before the first holder let go), hence numbered
+/// entries in one directory rather than one name: the package keeps one
+/// name in the root, and [`package_of`] and [`MAX_ID_LEN`] are unchanged.
+///
+/// An entry is garbage once no mount in any namespace holds it: every
+/// operation's recovery, and so the boot's, deletes those, and the
+/// directory once it is empty. A crash leaves the directory empty (garbage)
+/// or a tree in it whole (the move in is one rename) or part-deleted
+/// (garbage, being unmounted). Nothing inside a held tree decides anything;
+/// only the entry names in this directory, which only the store makes.
+pub const HELD_SUFFIX: &str = ".held";
 /// volume-migrate: the subvolume being built from the plain directory
 /// `<pkg>` before the exchange; the old plain directory after it (a plain
 /// directory under this name means the exchange happened).
@@ -104,6 +120,7 @@ pub const SUFFIXES: &[&str] = &[
     ROLLBACK_SUFFIX,
     REPLACED_SUFFIX,
     DELETE_SUFFIX,
+    HELD_SUFFIX,
     RESTORE_OLD_SUFFIX,
     RESTORE_CONFLICT_SUFFIX,
     CONVERT_TMP_SUFFIX,
@@ -175,6 +192,8 @@ pub struct Names {
     pub replaced: OsString,
     /// A volume being deleted ([`DELETE_SUFFIX`]).
     pub delete: OsString,
+    /// Replaced or deleted trees still mounted somewhere ([`HELD_SUFFIX`]).
+    pub held: OsString,
     /// Upstream's fresh-install marker ([`INSTALL_FRESH_SUFFIX`]).
     pub fresh: OsString,
     /// Upstream's snapshot being made ([`UPSTREAM_BACKUP_TMP_SUFFIX`]).
@@ -214,6 +233,7 @@ impl Names {
             rollback_id: with(ROLLBACK_ID_SUFFIX),
             replaced: with(REPLACED_SUFFIX),
             delete: with(DELETE_SUFFIX),
+            held: with(HELD_SUFFIX),
             fresh: with(INSTALL_FRESH_SUFFIX),
             upstream_backup_tmp: with(UPSTREAM_BACKUP_TMP_SUFFIX),
             restore_old: with(RESTORE_OLD_SUFFIX),
@@ -228,7 +248,7 @@ impl Names {
     }
 
     /// Every name, the live volume first.
-    pub fn all(&self) -> [&OsStr; 20] {
+    pub fn all(&self) -> [&OsStr; 21] {
         [
             &self.live,
             &self.create,
@@ -240,6 +260,7 @@ impl Names {
             &self.rollback_id,
             &self.replaced,
             &self.delete,
+            &self.held,
             &self.fresh,
             &self.upstream_backup_tmp,
             &self.restore_old,

@@ -73,7 +73,10 @@ pub use failpoint::FAILPOINT_ENV;
 // The suffix of the snapshot taken before an install (upstream's name).
 pub use layout::INSTALL_BACKUP_SUFFIX;
 // What the store's operations report.
-pub use outcome::{Recovery, SnapshotOutcome, VolumeInfo, VolumeKind};
+pub use outcome::{
+    DeleteOutcome, HeldTree, Holder, Recovery, RestoreOutcome, SnapshotOutcome, VolumeInfo,
+    VolumeKind,
+};
 // The volumes root, open.
 #[cfg(target_os = "linux")]
 pub use root::Root;

@@ -1,11 +1,13 @@
 //! What is mounted from inside a volume, in every mount namespace.
 //!
-//! A rollback or a delete must not run while a container (or another
-//! package) still has a bind mount of the volume: that mount keeps pointing
-//! at the old subvolume, so the service would go on writing into data that is
-//! about to vanish. Containers hold their mounts in mount namespaces of their
-//! own, invisible in `/proc/self/mountinfo`; so every namespace on the
-//! machine is read, through the mountinfo of one process in it.
+//! A bind mount of a volume that a container (or another package) holds
+//! keeps pointing at the same tree when a rollback or a delete takes that
+//! tree off the volume's name, so the service goes on writing into it: the
+//! store then keeps the tree (`<pkg>.held`) rather than deleting it, until no
+//! mount holds it; a conversion refuses instead. Containers hold their mounts
+//! in mount namespaces of their own, invisible in `/proc/self/mountinfo`; so
+//! every namespace on the machine is read, through the mountinfo of one
+//! process in it.
 
 use std::ffi::OsString;
 use std::fmt;
@@ -214,7 +216,8 @@ impl MountTables {
 /// `path` (see [`MountTables::uses_of`]), from the tables as they are now.
 ///
 /// Used before any step that would leave such a mount pointing at data that
-/// is about to be replaced (a rollback, a delete, a conversion).
+/// is about to go (a tree a rollback or a delete took off a volume's name,
+/// kept while mounted; a conversion, refused).
 pub fn uses_of(path: &Path) -> io::Result<Vec<MountUse>> {
     Ok(MountTables::read()?.uses_of(path))
 }

@@ -1,8 +1,10 @@
 //! What the store's operations report, on every platform (start-core's
 //! `volume` module names these types on macOS too, where there is no store).
 
+use std::path::{Path, PathBuf};
+
 use models::PackageId;
-use serde::Serialize;
+use serde::{Serialize, Serializer};
 
 /// How a package volume is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -44,6 +46,66 @@ impl SnapshotOutcome {
     }
 }
 
+/// A process holding a mount of a tree the store took off a volume's name
+/// (one `volume::mounts::MountUse`, as data), for a caller to restart it on
+/// the volume now under that name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Holder {
+    /// The first process of the mount namespace holding the mount.
+    pub pid: u32,
+    /// Its command name (`/proc/<pid>/comm`).
+    pub command: String,
+    /// Where the mount is, as the processes of that namespace see it (raw
+    /// bytes; lossy in JSON).
+    #[serde(serialize_with = "lossy")]
+    pub mount_point: PathBuf,
+    /// The mount namespace, by its inode number.
+    pub namespace: u64,
+    /// Whether that namespace is the calling process's own.
+    pub own_namespace: bool,
+}
+
+/// A tree a restore replaced, or a delete removed, that a mount still held:
+/// kept under the package's `<pkg>.held` (`volume::layout::HELD_SUFFIX`)
+/// rather than deleted, until no mount holds it; then the package's next
+/// operation, or the boot's recovery, deletes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HeldTree {
+    /// Where it is kept now (`<root>/<pkg>.held/<n>`).
+    #[serde(serialize_with = "lossy")]
+    pub path: PathBuf,
+    /// Who holds it, one entry a mount.
+    pub holders: Vec<Holder>,
+}
+
+/// What `VolumeStore::restore_outcome` did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RestoreOutcome {
+    /// Whether the volume was restored (`false`: there was no backup).
+    pub restored: bool,
+    /// The replaced volume, if a mount held it: kept, not deleted. The
+    /// processes named there still see the old volume, and need a restart
+    /// to see the restored one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub held: Option<HeldTree>,
+}
+
+/// What `VolumeStore::delete_outcome` (or `discard_volume_outcome`, or
+/// `purge_outcome`) did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DeleteOutcome {
+    /// Whether there was anything to delete.
+    pub deleted: bool,
+    /// The volume, if a mount held it: off the package's name (a new
+    /// install gets a fresh volume), but kept until that mount is gone.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub held: Option<HeldTree>,
+}
+
+fn lossy<S: Serializer>(path: &Path, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&path.to_string_lossy())
+}
+
 /// One package's entry in `VolumeStore::list`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct VolumeInfo {
@@ -57,6 +119,7 @@ pub struct VolumeInfo {
     /// interrupted operation or a conversion run with `--keep-old` left,
     /// which an uninstall removes with the rest (the record of a backup's
     /// read-only nested subvolumes, part of the backup, is not one).
+    /// A tree kept while mounted is listed as `<pkg>.held/<n>`.
     pub leftovers: Vec<String>,
 }
 

@@ -8,9 +8,10 @@
 //! it every few milliseconds, printing each number once written. Then the
 //! restore runs, and the writer goes on for a while. Where did the writes
 //! made after the restore returned land: in the volume at the path, in some
-//! other tree under the root, or nowhere (a deleted tree)? For ours, which
-//! refuses while such a mount exists, the restore is run once more after
-//! the writer has stopped.
+//! other tree under the root, or nowhere (a deleted tree)? Ours restores
+//! too, and keeps the replaced volume, which the mount still shows, under
+//! `<pkg>.held` while the mount exists, naming the writer; once the writer
+//! has stopped, the next operation (a `resolve_pending`) reclaims it.
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -32,8 +33,7 @@ const WRITE_ON: Duration = Duration::from_millis(300);
 pub struct BindOutcome {
     /// Whether the restore went through.
     pub restored: bool,
-    /// Why it did not, if it did not (ours: the refusal, naming the
-    /// process and the mount).
+    /// Why it did not, if it did not.
     pub refusal: Option<String>,
     /// Lines the writer wrote after the restore returned.
     pub writes_after: usize,
@@ -42,10 +42,16 @@ pub struct BindOutcome {
     pub lost_after: usize,
     /// Of those, the ones found in the volume at its path.
     pub in_volume: usize,
+    /// Of those, the ones found in the tree kept while mounted (ours).
+    pub in_held: usize,
+    /// Ours: whether the restore's outcome named the writer (its pid and
+    /// mount point) as the holder of the replaced volume it kept.
+    pub holder_named: Option<bool>,
     /// Appends that failed, as the writer saw them.
     pub write_errors: usize,
-    /// Ours: whether the restore went through once the writer had stopped.
-    pub restored_after_stop: Option<bool>,
+    /// Ours: whether the next operation, once the writer had stopped,
+    /// reclaimed the kept tree.
+    pub reclaimed_after_stop: Option<bool>,
     /// The restore call.
     pub time: Duration,
 }
@@ -177,23 +183,28 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Every number in every file named `log` under `root`.
-fn numbers_under(root: &Path) -> Result<(BTreeSet<u64>, BTreeSet<u64>)> {
+fn numbers_under(root: &Path) -> Result<[BTreeSet<u64>; 3]> {
     let mut anywhere = BTreeSet::new();
     let mut in_volume = BTreeSet::new();
+    let mut in_held = BTreeSet::new();
     for p in trees::walk(root)? {
         if p.file_name().is_some_and(|n| n == "log") && p.is_file() {
             let text = fs::read_to_string(&p).ctx(format!("reading {}", p.display()))?;
             let nums = text.lines().filter_map(|l| l.trim().parse::<u64>().ok());
             let at_path = p.starts_with(root.join("app"));
+            let held = p.starts_with(root.join("app.held"));
             for n in nums {
                 anywhere.insert(n);
                 if at_path {
                     in_volume.insert(n);
                 }
+                if held {
+                    in_held.insert(n);
+                }
             }
         }
     }
-    Ok((anywhere, in_volume))
+    Ok([anywhere, in_volume, in_held])
 }
 
 /// Runs the scenario on one filesystem, each side under its own root.
@@ -226,10 +237,21 @@ fn side_run(side: Side, root: &Path, target: &Path) -> Result<BindOutcome> {
 
     let mut writer = Writer::start(&live.join("data/main"), target)?;
     writer.wait_for(10)?;
+    let pid = writer.child.id();
     let started = Instant::now();
-    let result = match side {
-        Side::Upstream => theirs.restore().map_err(|e| e.to_string()),
-        Side::Ours => block_on(ours.restore()).map_err(|e| e.to_string()),
+    let (result, holder_named) = match side {
+        Side::Upstream => (theirs.restore().map_err(|e| e.to_string()), None),
+        Side::Ours => match block_on(ours.restore_outcome()) {
+            Ok(o) => {
+                let named = o.held.is_some_and(|h| {
+                    h.holders
+                        .iter()
+                        .any(|u| u.pid == pid && u.mount_point == target)
+                });
+                (Ok(()), Some(named))
+            }
+            Err(e) => (Err(e.to_string()), Some(false)),
+        },
     };
     let returned = Instant::now();
     let time = returned - started;
@@ -245,37 +267,59 @@ fn side_run(side: Side, root: &Path, target: &Path) -> Result<BindOutcome> {
     let write_errors = *lock(&writer.errors);
     drop(writer);
 
-    let (anywhere, in_volume) = numbers_under(root)?;
-    let restored_after_stop = match (side, &result) {
-        (Side::Ours, Err(_)) => Some(block_on(ours.restore()).is_ok()),
-        _ => None,
+    let [anywhere, in_volume, in_held] = numbers_under(root)?;
+    let reclaimed_after_stop = match side {
+        Side::Ours => Some(
+            block_on(ours.resolve_pending()).is_ok() && !root.join(format!("{pkg}.held")).exists(),
+        ),
+        Side::Upstream => None,
     };
+    let count = |set: &BTreeSet<u64>| after.iter().filter(|n| set.contains(n)).count();
     Ok(BindOutcome {
         restored: result.is_ok(),
         refusal: result.err(),
         writes_after: after.len(),
-        lost_after: after.iter().filter(|n| !anywhere.contains(n)).count(),
-        in_volume: after.iter().filter(|n| in_volume.contains(n)).count(),
+        lost_after: after.len() - count(&anywhere),
+        in_volume: count(&in_volume),
+        in_held: count(&in_held),
+        holder_named,
         write_errors,
-        restored_after_stop,
+        reclaimed_after_stop,
         time,
     })
 }
 
 fn restore_cell(o: &BindOutcome) -> String {
-    match (&o.refusal, o.restored_after_stop) {
-        (None, _) => "restored while the mount was held".into(),
-        (Some(_), Some(true)) => {
-            "refused: in use (names the pid and mount); restored once it stopped".into()
-        }
+    match (&o.refusal, o.holder_named) {
+        (None, None) => "restored while the mount was held".into(),
+        (None, Some(named)) => format!(
+            "restored while the mount was held; replaced volume kept{}",
+            if named {
+                " (names the pid and mount)"
+            } else {
+                ", holder NOT named"
+            }
+        ),
         (Some(e), _) => format!("failed: {e}"),
     }
 }
 
 fn writes_cell(o: &BindOutcome) -> String {
     let mut s = if o.lost_after == 0 {
+        let kept = match o.reclaimed_after_stop {
+            None => String::new(),
+            Some(r) => format!(
+                ", {} in the kept tree{}",
+                o.in_held,
+                if r {
+                    ", reclaimed once it stopped"
+                } else {
+                    ", NOT reclaimed once it stopped"
+                }
+            ),
+        };
         format!(
-            "{} writes after it: all kept, {} in the volume",
+            "{} writes after it: all kept, {} in the volume{kept}",
             o.writes_after, o.in_volume
         )
     } else {

@@ -304,6 +304,32 @@ impl Drop for MountGuard {
     }
 }
 
+/// Runs `recover` until `<root>/<pkg>.held` is gone, for at most 10 s,
+/// after the last mount of it this test made is gone: a mount made in this
+/// namespace is copied into any mount namespace another process on the
+/// machine makes meanwhile (`unshare -m` copies every mount), which holds
+/// the tree too until that process exits. Panics naming what still holds it.
+#[track_caller]
+pub fn reclaimed_eventually(root: &Path, pkg: &str, mut recover: impl FnMut()) {
+    let held = root.join(format!("{pkg}.held"));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        recover();
+        if !held.exists() {
+            return;
+        }
+        if std::time::Instant::now() > deadline {
+            let uses = volume::mounts::uses_of(&held).unwrap_or_default();
+            panic!(
+                "{} still kept after 10 s, held by: {}",
+                held.display(),
+                volume::mounts::describe(&uses)
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
 /// The `volume-migrate` binary beside this test's (built by
 /// `cargo build --bins --features volume-migrate/cli`, as `make test` does).
 pub fn volume_migrate_bin() -> PathBuf {

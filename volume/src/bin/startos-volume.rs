@@ -328,16 +328,21 @@ mod run {
 
     fn restore(store: &VolumeStore, json: bool, p: PackageId) -> Result<(), Error> {
         existing(store, &p)?;
-        let restored = store.restore(&p)?;
-        let human = if restored {
+        let outcome = store.restore_outcome(&p)?;
+        let human = if outcome.restored {
             format!(
-                "restored {} from its install backup",
-                store.volume_path(&p).display()
+                "restored {} from its install backup{}",
+                store.volume_path(&p).display(),
+                kept(outcome.held.as_ref(), "the replaced volume")
             )
         } else {
             format!("no install backup for {p}: nothing restored")
         };
-        emit(json, json!({"package": p, "restored": restored}), human);
+        emit(
+            json,
+            json!({"package": p, "restored": outcome.restored, "held": outcome.held}),
+            human,
+        );
         Ok(())
     }
 
@@ -355,14 +360,46 @@ mod run {
 
     fn delete(store: &VolumeStore, json: bool, p: PackageId) -> Result<(), Error> {
         existing(store, &p)?;
-        let deleted = store.delete(&p)?;
-        let human = if deleted {
-            format!("deleted the volume of {p}")
+        let outcome = store.delete_outcome(&p)?;
+        let human = if outcome.deleted {
+            format!(
+                "deleted the volume of {p}{}",
+                kept(outcome.held.as_ref(), "the volume")
+            )
         } else {
             format!("no volume for {p}")
         };
-        emit(json, json!({"package": p, "deleted": deleted}), human);
+        emit(
+            json,
+            json!({"package": p, "deleted": outcome.deleted, "held": outcome.held}),
+            human,
+        );
         Ok(())
+    }
+
+    /// `; <what> is kept as <path> while pid <pid> holds a mount of it at
+    /// <mount point>, ...`, or nothing: what a restore or a delete kept.
+    fn kept(held: Option<&volume::HeldTree>, what: &str) -> String {
+        let Some(h) = held else {
+            return String::new();
+        };
+        let holders: Vec<String> = h
+            .holders
+            .iter()
+            .map(|u| {
+                format!(
+                    "pid {} ({}) at {}",
+                    u.pid,
+                    u.command,
+                    u.mount_point.display()
+                )
+            })
+            .collect();
+        format!(
+            "; {what} is kept as {} while mounted: {}",
+            h.path.display(),
+            holders.join(", ")
+        )
     }
 
     fn list(store: &VolumeStore, json: bool) -> Result<(), Error> {

@@ -41,16 +41,22 @@
 //! - **delete**: `<pkg>` is renamed to `<pkg>.delete`, the commit point;
 //!   while `.delete` exists the delete is under way, so recovery drops the
 //!   backup, then deletes `.delete`, last.
-//! - `<pkg>.replaced` is always garbage.
+//! - `<pkg>.replaced` is always garbage; deleted, or, while a mount in
+//!   any namespace holds it, moved into `<pkg>.held`.
+//! - **kept while mounted** ([`held`]): the volume a restore replaced, or
+//!   a deleted one (`.delete`), that a mount still holds is moved into
+//!   `<pkg>.held/<n>` in one rename rather than deleted; an entry there is
+//!   garbage once no mount holds it, deleted by recovery, then the empty
+//!   directory. No mount ever makes a restore or a delete fail.
 //!
 //! ## Where each operation lives
 //!
 //! Here: the store, its opening, the helpers the operations share, and
 //! [`Held`], the one way an operation takes its package (names, lock, and
 //! recovery where it recovers first). The operations, one family a file:
-//! [`create`], [`snapshot`], [`restore`], [`removal`], [`install`]
-//! (upstream's `begin` and `snapshot`, each decided under one hold),
-//! [`recovery`] (with
+//! [`create`], [`snapshot`], [`restore`], [`removal`] (with [`held`], the
+//! trees kept while mounted), [`install`] (upstream's `begin` and
+//! `snapshot`, each decided under one hold), [`recovery`] (with
 //! what upstream's own code leaves behind, in `recovery/upstream.rs`) and
 //! [`query`].
 
@@ -64,12 +70,12 @@ use models::{Error, ErrorKind, PackageId, ResultExt, VolumeId};
 
 use crate::layout::{self, Names};
 use crate::lock::{LockDir, LockWait, PackageLock};
-use crate::mounts;
 use crate::outcome::VolumeKind;
 use crate::root::Root;
 use crate::sys::{self, FileType};
 
 mod create;
+mod held;
 mod install;
 mod query;
 mod recovery;
@@ -351,26 +357,6 @@ impl VolumeStore {
         sys::fsync(self.root_fd())
     }
 
-    /// Refuses with a one-line error if anything is mounted from inside
-    /// `<pkg>`, in any mount namespace: a bind mount would keep pointing at
-    /// the old data.
-    fn ensure_not_mounted(&self, pkg: &PackageId) -> Result<(), Error> {
-        let busy = self.mount_uses(pkg)?;
-        if busy.is_empty() {
-            Ok(())
-        } else {
-            Err(Error::for_package(
-                pkg,
-                ErrorKind::InvalidRequest,
-                format!(
-                    "volume {} is in use, mounted at {}; stop the service first",
-                    self.volume_path(pkg).display(),
-                    mounts::describe(&busy)
-                ),
-            ))
-        }
-    }
-
     /// Removes the entry `name` of the root and everything below it (see
     /// [`delete_tree_at`]).
     ///
@@ -378,6 +364,14 @@ impl VolumeStore {
     /// partial tree under a name that recovery deletes again.
     fn delete_entry(&self, name: &OsStr) -> io::Result<()> {
         delete_tree_at(self.root_fd(), name)
+    }
+
+    /// Removes the entry `name` of `dir`, a directory of the store's own
+    /// under the root (`<pkg>.held`), and everything below it (see
+    /// [`delete_tree_at`]): a crash part-way leaves part of a tree that
+    /// was garbage already.
+    fn delete_entry_in(&self, dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+        delete_tree_at(dir, name)
     }
 
     /// Whether the tree `name` can be deleted in one atomic step, under its

@@ -46,9 +46,11 @@ impl VolumeStore {
     }
 
     /// Every mount, in any mount namespace, that exposes something inside
-    /// `<pkg>` (see [`mounts::uses_of`]): what a restore or a delete refuses
-    /// to run beside. A caller that can stop the processes holding them
-    /// (start-core, through its services) does so first.
+    /// `<pkg>` (see [`mounts::uses_of`]): what goes on showing the old
+    /// volume after a restore, or a deleted one, which is then kept under
+    /// `<pkg>.held` until that mount is gone. A caller that can stop the
+    /// processes holding them (start-core, through its services) does so
+    /// first, and starts them again after.
     pub fn mount_uses(&self, pkg: &PackageId) -> Result<Vec<MountUse>, Error> {
         mounts::uses_of(&self.volume_path(pkg)).with_ctx(|_| {
             (
@@ -60,7 +62,8 @@ impl VolumeStore {
 
     /// How `pkg`'s volume and backup are stored, each `None` if absent. An
     /// entry under the package's name that is no directory is an error
-    /// naming it. Reads two names; takes no lock.
+    /// naming it. Reads its names (and the entries of `<pkg>.held`); takes
+    /// no lock.
     pub fn info(&self, pkg: &PackageId) -> Result<VolumeInfo, Error> {
         let names = Names::new(pkg)?;
         Ok(VolumeInfo {
@@ -72,12 +75,25 @@ impl VolumeStore {
     }
 
     /// The names of `pkg` present under the root beside its volume and
-    /// backup (and the backup's read-only record), whatever they hold.
+    /// backup (and the backup's read-only record), whatever they hold; each
+    /// tree kept while mounted as `<pkg>.held/<n>`.
     fn other_names(&self, pkg: &PackageId, names: &Names) -> Result<Vec<String>, Error> {
         let mut out = Vec::new();
         let theirs = [&names.live, &names.backup, &names.backup_ro].map(|n| n.as_os_str());
         for name in names.all() {
             if theirs.contains(&name) {
+                continue;
+            }
+            if name == names.held {
+                let held = self.held_trees(pkg, names)?;
+                let base = names.held.to_string_lossy();
+                out.extend(
+                    held.iter()
+                        .map(|n| format!("{base}/{}", n.to_string_lossy())),
+                );
+                if held.is_empty() && self.tree(pkg, name)?.is_some() {
+                    out.push(base.into_owned());
+                }
                 continue;
             }
             if self

@@ -10,6 +10,7 @@ use std::io;
 
 use models::{Error, ErrorKind, PackageId, ResultExt};
 
+use super::held::Disposal;
 use super::restore::copy_kind;
 use super::{Entry, VolumeStore};
 use crate::layout::Names;
@@ -124,13 +125,30 @@ impl VolumeStore {
                 .with_ctx(io_ctx("removing the read-only record of a dropped backup"))?;
             actions.push("removed the read-only record of a dropped backup".to_owned());
         }
-        if self.purge_locked(pkg, names)? {
-            actions.push("deleted the volume a restore replaced".to_owned());
+        match self.purge_locked(pkg, names)? {
+            Some(Disposal::Deleted) => {
+                actions.push("deleted the volume a restore replaced".to_owned())
+            }
+            Some(Disposal::Held(h)) => actions.push(format!(
+                "kept the volume a restore replaced as {}, still mounted",
+                h.path.display()
+            )),
+            None => {}
         }
         if self.tree(pkg, &names.delete)?.is_some() {
-            self.finish_delete(pkg, names)?;
-            actions.push("finished deleting the volume and its backup".to_owned());
+            let (_, held) = self.finish_delete(pkg, names)?;
+            actions.push(match held {
+                None => "finished deleting the volume and its backup".to_owned(),
+                Some(h) => format!(
+                    "finished deleting the volume and its backup; the volume, still mounted, \
+                     is kept as {}",
+                    h.path.display()
+                ),
+            });
         }
+        // Trees kept while mounted go once nothing holds them; never an
+        // error of the package's while one is still mounted.
+        self.reclaim_held(pkg, names, &mut actions)?;
         // A conversion's replaced directory only ever holds data the
         // converted volume holds too: with no volume left (an uninstall of
         // an earlier version kept it), it is garbage.

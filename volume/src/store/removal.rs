@@ -7,7 +7,9 @@
 //! A tree is renamed aside to a transient name first, so a crash never
 //! leaves a half-deleted tree under a name that says "complete"; where the
 //! rename finds no metadata space, a subvolume with none nested in it is
-//! deleted in one atomic step instead.
+//! deleted in one atomic step instead. A volume that a mount, in any mount
+//! namespace, still holds leaves the package's name all the same, and is
+//! kept under `<pkg>.held` until no mount holds it ([`super::held`]).
 
 use std::ffi::OsStr;
 use std::io;
@@ -18,10 +20,12 @@ use color_eyre::eyre::eyre;
 use models::{Error, ErrorKind, PackageId, ResultExt};
 
 use super::VolumeStore;
+use super::held::Disposal;
 use super::recovery::Leftover;
 use crate::errors::is_enospc;
 use crate::failpoint::failpoint;
 use crate::layout::{self, Names};
+use crate::outcome::{DeleteOutcome, HeldTree};
 use crate::record;
 use crate::sys;
 
@@ -82,25 +86,38 @@ impl VolumeStore {
 
     /// Deletes the package's volume and its backup, on uninstall: O(1) per
     /// subvolume, nested subvolumes included. Returns `false` if there was
-    /// nothing to delete. Refuses while anything is mounted from inside,
-    /// and refuses an entry under the package's name that is no directory.
+    /// nothing to delete. Refuses an entry under the package's name that is
+    /// no directory.
     ///
     /// `<pkg>` is renamed to `<pkg>.delete` first, the commit point: after a
     /// crash the package either still has its whole volume and backup, or
     /// the delete goes on until nothing of it is left (the backup is
-    /// dropped, then `.delete` deleted last).
+    /// dropped, then `.delete` deleted last). A mount of the volume, in any
+    /// namespace, never makes it fail: the volume still leaves `<pkg>` (a
+    /// reinstall gets a fresh one), and is kept under `<pkg>.held` until no
+    /// mount holds it, with a warning naming the holders (see
+    /// [`VolumeStore::delete_outcome`]); then the next recovery deletes it,
+    /// the last of the package's names. Only with no metadata space left,
+    /// where nothing can be renamed, does a mounted volume make it fail.
     pub fn delete(&self, pkg: &PackageId) -> Result<bool, Error> {
+        self.delete_outcome(pkg).map(|o| o.deleted)
+    }
+
+    /// [`VolumeStore::delete`], with the volume if a mount held it.
+    pub fn delete_outcome(&self, pkg: &PackageId) -> Result<DeleteOutcome, Error> {
         let Some(names) = self.present(pkg)? else {
-            return Ok(false);
+            return Ok(DeleteOutcome {
+                deleted: false,
+                held: None,
+            });
         };
-        let held = self.hold_recovered(pkg, names)?;
-        let names = &held.names;
+        let guard = self.hold_recovered(pkg, names)?;
+        let names = &guard.names;
         let io_ctx = |what: &'static str| {
             move |_: &io::Error| (ErrorKind::DiskManagement, pkg.context(what))
         };
         let mut deleted = false;
         if self.tree(pkg, &names.live)?.is_some() {
-            self.ensure_not_mounted(pkg)?;
             // A stray under one of its names stops the delete before it
             // starts, not half-way.
             self.leftovers(pkg, names)?;
@@ -115,9 +132,11 @@ impl VolumeStore {
                     // in one atomic step. A crash in between leaves the
                     // package with its volume and no backup, which the next
                     // delete finishes.
+                    // Nor room to keep a mounted volume aside: it stays.
                     if !self
                         .can_delete_in_one_step(&names.live)
                         .with_ctx(io_ctx("inspecting the volume"))?
+                        || !self.mount_uses(pkg)?.is_empty()
                     {
                         return Err(self.failed(pkg, "deleting the volume", e));
                     }
@@ -129,23 +148,32 @@ impl VolumeStore {
                         return Err(self.failed(pkg, "deleting the volume", e));
                     }
                     tracing::info!(package = %pkg, "volume deleted");
-                    return Ok(true);
+                    return Ok(DeleteOutcome {
+                        deleted: true,
+                        held: None,
+                    });
                 }
                 Err(e) => return Err(e).with_ctx(io_ctx("moving the volume aside")),
             }
             deleted = true;
         }
-        deleted |= self.finish_delete(pkg, names)?;
+        let (finished, held) = self.finish_delete(pkg, names)?;
+        deleted |= finished;
         if deleted {
             tracing::info!(package = %pkg, "volume deleted");
         }
-        Ok(deleted)
+        Ok(DeleteOutcome { deleted, held })
     }
 
     /// The rest of a delete once `<pkg>` is `<pkg>.delete` (or gone): the
-    /// backup, the package's other names, then `.delete` itself. Returns
-    /// whether anything was there.
-    pub(super) fn finish_delete(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
+    /// backup, the package's other names, then `.delete` itself, kept under
+    /// `<pkg>.held` instead if a mount holds it. Returns whether anything
+    /// was there, and the tree kept.
+    pub(super) fn finish_delete(
+        &self,
+        pkg: &PackageId,
+        names: &Names,
+    ) -> Result<(bool, Option<HeldTree>), Error> {
         let dropped = self.drop_locked(pkg, names)?;
         let io_ctx = |_: &io::Error| {
             (
@@ -171,13 +199,9 @@ impl VolumeStore {
             self.fsync_root().with_ctx(io_ctx)?;
         }
         self.mark_fresh_locked(pkg, &names.fresh, false)?;
-        let pending = self.tree(pkg, &names.delete)?.is_some();
-        if pending {
-            self.delete_entry(&names.delete)
-                .and_then(|()| self.fsync_root())
-                .with_ctx(io_ctx)?;
-        }
-        Ok(dropped || removed || pending)
+        let last = self.discard_tree(pkg, names, &names.delete)?;
+        let pending = last.is_some();
+        Ok((dropped || removed || pending, last.and_then(Disposal::held)))
     }
 
     /// Deletes the live volume `<pkg>` only, keeping its backup, after
@@ -186,17 +210,26 @@ impl VolumeStore {
     /// The volume is renamed to `<pkg>.replaced` first
     /// (garbage to recovery, which never touches the backup for it), then
     /// deleted: O(1) per subvolume. Returns whether there was a volume.
-    /// Refuses while anything is mounted from inside it.
+    /// A volume a mount still holds, in any namespace, is kept under
+    /// `<pkg>.held` instead, as by [`VolumeStore::delete`].
     pub fn discard_volume(&self, pkg: &PackageId) -> Result<bool, Error> {
-        let Some(names) = self.present(pkg)? else {
-            return Ok(false);
+        self.discard_volume_outcome(pkg).map(|o| o.deleted)
+    }
+
+    /// [`VolumeStore::discard_volume`], with the volume if a mount held it.
+    pub fn discard_volume_outcome(&self, pkg: &PackageId) -> Result<DeleteOutcome, Error> {
+        let none = DeleteOutcome {
+            deleted: false,
+            held: None,
         };
-        let held = self.hold_recovered(pkg, names)?;
-        let names = &held.names;
+        let Some(names) = self.present(pkg)? else {
+            return Ok(none);
+        };
+        let guard = self.hold_recovered(pkg, names)?;
+        let names = &guard.names;
         if self.tree(pkg, &names.live)?.is_none() {
-            return Ok(false);
+            return Ok(none);
         }
-        self.ensure_not_mounted(pkg)?;
         sys::rename_noreplace(self.root_fd(), &names.live, &names.replaced)
             .and_then(|()| self.fsync_root())
             .with_ctx(|_| {
@@ -205,9 +238,12 @@ impl VolumeStore {
                     pkg.context("moving the volume aside"),
                 )
             })?;
-        self.purge_locked(pkg, names)?;
+        let held = self.purge_locked(pkg, names)?.and_then(Disposal::held);
         tracing::info!(package = %pkg, "volume deleted, backup kept");
-        Ok(true)
+        Ok(DeleteOutcome {
+            deleted: true,
+            held,
+        })
     }
 }
 

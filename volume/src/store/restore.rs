@@ -5,18 +5,20 @@
 //! Before the exchange a failure is undone; after it, finished, here or by
 //! recovery ([`VolumeStore::recover`]), which tells the two apart from the
 //! record and the identities of the trees alone (the *restore* states of
-//! the [store's docs](super)).
+//! the [store's docs](super)). A mount of the volume never stops a restore:
+//! the replaced volume, which such a mount goes on showing, is kept under
+//! `<pkg>.held` while any mount holds it ([`super::held`]).
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
 
 use models::{Error, ErrorKind, PackageId, ResultExt};
 
+use super::held::Disposal;
 use super::{VolumeStore, nested_counterparts, with_cleanup};
 use crate::failpoint::failpoint;
 use crate::layout::Names;
-use crate::mounts::{self, MountUse};
-use crate::outcome::VolumeKind;
+use crate::outcome::{DeleteOutcome, RestoreOutcome, VolumeKind};
 use crate::record::{self, Identity};
 use crate::sys;
 
@@ -32,17 +34,33 @@ impl VolumeStore {
     /// current volume, after it the restored one, whatever instant a crash
     /// or power cut hits. Nothing is written inside either volume.
     ///
-    /// Refuses while anything is mounted from inside `<pkg>`, in any mount
-    /// namespace. A failure before the exchange removes the copy and the
-    /// record: the disk is as before the call.
+    /// A mount of the volume, in any mount namespace (a dependent's bind
+    /// mount of its `data_dir`), never makes it fail: such a mount goes on
+    /// showing the replaced volume, which is then kept under
+    /// `<pkg>.held/<n>` instead of deleted, until no mount holds it, with a
+    /// warning naming the holders (see [`VolumeStore::restore_outcome`]
+    /// for them as data). A failure before the exchange removes the copy
+    /// and the record: the disk is as before the call.
     pub fn restore(&self, pkg: &PackageId) -> Result<bool, Error> {
+        self.restore_outcome(pkg).map(|o| o.restored)
+    }
+
+    /// [`VolumeStore::restore`], with the replaced volume if a mount held
+    /// it (kept, and who holds it: the processes to restart so that they
+    /// see the restored volume).
+    pub fn restore_outcome(&self, pkg: &PackageId) -> Result<RestoreOutcome, Error> {
         let Some(names) = self.present(pkg)? else {
-            return Ok(false);
+            return Ok(RestoreOutcome {
+                restored: false,
+                held: None,
+            });
         };
-        let held = self.hold_recovered(pkg, names)?;
-        let restored = self.restore_locked(pkg, &held.names)?;
-        self.purge_locked(pkg, &held.names)?;
-        Ok(restored)
+        let guard = self.hold_recovered(pkg, names)?;
+        let restored = self.restore_locked(pkg, &guard.names)?;
+        let held = self
+            .purge_locked(pkg, &guard.names)?
+            .and_then(Disposal::held);
+        Ok(RestoreOutcome { restored, held })
     }
 
     /// [`VolumeStore::restore`] without deleting the replaced volume, which
@@ -63,28 +81,46 @@ impl VolumeStore {
     }
 
     /// Deletes the volume a restore replaced (`<pkg>.replaced`), if any:
-    /// O(1) per subvolume plus the eviction of its cached pages.
+    /// O(1) per subvolume plus the eviction of its cached pages. One a
+    /// mount still holds is kept under `<pkg>.held` instead (see
+    /// [`VolumeStore::restore`]). Returns whether there was one.
     pub fn purge(&self, pkg: &PackageId) -> Result<bool, Error> {
-        let Some(names) = self.present(pkg)? else {
-            return Ok(false);
-        };
-        let held = self.hold(pkg, names)?;
-        self.purge_locked(pkg, &held.names)
+        self.purge_outcome(pkg).map(|o| o.deleted)
     }
 
-    pub(super) fn purge_locked(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
-        let io_ctx = |_: &io::Error| {
-            (
-                ErrorKind::DiskManagement,
-                pkg.context("deleting the volume a restore replaced"),
-            )
+    /// [`VolumeStore::purge`], with the replaced volume if a mount held it.
+    pub fn purge_outcome(&self, pkg: &PackageId) -> Result<DeleteOutcome, Error> {
+        let Some(names) = self.present(pkg)? else {
+            return Ok(DeleteOutcome {
+                deleted: false,
+                held: None,
+            });
         };
-        if self.tree(pkg, &names.replaced)?.is_none() {
-            return Ok(false);
+        let guard = self.hold(pkg, names)?;
+        let done = self.purge_locked(pkg, &guard.names)?;
+        Ok(DeleteOutcome {
+            deleted: done.is_some(),
+            held: done.and_then(Disposal::held),
+        })
+    }
+
+    /// Deletes `<pkg>.replaced`, or keeps it under `<pkg>.held` while a
+    /// mount holds it; `None` if there was none.
+    pub(super) fn purge_locked(
+        &self,
+        pkg: &PackageId,
+        names: &Names,
+    ) -> Result<Option<Disposal>, Error> {
+        let done = self.discard_tree(pkg, names, &names.replaced)?;
+        if done.is_some() {
+            failpoint("restore.replaced-deleted").with_ctx(|_| {
+                (
+                    ErrorKind::DiskManagement,
+                    pkg.context("deleting the volume a restore replaced"),
+                )
+            })?;
         }
-        self.delete_entry(&names.replaced).with_ctx(io_ctx)?;
-        failpoint("restore.replaced-deleted").with_ctx(io_ctx)?;
-        Ok(true)
+        Ok(done)
     }
 
     pub(super) fn restore_locked(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
@@ -93,7 +129,6 @@ impl VolumeStore {
         let Some(backup_kind) = self.tree(pkg, &names.backup)? else {
             return Ok(false);
         };
-        self.ensure_not_mounted(pkg)?;
         let prepared = match backup_kind {
             VolumeKind::Subvolume => self.prepare_rollback_copy(names),
             VolumeKind::Directory => self.prepare_rollback_in_place(names),
@@ -115,16 +150,12 @@ impl VolumeStore {
             return Err(with_cleanup(e, cleanup, "undoing the restore"));
         }
         // The exchange is the commit point: from here on, a failure is
-        // finished by recovery, never undone (but for a mount of the
-        // replaced volume made meanwhile, see `undo_if_replaced_in_use`).
+        // finished by recovery, never undone. A mount of the volume now
+        // shows the replaced one, which the purge keeps while it does.
         let synced = self
             .fsync_root()
             .and_then(|()| failpoint("restore.exchanged"))
             .map_err(|e| self.failed(pkg, "syncing the volumes root after the exchange", e));
-        // Its own message, undone or not: no "was restored" around it.
-        if synced.is_ok() {
-            self.undo_if_replaced_in_use(pkg, names)?;
-        }
         let finished = synced.and_then(|()| self.finish_restore(pkg, names));
         if let Err(e) = finished {
             if !self.is_restored(names) {
@@ -229,42 +260,6 @@ impl VolumeStore {
         }
     }
 
-    /// How the rollback copy of a recorded restore was made, from its
-    /// record: a subvolume is a snapshot of the backup (which stays until
-    /// the restore is done), a plain directory the reflink backup itself,
-    /// moved to `<pkg>.rollback`.
-    fn rollback_source(&self, pkg: &PackageId, names: &Names) -> Result<VolumeKind, Error> {
-        let text = record::read(self.root_fd(), &names.rollback_id)
-            .with_ctx(|_| {
-                (
-                    ErrorKind::Filesystem,
-                    pkg.context("reading the rollback record"),
-                )
-            })?
-            .ok_or_else(|| {
-                Error::for_package(
-                    pkg,
-                    ErrorKind::Incoherent,
-                    format!(
-                        "the rollback record {} is missing",
-                        self.root.path().join(&names.rollback_id).display()
-                    ),
-                )
-            })?;
-        Identity::decode(&text)
-            .map(|id| copy_kind(&id))
-            .ok_or_else(|| {
-                Error::for_package(
-                    pkg,
-                    ErrorKind::Incoherent,
-                    format!(
-                        "unreadable rollback record {} ({text:?})",
-                        self.root.path().join(&names.rollback_id).display()
-                    ),
-                )
-            })
-    }
-
     /// Puts back what a failed restore made before its exchange: the record
     /// goes, a snapshot copy is deleted, a reflink backup gets its name back.
     ///
@@ -308,24 +303,23 @@ impl VolumeStore {
     /// After the exchange: move the replaced volume (now `<pkg>.rollback`)
     /// aside to `<pkg>.replaced`, drop the backup, then remove the rollback
     /// record. Each step is idempotent, and the record goes last so recovery
-    /// can redo the rest.
+    /// can redo the rest. Nothing here deletes the replaced volume, mounted
+    /// or not: the purge after it does, or keeps it while a mount holds it.
     pub(super) fn finish_restore(&self, pkg: &PackageId, names: &Names) -> Result<(), Error> {
-        self.refuse_replacing_in_use(pkg, names)?;
-        let set_aside = || -> io::Result<()> {
-            if !self.exists_at(&names.rollback)? {
-                return Ok(());
-            }
-            // Garbage from an earlier restore nobody purged.
-            self.delete_entry(&names.replaced)?;
-            sys::rename_noreplace(self.root_fd(), &names.rollback, &names.replaced)?;
-            self.fsync_root()
-        };
-        set_aside().with_ctx(|_| {
+        let io_ctx = |_: &io::Error| {
             (
                 ErrorKind::DiskManagement,
                 pkg.context("moving the replaced volume aside"),
             )
-        })?;
+        };
+        if self.exists_at(&names.rollback).with_ctx(io_ctx)? {
+            // Garbage from an earlier restore nobody purged (kept, if a
+            // mount still holds it).
+            self.discard_tree(pkg, names, &names.replaced)?;
+            sys::rename_noreplace(self.root_fd(), &names.rollback, &names.replaced)
+                .and_then(|()| self.fsync_root())
+                .with_ctx(io_ctx)?;
+        }
         failpoint("restore.replaced-moved").with_ctx(|_| {
             (
                 ErrorKind::DiskManagement,
@@ -343,86 +337,12 @@ impl VolumeStore {
                 )
             })
     }
-
-    /// The mounts, in any namespace, of the volume a restore replaced (now
-    /// `<pkg>.rollback`), if it is there.
-    fn replaced_in_use(&self, pkg: &PackageId, names: &Names) -> Result<Vec<MountUse>, Error> {
-        if self.tree(pkg, &names.rollback)?.is_none() {
-            return Ok(Vec::new());
-        }
-        mounts::uses_of(&self.root.path().join(&names.rollback)).with_ctx(|_| {
-            (
-                ErrorKind::Filesystem,
-                pkg.context("reading the mount tables of every mount namespace"),
-            )
-        })
-    }
-
-    /// The restore's own check, right after its exchange: a mount of the
-    /// replaced volume made while the restore copied (after the check
-    /// before the copy) would keep writing into a tree about to go. The
-    /// exchange is undone (exchanged back, the copy and record removed) and
-    /// the restore refused as any under a mount is; unless the restored
-    /// volume is in use too, when nothing is changed and the restore is
-    /// refused. A failure of the exchange back leaves the restore for the
-    /// next operation, which never deletes a replaced volume in use.
-    fn undo_if_replaced_in_use(&self, pkg: &PackageId, names: &Names) -> Result<(), Error> {
-        let busy = self.replaced_in_use(pkg, names)?;
-        if busy.is_empty() {
-            return Ok(());
-        }
-        let refused = |what: &str| {
-            Error::for_package(
-                pkg,
-                ErrorKind::InvalidRequest,
-                format!(
-                    "volume {} is in use, mounted at {} while the restore ran; {what}: stop the \
-                     service first, then restore again",
-                    self.volume_path(pkg).display(),
-                    mounts::describe(&busy)
-                ),
-            )
-        };
-        if !self.mount_uses(pkg)?.is_empty() {
-            return Err(refused(
-                "the restored volume is in use too, so both are kept as they are",
-            ));
-        }
-        let kind = self.rollback_source(pkg, names)?;
-        let undone = sys::rename_exchange(self.root_fd(), &names.rollback, &names.live)
-            .and_then(|()| self.fsync_root())
-            .and_then(|()| self.undo_rollback(names, kind));
-        Err(with_cleanup(
-            refused("the restore was undone"),
-            undone,
-            "undoing the restore",
-        ))
-    }
-
-    /// Before finishing a restore past its exchange, here or in recovery:
-    /// a replaced volume still in use is kept (the restore is complete, its
-    /// cleanup waits), never deleted from under the process writing to it.
-    fn refuse_replacing_in_use(&self, pkg: &PackageId, names: &Names) -> Result<(), Error> {
-        let busy = self.replaced_in_use(pkg, names)?;
-        if busy.is_empty() {
-            return Ok(());
-        }
-        Err(Error::for_package(
-            pkg,
-            ErrorKind::InvalidRequest,
-            format!(
-                "the volume a restore replaced, {}, is in use, mounted at {}; the restore is \
-                 complete and the replaced volume is kept until that stops: stop it, then run \
-                 recover",
-                self.root.path().join(&names.rollback).display(),
-                mounts::describe(&busy)
-            ),
-        ))
-    }
 }
 
-/// How a rollback copy with the recorded identity `id` was made (see
-/// [`VolumeStore::rollback_source`]).
+/// How a rollback copy with the recorded identity `id` was made: a
+/// subvolume is a snapshot of the backup (which stays until the restore is
+/// done), a plain directory the reflink backup itself, moved to
+/// `<pkg>.rollback`.
 pub(super) fn copy_kind(id: &Identity) -> VolumeKind {
     match id {
         Identity::Subvolume(_) => VolumeKind::Subvolume,

@@ -1,0 +1,267 @@
+//! Trees kept while mounted: the volume a restore replaced, or one a delete
+//! took off the package's name, that a mount in some mount namespace still
+//! holds (a dependent's bind mount of its `data_dir`, say) is moved into
+//! `<pkg>.held/<n>` instead of being deleted, so nothing written through
+//! that mount is deleted while it is mounted; recovery deletes it once no
+//! mount holds it (see [`crate::layout::HELD_SUFFIX`]).
+//!
+//! A mount never makes a restore or a delete fail: the operation goes on,
+//! and the holders are named in a warning and in its outcome, for the
+//! caller to restart them on the volume now under the package's name.
+
+use std::ffi::{OsStr, OsString};
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use models::{Error, ErrorKind, PackageId, ResultExt};
+
+use super::VolumeStore;
+use crate::failpoint::failpoint;
+use crate::layout::Names;
+use crate::mounts::{self, MountTables, MountUse};
+use crate::outcome::{HeldTree, Holder};
+use crate::sys;
+
+/// What became of a tree the store no longer uses.
+#[derive(Debug)]
+pub(super) enum Disposal {
+    /// No mount held it: deleted.
+    Deleted,
+    /// A mount held it: kept under `<pkg>.held`.
+    Held(HeldTree),
+}
+
+impl Disposal {
+    /// The kept tree, if it was kept.
+    pub(super) fn held(self) -> Option<HeldTree> {
+        match self {
+            Disposal::Deleted => None,
+            Disposal::Held(h) => Some(h),
+        }
+    }
+}
+
+/// `u` as data for an outcome.
+fn holder(u: &MountUse) -> Holder {
+    Holder {
+        pid: u.pids.first().copied().unwrap_or(0),
+        command: u.command.clone(),
+        mount_point: u.mount_point.clone(),
+        namespace: u.namespace,
+        own_namespace: u.own_namespace,
+    }
+}
+
+/// The entry name after the highest decimal one in the directory open as
+/// `dir` (`1` in an empty one). Only the store names entries there.
+fn next_number(dir: BorrowedFd<'_>) -> io::Result<OsString> {
+    let highest = sys::read_dir_names(dir)?
+        .iter()
+        .filter_map(|(name, _, _)| name.to_str()?.parse::<u64>().ok())
+        .max()
+        .unwrap_or(0);
+    Ok(OsString::from((highest + 1).to_string()))
+}
+
+impl VolumeStore {
+    /// Removes the tree `name` of the root, one the package no longer uses
+    /// (the volume a restore replaced, a volume being deleted): deleted if
+    /// no mount in any namespace holds it, else moved into `<pkg>.held`
+    /// and kept, with a warning naming the holders. `None` if it is absent.
+    ///
+    /// A crash leaves the tree under `name` (the caller's recovery runs
+    /// this again), part-deleted under it (nothing held it), or whole in
+    /// `<pkg>.held`. A mount made between the reading of the tables and
+    /// the delete is not seen (the name is off the package's by then, so
+    /// only a process already holding a mount of it can make one).
+    pub(super) fn discard_tree(
+        &self,
+        pkg: &PackageId,
+        names: &Names,
+        name: &OsStr,
+    ) -> Result<Option<Disposal>, Error> {
+        if self.tree(pkg, name)?.is_none() {
+            return Ok(None);
+        }
+        let path = self.root.path().join(name);
+        let uses = mounts::uses_of(&path).with_ctx(|_| {
+            (
+                ErrorKind::Filesystem,
+                pkg.context("reading the mount tables of every mount namespace"),
+            )
+        })?;
+        if uses.is_empty() {
+            self.delete_entry(name)
+                .and_then(|()| self.fsync_root())
+                .with_ctx(|_| {
+                    (
+                        ErrorKind::DiskManagement,
+                        pkg.context(format!("deleting {}", path.display())),
+                    )
+                })?;
+            return Ok(Some(Disposal::Deleted));
+        }
+        self.keep_held(pkg, names, name, &uses)
+            .map(|h| Some(Disposal::Held(h)))
+    }
+
+    /// Moves the tree `name` of the root, which `uses` hold, into
+    /// `<pkg>.held` under the next number, and warns naming them.
+    fn keep_held(
+        &self,
+        pkg: &PackageId,
+        names: &Names,
+        name: &OsStr,
+        uses: &[MountUse],
+    ) -> Result<HeldTree, Error> {
+        let moved = || -> io::Result<OsString> {
+            let dir = self.held_dir(names)?;
+            let n = next_number(dir.as_fd())?;
+            failpoint("held.moving")?;
+            sys::rename_at(self.root_fd(), name, dir.as_fd(), &n)?;
+            sys::fsync(dir.as_fd())?;
+            self.fsync_root()?;
+            Ok(n)
+        };
+        let from = self.root.path().join(name);
+        let n = moved().with_ctx(|_| {
+            (
+                ErrorKind::DiskManagement,
+                pkg.context(format!(
+                    "keeping {}, still mounted, under {}",
+                    from.display(),
+                    self.root.path().join(&names.held).display()
+                )),
+            )
+        })?;
+        let path = self.root.path().join(&names.held).join(&n);
+        tracing::warn!(
+            package = %pkg,
+            "{} is still mounted, at {}: kept as {} until no mount holds it (restart the \
+             processes holding it to have them use {}); then the package's next operation, \
+             or the boot's, deletes it",
+            from.display(),
+            mounts::describe(uses),
+            path.display(),
+            self.volume_path(pkg).display()
+        );
+        // A mount on top of something inside moved with the tree: named
+        // where it is now.
+        let holders = uses
+            .iter()
+            .map(|u| {
+                let mut h = holder(u);
+                if let Ok(rest) = h.mount_point.strip_prefix(&from) {
+                    h.mount_point = path.join(rest);
+                }
+                h
+            })
+            .collect();
+        Ok(HeldTree { path, holders })
+    }
+
+    /// `<pkg>.held`, open, made (and committed) if absent.
+    fn held_dir(&self, names: &Names) -> io::Result<OwnedFd> {
+        match sys::mkdir_at(self.root_fd(), &names.held, 0o700) {
+            Ok(()) => self.fsync_root()?,
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        sys::open_dir_at(self.root_fd(), &names.held)
+    }
+
+    /// The entries of `<pkg>.held`, sorted; empty if it is absent. An
+    /// entry under that name that is no directory is refused as any stray
+    /// under one of the package's names.
+    pub(super) fn held_trees(
+        &self,
+        pkg: &PackageId,
+        names: &Names,
+    ) -> Result<Vec<OsString>, Error> {
+        if self.tree(pkg, &names.held)?.is_none() {
+            return Ok(Vec::new());
+        }
+        let ctx = |_: &io::Error| {
+            (
+                ErrorKind::Filesystem,
+                pkg.context(format!(
+                    "reading {}",
+                    self.root.path().join(&names.held).display()
+                )),
+            )
+        };
+        let dir = sys::open_dir_at(self.root_fd(), &names.held).with_ctx(ctx)?;
+        let mut out: Vec<OsString> = sys::read_dir_names(dir.as_fd())
+            .with_ctx(ctx)?
+            .into_iter()
+            .map(|(name, _, _)| name)
+            .collect();
+        out.sort();
+        Ok(out)
+    }
+
+    /// Deletes each tree of `<pkg>.held` that no mount in any namespace
+    /// holds any more, then the directory once empty; one action line per
+    /// tree deleted. Never fails for a held tree: one still mounted is
+    /// kept, and a failure to read the mount tables or to delete one is a
+    /// warning (the next recovery tries again), so no operation of the
+    /// package ever fails because a dependent still holds an old volume.
+    pub(super) fn reclaim_held(
+        &self,
+        pkg: &PackageId,
+        names: &Names,
+        actions: &mut Vec<String>,
+    ) -> Result<(), Error> {
+        if self.tree(pkg, &names.held)?.is_none() {
+            return Ok(());
+        }
+        let entries = self.held_trees(pkg, names)?;
+        let base = self.root.path().join(&names.held);
+        let mut kept = 0;
+        if !entries.is_empty() {
+            let tables = match MountTables::read() {
+                Ok(t) => t,
+                Err(e) => {
+                    tracing::warn!(package = %pkg, "kept {}: reading the mount tables failed: {e}", base.display());
+                    return Ok(());
+                }
+            };
+            let dir = match sys::open_dir_at(self.root_fd(), &names.held) {
+                Ok(d) => d,
+                Err(e) => {
+                    tracing::warn!(package = %pkg, "kept {}: {e}", base.display());
+                    return Ok(());
+                }
+            };
+            for name in &entries {
+                let path = base.join(name);
+                if !tables.uses_of(&path).is_empty() {
+                    kept += 1;
+                    continue;
+                }
+                match self
+                    .delete_entry_in(dir.as_fd(), name)
+                    .and_then(|()| sys::fsync(dir.as_fd()))
+                {
+                    Ok(()) => actions.push(format!(
+                        "deleted {}, kept while it was mounted, now that no mount holds it",
+                        path.display()
+                    )),
+                    Err(e) => {
+                        kept += 1;
+                        tracing::warn!(package = %pkg, "could not delete {} (no longer mounted): {e}; the next recovery tries again", path.display());
+                    }
+                }
+            }
+        }
+        if kept == 0 {
+            match sys::rmdir_at(self.root_fd(), &names.held).and_then(|()| self.fsync_root()) {
+                Ok(()) => {}
+                Err(e) => {
+                    tracing::warn!(package = %pkg, "could not remove {}: {e}", base.display())
+                }
+            }
+        }
+        Ok(())
+    }
+}
