@@ -16,19 +16,26 @@
 //!   fail, then kill the process in what undoes it).
 //!
 //! Without the `failpoints` feature nothing fires and every site is free.
+//! The feature alone arms nothing either: a site fires only in a build
+//! that also sets `--cfg startos_failpoints`, which this workspace's
+//! `.cargo/config.toml` sets for its own tests. Cargo unifies features
+//! across a workspace, so a crate of start-core's that turned the feature
+//! on would otherwise turn it on for start-core's production binaries, and
+//! an environment variable would kill them; a cfg is set by whoever builds,
+//! never by a dependency.
 
 use std::io;
 
 /// Environment variable naming the failpoint at which to die or fail.
 pub const FAILPOINT_ENV: &str = "STARTOS_VOLUME_FAILPOINT";
 
-/// With the `failpoints` feature, SIGKILLs the process (or, for
-/// `...=ERRNO`, returns that error; for `...=stop`, stops until continued)
-/// when [`FAILPOINT_ENV`] names this hit of `name`. Without it, does
-/// nothing.
+/// With the `failpoints` feature and `--cfg startos_failpoints`, SIGKILLs
+/// the process (or, for `...=ERRNO`, returns that error; for `...=stop`,
+/// stops until continued) when [`FAILPOINT_ENV`] names this hit of `name`.
+/// Without both, does nothing.
 #[inline]
 pub fn failpoint(name: &str) -> io::Result<()> {
-    #[cfg(all(feature = "failpoints", target_os = "linux"))]
+    #[cfg(all(feature = "failpoints", startos_failpoints, target_os = "linux"))]
     {
         use std::collections::HashMap;
         use std::sync::Mutex;
@@ -84,7 +91,7 @@ pub fn failpoint(name: &str) -> io::Result<()> {
             }
         }
     }
-    #[cfg(not(all(feature = "failpoints", target_os = "linux")))]
+    #[cfg(not(all(feature = "failpoints", startos_failpoints, target_os = "linux")))]
     {
         let _ = name;
         Ok(())

@@ -17,8 +17,10 @@
 //! every call appends its line: how a sweep learns how many calls an
 //! operation makes, and which is which.
 //!
-//! Without the feature, `check` is an inline no-op: production builds
-//! carry no counter and read no environment.
+//! Without the feature, or without the `--cfg startos_failpoints` that
+//! only this workspace's own builds set (see [`crate::failpoint`]), `check`
+//! is an inline no-op: production builds carry no counter and read no
+//! environment.
 
 use std::io;
 
@@ -30,7 +32,7 @@ pub const FAULT_ENV: &str = "STARTOS_VOLUME_FAULT";
 pub const FAULT_LOG_ENV: &str = "STARTOS_VOLUME_FAULT_LOG";
 
 /// The errno a fault spec names, from its name or number.
-#[cfg(feature = "failpoints")]
+#[cfg(all(feature = "failpoints", startos_failpoints))]
 pub(crate) fn parse_errno(name: &str) -> Option<i32> {
     Some(match name {
         "eio" => libc::EIO,
@@ -47,18 +49,18 @@ pub(crate) fn parse_errno(name: &str) -> Option<i32> {
 /// the chosen one (see the module docs). Free without `failpoints`.
 #[inline]
 pub(crate) fn check(name: &'static str) -> io::Result<()> {
-    #[cfg(feature = "failpoints")]
+    #[cfg(all(feature = "failpoints", startos_failpoints))]
     {
         armed::check(name)
     }
-    #[cfg(not(feature = "failpoints"))]
+    #[cfg(not(all(feature = "failpoints", startos_failpoints)))]
     {
         let _ = name;
         Ok(())
     }
 }
 
-#[cfg(feature = "failpoints")]
+#[cfg(all(feature = "failpoints", startos_failpoints))]
 mod armed {
     use std::io::{self, Write};
     use std::sync::OnceLock;
@@ -137,7 +139,7 @@ mod armed {
     }
 }
 
-#[cfg(all(test, feature = "failpoints"))]
+#[cfg(all(test, feature = "failpoints", startos_failpoints))]
 mod tests {
     use super::*;
 

@@ -743,7 +743,7 @@ pub fn set_nofile_limit(n: u64) -> io::Result<()> {
 
 /// Stops the calling process with SIGSTOP, until someone sends SIGCONT: a
 /// failpoint's pause, for a test to act at that step.
-#[cfg(feature = "failpoints")]
+#[cfg(all(feature = "failpoints", startos_failpoints))]
 pub(crate) fn stop_self() {
     let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::STOP);
 }
@@ -751,7 +751,7 @@ pub(crate) fn stop_self() {
 /// Kills the calling process with SIGKILL: a failpoint's crash, which no
 /// handler, unwinding or buffered write can soften. Returns only if the
 /// signal could not be sent.
-#[cfg(feature = "failpoints")]
+#[cfg(all(feature = "failpoints", startos_failpoints))]
 pub(crate) fn kill_self() {
     let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
 }

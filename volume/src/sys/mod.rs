@@ -83,7 +83,7 @@ pub(crate) use fs::{
     set_times_at, stat_existing_at, symlink_at, syncfs, touch_at, truncate, try_lock_exclusive,
     unlink_at, unlink_if_exists,
 };
-#[cfg(feature = "failpoints")]
+#[cfg(all(feature = "failpoints", startos_failpoints))]
 pub(crate) use fs::{kill_self, stop_self};
 pub(crate) use inode::open_tree_dir;
 pub(crate) use proc::{flock_holders, mount_namespaces, own_mount_table};
