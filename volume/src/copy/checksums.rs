@@ -147,16 +147,24 @@ fn match_source(
         Ok(())
     });
     if let Err(e) = changed {
-        let (has, wants) = match item.nodatasum() {
-            true => ("has none", "without"),
-            false => ("has them", "with"),
+        // Only a refusal is final: space, I/O or memory may be back next run.
+        let refusal = [libc::EPERM, libc::EACCES, libc::EOPNOTSUPP, libc::EINVAL];
+        if !e.raw_os_error().is_some_and(|n| refusal.contains(&n)) {
+            return Err(e);
+        }
+        let state = match item.nodatasum() {
+            true => {
+                "the source has no data checksums (written under nodatasum) and the copy's \
+                     file could not be made NOCOW, the one way to have none on this mount"
+            }
+            false => {
+                "the source has data checksums and the copy's file, created without \
+                      (a nodatasum mount), could not be given them"
+            }
         };
         return Err(unclonable(
             rel,
-            format!(
-                "btrfs reflinks only between files alike in data checksums; the source {has}, \
-                 and the copy could not be made {wants} ({e})"
-            ),
+            format!("{state} ({e}); btrfs reflinks only between files alike in data checksums"),
         ));
     }
     if item.nodatasum() {
