@@ -51,7 +51,10 @@ impl Migrator {
     /// copies; see [`sys::MetadataSpace`]), must cover the estimated new
     /// metadata, 128 bytes per extent item plus 1 KiB per entry, plus
     /// `opts.reserve_bytes`. The estimate can miss, so an ENOSPC during the
-    /// copy removes the partial subvolume and leaves `<pkg>` untouched. Other
+    /// copy removes the partial subvolume and leaves `<pkg>` untouched, as
+    /// does a file no clone can copy ([`copy::is_unclonable`]), which a
+    /// resume would meet again; Auto, if it was resuming, then plans the
+    /// package afresh and snapshots the parent where that applies. Other
     /// errors during the copy keep the partial copy for the next run.
     ///
     /// The scan that counts entries, bytes and extents (a stat and a tree

@@ -14,7 +14,9 @@
 //! clone into an empty file is refused does it read the source's inode
 //! item and change the new file, then clone once more. Free for the files
 //! whose states agree, which is all of them on a volume never mounted
-//! otherwise. What the kernel allows on an empty regular file:
+//! otherwise. (A file with no data has nothing to clone, and keeps the
+//! state the mount gives it.) What the kernel allows on an empty regular
+//! file:
 //! - a checksummed source: NOCOW set then cleared clears NODATACOW and
 //!   NODATASUM together, whatever the mount, so the copy has checksums
 //!   even on a `nodatasum` mount;
