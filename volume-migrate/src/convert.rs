@@ -51,7 +51,10 @@ impl Migrator {
     /// copies; see [`sys::MetadataSpace`]), must cover the estimated new
     /// metadata, 128 bytes per extent item plus 1 KiB per entry, plus
     /// `opts.reserve_bytes`. The estimate can miss, so an ENOSPC during the
-    /// copy removes the partial subvolume and leaves `<pkg>` untouched. Other
+    /// copy removes the partial subvolume and leaves `<pkg>` untouched, as
+    /// does a file no clone can copy ([`copy::is_unclonable`]), which a
+    /// resume would meet again; Auto, if it was resuming, then plans the
+    /// package afresh and snapshots the parent where that applies. Other
     /// errors during the copy keep the partial copy for the next run.
     ///
     /// The scan that counts entries, bytes and extents (a stat and a tree
@@ -157,30 +160,22 @@ impl Migrator {
             room,
             tracker,
             report,
+            unclonable: false,
         };
         if self.carve_as_planned(&mut job, planned, resume)? {
-            let mut report = job.report;
-            report.method = Some(Method::SnapshotParent);
-            report.decision = Some(Decision::SnapshotParent);
-            report.outcome = Outcome::Converted;
-            if opts.method == Method::Auto && !opts.defer_cut {
-                // Auto deferred the cut whatever the options (its
-                // snapshot holds every other package's tree, which
-                // nothing counted); this caller wants it gone on
-                // return: shed now, the volume already in place.
-                // A failure leaves garbage for the next cleanup.
-                drop(lock);
-                if let Err(e) = self.remove_parts(pkg, false, sink) {
-                    tracing::warn!(package = %pkg, error = %e, "removing the rest of the parent's snapshot");
-                }
-            }
-            report.elapsed = started.elapsed();
-            return Ok(report);
+            let report = job.report;
+            return Ok(self.carved(report, lock, opts, sink, started));
         }
         if !flushed {
             self.flush_for_clone(&mut job)?;
         }
-        job.clone_volume(resume)?;
+        if let Err(e) = job.clone_volume(resume) {
+            if !self.carve_after_unclonable(&mut job, resume, &e)? {
+                return Err(e);
+            }
+            let report = job.report;
+            return Ok(self.carved(report, lock, opts, sink, started));
+        }
         job.report.method = Some(Method::Clone);
         job.report.decision = Some(Decision::Clone(
             match (&job.report.fallback, &planned.decision) {
@@ -196,6 +191,63 @@ impl Migrator {
         }
         job.report.elapsed = started.elapsed();
         Ok(job.report)
+    }
+
+    /// The report of a package converted by a snapshot of its parent. Auto
+    /// deferred the cut whatever the options (its snapshot holds every
+    /// other package's tree, which nothing counted); a caller without
+    /// [`MigrateOptions::defer_cut`] wants it gone on return: shed now,
+    /// the volume already in place (a failure leaves garbage for the next
+    /// cleanup).
+    fn carved(
+        &self,
+        mut report: PackageReport,
+        lock: volume::lock::PackageLock,
+        opts: &MigrateOptions,
+        sink: &mut dyn ProgressSink,
+        started: Instant,
+    ) -> PackageReport {
+        let pkg = report.package.clone();
+        report.method = Some(Method::SnapshotParent);
+        report.decision = Some(Decision::SnapshotParent);
+        report.outcome = Outcome::Converted;
+        if opts.method == Method::Auto && !opts.defer_cut {
+            drop(lock);
+            if let Err(e) = self.remove_parts(&pkg, false, sink) {
+                tracing::warn!(package = %pkg, error = %e, "removing the rest of the parent's snapshot");
+            }
+        }
+        report.elapsed = started.elapsed();
+        report
+    }
+
+    /// After a clone failed with `error`: where [`Method::Auto`] cloned to
+    /// resume a partial copy, and that copy was discarded as unclonable
+    /// ([`Job::unclonable`]), plans the package again as it now is and, if
+    /// that says to snapshot the parent, converts it so; returns whether
+    /// it did. `false`: the clone's error stands (a snapshot does not
+    /// apply either, or the clone was not resuming). So a partial copy
+    /// never jams Auto: it is gone, and the method a fresh run would pick
+    /// is tried.
+    fn carve_after_unclonable(
+        &self,
+        job: &mut Job<'_, '_>,
+        resume: bool,
+        error: &Error,
+    ) -> Result<bool, Error> {
+        if !(job.unclonable && resume && job.opts.method == Method::Auto) {
+            return Ok(false);
+        }
+        let fresh = self.schedule_for(std::slice::from_ref(job.pkg), job.opts, false)?;
+        let Some(planned) = fresh
+            .into_iter()
+            .find(|p| p.decision == Some(Decision::SnapshotParent))
+        else {
+            return Ok(false);
+        };
+        tracing::warn!(package = %job.pkg, %error, "the partial clone was discarded: snapshotting the parent instead");
+        job.report.resumed = false;
+        self.carve_as_planned(job, &planned, false)
     }
 
     /// A cut planned without a commit first fell back to a clone: write

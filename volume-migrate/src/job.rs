@@ -58,6 +58,10 @@ pub(crate) struct Job<'a, 's> {
     pub room: MetadataRoom,
     pub tracker: Tracker<'s>,
     pub report: PackageReport,
+    /// Set when [`Job::clone_volume`] failed on a file no clone can copy
+    /// ([`copy::is_unclonable`]) and discarded its partial copy: nothing
+    /// of the clone is left for a later run to resume.
+    pub unclonable: bool,
 }
 
 /// Why [`Job::carve_parent`] did not carve: the step that failed, and
@@ -157,7 +161,9 @@ impl Job<'_, '_> {
     /// there if `resume`), then swaps it in. On ENOSPC, or when the scan
     /// finds the space short, the partial subvolume is removed and `<pkg>`
     /// is untouched; on other errors the partial copy is kept for the next
-    /// run.
+    /// run, but for a file no clone can copy ([`copy::is_unclonable`]: a
+    /// resume would meet it again), which discards it too and sets
+    /// [`Job::unclonable`].
     pub fn clone_volume(&mut self, resume: bool) -> Result<(), Error> {
         let stop_scan = AtomicBool::new(false);
         let scan_fd = self
@@ -231,6 +237,11 @@ impl Job<'_, '_> {
                 let why = format!("{} holds {e}", self.live_path().display());
                 return Err(self.abandon(dst, why));
             }
+            (Err(e), _) if copy::is_unclonable(&e) => {
+                self.unclonable = true;
+                let why = format!("cloning {}: {e}", self.live_path().display());
+                return Err(self.abandon(dst, why));
+            }
             (Err(_), Some(ScanFailure::Io(e))) => {
                 return Err(e).with_ctx(step(
                     pkg,
@@ -258,6 +269,10 @@ impl Job<'_, '_> {
         self.report.bytes_cloned = stats.bytes_cloned;
         self.report.entries_reused = stats.entries_reused;
         self.report.nocow_files = stats.nocow_files;
+        if stats.nodatasum_nocow > 0 {
+            // No other state shares their extents on a checksumming mount.
+            tracing::warn!(package = %pkg, files = stats.nodatasum_nocow, "files without data checksums (written under nodatasum) were copied as NOCOW files");
+        }
         failpoint("migrate.copied").with_ctx(step(pkg, "failpoint"))?;
         let estimate = self.report.estimate.unwrap_or_default();
         tracing::info!(package = %pkg, bytes = estimate.bytes, extents = estimate.extents, "volume cloned into a subvolume");
@@ -344,7 +359,8 @@ impl Job<'_, '_> {
         Ok((fd, None))
     }
 
-    /// Gives up a clone that cannot complete (space): the partial subvolume
+    /// Gives up a clone that cannot complete (space, a tree too deep, a
+    /// file no clone can copy): the partial subvolume
     /// goes, `<pkg>` is untouched; the error says so and why.
     fn abandon(&self, dst: OwnedFd, why: impl std::fmt::Display) -> Error {
         drop(dst);

@@ -56,7 +56,9 @@
 //! size, aligned down to the block size; entries whose source changed since
 //! the partial copy was started are copied again, told by the transaction
 //! that last wrote each source inode against the one that created the
-//! copy, never by a clock); a *subvolume* `<pkg>.migrate-parent` is a cut
+//! copy, never by a clock; a resume that meets a file no clone can copy
+//! removes the copy, so none is resumed twice for it); a *subvolume*
+//! `<pkg>.migrate-parent` is a cut
 //! that did not finish, deleted in O(1) with its record `<pkg>.migrate-rest`
 //! (a new snapshot costs nothing); a *plain directory* under either name
 //! beside a subvolume `<pkg>` is the old directory after the exchange;

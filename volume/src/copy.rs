@@ -4,7 +4,9 @@
 //! (and, later, by the one-time conversion to subvolumes). Unlike
 //! `cp -a --reflink=always`, it handles NOCOW files: the flag is set on the
 //! new file before any data is cloned, which is the only order in which the
-//! kernel allows a reflink of NOCOW data.
+//! kernel allows a reflink of NOCOW data; and a new file whose data
+//! checksums differ from its source's (a volume written partly under a
+//! `nodatasum` mount) is given the source's before its data (`checksums`).
 //!
 //! Contents are untrusted: every name is resolved relative to an open
 //! directory, nothing is followed through a symlink, and only regular files
@@ -32,11 +34,13 @@ use crate::sys::{self, FileType, InodeFlags, Stat, inode_flags, set_inode_flags 
 use crate::walk::{Chain, Step, Walk, crosses_mount};
 
 mod changes;
+mod checksums;
 mod helpers;
 mod metadata;
 mod remove;
 
 pub use changes::SourceChanges;
+pub use checksums::{Unclonable, is_unclonable};
 use helpers::{HELPER_MAX_BYTES, Helpers, SharedDirs};
 use metadata::{Target, copy_xattrs_at, finish_file_metadata, finish_metadata};
 pub use metadata::{finish_fd_metadata, remove_xattrs_missing_from};
@@ -78,6 +82,10 @@ pub struct CopyStats {
     /// Files whose data was cloned NOCOW (once per inode): until the
     /// source is gone they share extents, so their next writes are copies.
     pub nocow_files: u64,
+    /// Of those, files without data checksums but copied on write (written
+    /// under `nodatasum`) made NOCOW: on a mount that checksums new files,
+    /// the only state btrfs reflinks their data into (`checksums`).
+    pub nodatasum_nocow: u64,
     /// Regular files copied on a helper thread rather than the walk's.
     pub helped_files: u64,
 }
@@ -188,6 +196,7 @@ impl CopyStats {
         self.entries_reused += o.entries_reused;
         self.entries_discarded += o.entries_discarded;
         self.nocow_files += o.nocow_files;
+        self.nodatasum_nocow += o.nodatasum_nocow;
         self.helped_files += o.helped_files;
     }
 }
@@ -669,7 +678,8 @@ impl FileCopier<'_, '_> {
     /// Puts `src`'s data into `dst` by reflink: NOCOW first (the kernel only
     /// clones NOCOW data into a NOCOW file), then from what is already in
     /// `dst` (its size, aligned down to the block size) to the end, in
-    /// offset order.
+    /// offset order; data checksums made the source's where btrfs refuses
+    /// the first clone for them (`checksums`).
     fn copy_data(
         &mut self,
         src: BorrowedFd<'_>,
@@ -720,11 +730,8 @@ impl FileCopier<'_, '_> {
         match self.chunk_bytes {
             None => {
                 if size > start {
-                    if start == 0 {
-                        sys::ficlone(dst, src)?;
-                    } else {
-                        sys::ficlone_range(dst, src, start, size - start)?;
-                    }
+                    let len = (start > 0).then_some(size - start);
+                    checksums::clone_range(dst, src, start, len, rel, self.stats)?;
                     self.stats.bytes_cloned += size - start;
                     (self.progress)(CopyEvent::Data {
                         rel,
@@ -740,7 +747,7 @@ impl FileCopier<'_, '_> {
                 let mut off = start;
                 while off < size {
                     let len = chunk.min(size - off);
-                    sys::ficlone_range(dst, src, off, len)?;
+                    checksums::clone_range(dst, src, off, Some(len), rel, self.stats)?;
                     off += len;
                     self.stats.bytes_cloned += len;
                     (self.progress)(CopyEvent::Data {

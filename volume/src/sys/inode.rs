@@ -50,6 +50,26 @@ struct FileHandle {
 /// The generation of inode `ino` in tree `tree` of the filesystem holding
 /// `fs`, from its inode item; `NotFound` if the tree has no such inode.
 fn generation(fs: BorrowedFd<'_>, tree: u64, ino: u64) -> io::Result<u64> {
+    let found = find_inode_item(fs, tree, ino)?.map(|inode| inode.generation);
+    found.ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("no inode {ino} in subvolume {tree}"),
+        )
+    })
+}
+
+/// The inode item of the file or directory open as `fd`, as its
+/// subvolume's tree holds it: what it says of the inode's data (NODATASUM,
+/// NODATACOW) and no FS_IOC_GETFLAGS shows. `None` while the inode is
+/// newer than the last commit (btrfs keeps new inodes in memory until one
+/// writes them into the tree). Needs CAP_SYS_ADMIN; ENOTTY off btrfs.
+pub fn inode_item(fd: BorrowedFd<'_>) -> io::Result<Option<InodeItem>> {
+    find_inode_item(fd, 0, stat(fd)?.ino)
+}
+
+/// Inode `ino`'s item in tree `tree` (0: the tree of `fs`), if there.
+fn find_inode_item(fs: BorrowedFd<'_>, tree: u64, ino: u64) -> io::Result<Option<InodeItem>> {
     let mut found = None;
     let mut bad = None;
     Searcher::default().search_tree(
@@ -59,7 +79,7 @@ fn generation(fs: BorrowedFd<'_>, tree: u64, ino: u64) -> io::Result<u64> {
         |key, body| {
             if key.objectid == ino && key.item_type == INODE_ITEM_KEY {
                 match InodeItem::parse(body) {
-                    Ok(inode) => found = Some(inode.generation),
+                    Ok(inode) => found = Some(inode),
                     Err(e) => bad = Some(e),
                 }
                 return ControlFlow::Break(());
@@ -67,15 +87,10 @@ fn generation(fs: BorrowedFd<'_>, tree: u64, ino: u64) -> io::Result<u64> {
             ControlFlow::Continue(())
         },
     )?;
-    if let Some(e) = bad {
-        return Err(e.into());
+    match bad {
+        Some(e) => Err(e.into()),
+        None => Ok(found),
     }
-    found.ok_or_else(|| {
-        io::Error::new(
-            io::ErrorKind::NotFound,
-            format!("no inode {ino} in subvolume {tree}"),
-        )
-    })
 }
 
 /// The inode numbers of the subvolume holding `fd` whose inode item was
