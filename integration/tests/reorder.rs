@@ -248,7 +248,7 @@ fn an_update_with_no_rollback_point_stops_unless_chosen_and_the_user_is_told() {
                 assert!(
                     run.notifications("app")
                         .iter()
-                        .any(|n| n.contains("no-backup proceeding=true")),
+                        .any(|n| n.contains("no-backup go_on=true")),
                     "{:?}",
                     run.notifications("app")
                 );
