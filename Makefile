@@ -153,6 +153,8 @@ guest-bins: dist
 
 # Upstream's volume code (integration::upstream) against ours, scenario by
 # scenario, in one table. The crash scenarios kill the binary's own child
-# processes at named steps, so it is built with the failpoints.
+# processes at named steps, so it is built with the failpoints; row h runs
+# the fixture's call-sites runner, built beside it.
 compare: deps
+	$(CARGO) build --release -p upstream-call-sites --bin call-sites --features startos-core/failpoints
 	$(CARGO) run --release -p integration --bin compare --features $(TEST_FEATURES) -- $(COMPARE_ARGS)

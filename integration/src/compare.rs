@@ -17,7 +17,9 @@
 //! - [`nocow`] (f): NOCOW files in a plain-directory volume: is a backup
 //!   taken, is a missing one reported;
 //! - [`boot`] (g): a box of several plain-directory packages converted at
-//!   boot: when may every service start, when are the old trees gone.
+//!   boot: when may every service start, when are the old trees gone;
+//! - [`reorder`] (h): start-core's own call sites killed at every step of
+//!   an update and a rollback, in upstream's order and reordered.
 //!
 //! [`trees`] builds the volumes they run on; [`table`] lays out the rows.
 //!
@@ -39,6 +41,7 @@ pub mod boot;
 pub mod crash;
 pub mod nested;
 pub mod nocow;
+pub mod reorder;
 pub mod resume;
 pub mod table;
 pub mod trees;

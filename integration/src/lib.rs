@@ -24,6 +24,7 @@
 //!
 //! Everything here needs Linux; most of it needs root.
 
+pub mod call_sites;
 pub mod compare;
 pub mod deep;
 pub mod dist;

@@ -2,7 +2,7 @@
 //! fixture crate `fixtures/upstream-call-sites` builds upstream's call sites
 //! against exactly those files. This checks the page quotes them word for
 //! word, and that its line counts are theirs: the wiring's, and, counted
-//! apart, the optional readiness step's.
+//! apart, the optional readiness step's and each of the reorder's edits.
 
 use std::path::Path;
 
@@ -84,5 +84,63 @@ fn the_page_quotes_the_optional_readiness_step_and_counts_it_apart() {
     assert!(
         page.contains(&format!("**{lines} lines** for the optional step")),
         "docs/upstream.md must state the optional step's count, {lines}"
+    );
+}
+
+/// Each region of `text` between `// <marker>: begin` and `// <marker>: end`,
+/// without the indentation it sits at.
+fn marked_regions(text: &str, marker: &str) -> Vec<String> {
+    let (begin, end) = (format!("// {marker}: begin"), format!("// {marker}: end"));
+    let mut regions = Vec::new();
+    let mut current: Option<Vec<&str>> = None;
+    for line in text.lines() {
+        if line.trim() == begin {
+            assert!(current.is_none(), "{marker}: nested begin");
+            current = Some(Vec::new());
+        } else if line.trim() == end {
+            regions.push(current.take().expect("an end without a begin"));
+        } else if let Some(lines) = current.as_mut() {
+            lines.push(line);
+        }
+    }
+    assert!(current.is_none(), "{marker}: a begin without an end");
+    regions
+        .into_iter()
+        .map(|lines| {
+            let indent = lines
+                .iter()
+                .filter(|l| !l.trim().is_empty())
+                .map(|l| l.len() - l.trim_start().len())
+                .min()
+                .unwrap_or(0);
+            lines
+                .iter()
+                .map(|l| format!("{}\n", l.get(indent..).unwrap_or("")))
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn the_page_quotes_each_edit_of_the_reorder_and_counts_it_apart() {
+    let page = read("docs/upstream.md");
+    let reordered = read(&format!("{FIXTURE}/service/reordered.rs"));
+    let mut total = 0;
+    for n in 1..=5 {
+        let regions = marked_regions(&reordered, &format!("reorder {n}"));
+        assert!(!regions.is_empty(), "edit {n} is marked");
+        let mut lines = 0;
+        for region in &regions {
+            lines += quoted_lines(&page, region, &format!("reorder {n}'s marked lines"));
+        }
+        assert!(
+            page.contains(&format!("**Edit {n}** ({lines} lines)")),
+            "docs/upstream.md must state edit {n}'s count, {lines}"
+        );
+        total += lines;
+    }
+    assert!(
+        page.contains(&format!("**{total} lines** for the reorder")),
+        "docs/upstream.md must state the reorder's count, {total}"
     );
 }

@@ -34,10 +34,11 @@ enum Scenario {
     Nocow,
     /// g. a box of plain-directory packages converted at boot.
     Boot,
+    Reorder,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 7] = [
+    const ALL: [Scenario; 8] = [
         Scenario::Nested,
         Scenario::Crash,
         Scenario::Attrs,
@@ -45,6 +46,7 @@ impl Scenario {
         Scenario::Bind,
         Scenario::Nocow,
         Scenario::Boot,
+        Scenario::Reorder,
     ];
 
     fn title(self) -> &'static str {
@@ -56,6 +58,7 @@ impl Scenario {
             Scenario::Bind => "e. restore under a bind mount",
             Scenario::Nocow => "f. NOCOW, plain-dir root",
             Scenario::Boot => "g. boot conversion of a box",
+            Scenario::Reorder => "h. call sites killed, both orders",
         }
     }
 
@@ -68,6 +71,7 @@ impl Scenario {
             Scenario::Bind => compare::bind::run(scale)?.rows(),
             Scenario::Nocow => compare::nocow::run(scale)?.rows(),
             Scenario::Boot => compare::boot::run(scale)?.rows(),
+            Scenario::Reorder => compare::reorder::run(scale)?.rows(),
         })
     }
 }
