@@ -47,9 +47,9 @@ impl VolumeStore {
     }
 
     pub(super) fn drop_locked(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
-        let io_ctx = |what: &'static str| {
-            move |_: &io::Error| (ErrorKind::DiskManagement, pkg.context(what))
-        };
+        // Out of space or at a qgroup limit, the error says so and what to
+        // do, as every other operation's does.
+        let io_ctx = |what: &'static str| move |e: io::Error| self.failed(pkg, what, e);
         let existed = self.tree(pkg, &names.backup)?.is_some();
         // Looked at first: a stray under the record's name stops the drop
         // before anything changed.
@@ -60,18 +60,18 @@ impl VolumeStore {
                     self.fsync_root()
                         .and_then(|()| failpoint("drop.renamed"))
                         .and_then(|()| self.delete_entry(&names.backup_drop))
-                        .with_ctx(io_ctx("deleting the backup"))?;
+                        .map_err(io_ctx("deleting the backup"))?;
                 }
                 Err(e) if is_enospc(&e) => {
                     if !self
                         .one_step_delete(&names.backup)
-                        .with_ctx(io_ctx("deleting the backup"))?
+                        .map_err(io_ctx("deleting the backup"))?
                     {
                         return Err(self.failed(pkg, "dropping the backup", e));
                     }
                 }
                 Err(e) => {
-                    return Err(e).with_ctx(io_ctx("moving the backup aside"));
+                    return Err(io_ctx("moving the backup aside")(e));
                 }
             }
             tracing::info!(package = %pkg, "install backup dropped");
@@ -79,7 +79,7 @@ impl VolumeStore {
         if record {
             self.delete_entry(&names.backup_ro)
                 .and_then(|()| self.fsync_root())
-                .with_ctx(io_ctx("removing the backup's read-only record"))?;
+                .map_err(io_ctx("removing the backup's read-only record"))?;
         }
         Ok(existed)
     }
@@ -113,9 +113,9 @@ impl VolumeStore {
         };
         let guard = self.hold_recovered(pkg, names)?;
         let names = &guard.names;
-        let io_ctx = |what: &'static str| {
-            move |_: &io::Error| (ErrorKind::DiskManagement, pkg.context(what))
-        };
+        // Out of space or at a qgroup limit, the error says so and what to
+        // do, as every other operation's does.
+        let io_ctx = |what: &'static str| move |e: io::Error| self.failed(pkg, what, e);
         let mut deleted = false;
         if self.tree(pkg, &names.live)?.is_some() {
             // A stray under one of its names stops the delete before it
@@ -125,7 +125,7 @@ impl VolumeStore {
                 Ok(()) => {
                     self.fsync_root()
                         .and_then(|()| failpoint("delete.renamed"))
-                        .with_ctx(io_ctx("deleting the volume"))?;
+                        .map_err(io_ctx("deleting the volume"))?;
                 }
                 Err(e) if is_enospc(&e) => {
                     // No room to rename: the backup, then the volume, each
@@ -135,7 +135,7 @@ impl VolumeStore {
                     // Nor room to keep a mounted volume aside: it stays.
                     if !self
                         .can_delete_in_one_step(&names.live)
-                        .with_ctx(io_ctx("inspecting the volume"))?
+                        .map_err(io_ctx("inspecting the volume"))?
                         || !self.mount_uses(pkg)?.is_empty()
                     {
                         return Err(self.failed(pkg, "deleting the volume", e));
@@ -143,7 +143,7 @@ impl VolumeStore {
                     self.drop_locked(pkg, names)?;
                     if !self
                         .one_step_delete(&names.live)
-                        .with_ctx(io_ctx("deleting the volume"))?
+                        .map_err(io_ctx("deleting the volume"))?
                     {
                         return Err(self.failed(pkg, "deleting the volume", e));
                     }
@@ -153,7 +153,7 @@ impl VolumeStore {
                         held: None,
                     });
                 }
-                Err(e) => return Err(e).with_ctx(io_ctx("moving the volume aside")),
+                Err(e) => return Err(io_ctx("moving the volume aside")(e)),
             }
             deleted = true;
         }
@@ -175,13 +175,8 @@ impl VolumeStore {
         names: &Names,
     ) -> Result<(bool, Option<HeldTree>), Error> {
         let dropped = self.drop_locked(pkg, names)?;
-        let io_ctx = |_: &io::Error| {
-            (
-                ErrorKind::DiskManagement,
-                pkg.context("deleting the volume"),
-            )
-        };
-        failpoint("delete.backup-dropped").with_ctx(io_ctx)?;
+        let io_ctx = |e: io::Error| self.failed(pkg, "deleting the volume", e);
+        failpoint("delete.backup-dropped").map_err(io_ctx)?;
         // Every other name of the package goes with it: what an interrupted
         // restore of upstream's kept for the operator, a conversion's old
         // trees kept with `--keep-old` or left by a crash, upstream's
@@ -192,11 +187,11 @@ impl VolumeStore {
                 Leftover::Tree => self.delete_entry(name),
                 Leftover::Record => record::remove(self.root_fd(), name),
             }
-            .with_ctx(io_ctx)?;
+            .map_err(io_ctx)?;
             removed = true;
         }
         if removed {
-            self.fsync_root().with_ctx(io_ctx)?;
+            self.fsync_root().map_err(io_ctx)?;
         }
         self.mark_fresh_locked(pkg, &names.fresh, false)?;
         let last = self.discard_tree(pkg, names, &names.delete)?;
@@ -232,12 +227,7 @@ impl VolumeStore {
         }
         sys::rename_noreplace(self.root_fd(), &names.live, &names.replaced)
             .and_then(|()| self.fsync_root())
-            .with_ctx(|_| {
-                (
-                    ErrorKind::DiskManagement,
-                    pkg.context("moving the volume aside"),
-                )
-            })?;
+            .map_err(|e| self.failed(pkg, "moving the volume aside", e))?;
         let held = self.purge_locked(pkg, names)?.and_then(Disposal::held);
         tracing::info!(package = %pkg, "volume deleted, backup kept");
         Ok(DeleteOutcome {

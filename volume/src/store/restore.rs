@@ -269,21 +269,36 @@ impl VolumeStore {
     /// first (without a record, a plain `.rollback` beside no backup is
     /// refused, never deleted).
     pub(super) fn undo_rollback(&self, names: &Names, backup_kind: VolumeKind) -> io::Result<()> {
+        // Only what the restore made is undone: one refused before it made
+        // anything (a read-only filesystem refuses even the removal of a
+        // name that is not there) has nothing to undo, and says only why
+        // it was refused.
+        let record = self.exists_at(&names.rollback_id)?;
+        let copy = self.exists_at(&names.rollback)?;
         match backup_kind {
             VolumeKind::Subvolume => {
-                record::remove(self.root_fd(), &names.rollback_id)?;
-                self.fsync_root()?;
-                self.delete_entry(&names.rollback)?;
+                if record {
+                    record::remove(self.root_fd(), &names.rollback_id)?;
+                    self.fsync_root()?;
+                }
+                if copy {
+                    self.delete_entry(&names.rollback)?;
+                }
             }
             VolumeKind::Directory => {
-                if self.exists_at(&names.rollback)? && !self.exists_at(&names.backup)? {
+                if copy && !self.exists_at(&names.backup)? {
                     sys::rename_noreplace(self.root_fd(), &names.rollback, &names.backup)?;
                     self.fsync_root()?;
                 }
-                record::remove(self.root_fd(), &names.rollback_id)?;
+                if record {
+                    record::remove(self.root_fd(), &names.rollback_id)?;
+                }
             }
         }
-        self.fsync_root()
+        if record || copy {
+            self.fsync_root()?;
+        }
+        Ok(())
     }
 
     /// The one step that changes what `<pkg>` is: exchange it with the
