@@ -499,7 +499,10 @@ impl Job<'_, '_> {
                 ),
             ));
         }
-        sys::fsync(root).with_ctx(step(pkg, "syncing the volumes root"))?;
+        // The exchange made durable by a commit, by name: an fsync of the
+        // root would commit too, but only because btrfs's log tree cannot
+        // record a subvolume's rename, an implementation detail.
+        sys::commit_metadata(root).with_ctx(step(pkg, "committing the exchange"))?;
         failpoint("migrate.exchanged").with_ctx(step(pkg, "failpoint"))?;
         settle_exchanged(self.root, pkg, self.names)?;
         self.tracker.phase(Phase::Done);

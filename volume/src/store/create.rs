@@ -118,7 +118,7 @@ impl VolumeStore {
                     .and_then(|()| {
                         sys::rename_noreplace(self.root_fd(), &names.create, &names.live)
                     })
-                    .and_then(|()| self.fsync_root())
+                    .and_then(|()| self.commit_root())
                     .map_err(|e| self.failed(pkg, "putting the new volume in place", e))
             });
         if let Err(e) = made {

@@ -119,8 +119,7 @@ impl VolumeStore {
             let n = next_number(dir.as_fd())?;
             failpoint("held.moving")?;
             sys::rename_at(self.root_fd(), name, dir.as_fd(), &n)?;
-            sys::fsync(dir.as_fd())?;
-            self.fsync_root()?;
+            self.commit_root()?;
             Ok(n)
         };
         let from = self.root.path().join(name);

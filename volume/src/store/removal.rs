@@ -57,7 +57,7 @@ impl VolumeStore {
         if existed {
             match sys::rename_noreplace(self.root_fd(), &names.backup, &names.backup_drop) {
                 Ok(()) => {
-                    self.fsync_root()
+                    self.commit_root()
                         .and_then(|()| failpoint("drop.renamed"))
                         .and_then(|()| self.delete_entry(&names.backup_drop))
                         .map_err(io_ctx("deleting the backup"))?;
@@ -123,7 +123,7 @@ impl VolumeStore {
             self.leftovers(pkg, names)?;
             match sys::rename_noreplace(self.root_fd(), &names.live, &names.delete) {
                 Ok(()) => {
-                    self.fsync_root()
+                    self.commit_root()
                         .and_then(|()| failpoint("delete.renamed"))
                         .map_err(io_ctx("deleting the volume"))?;
                 }
@@ -226,7 +226,7 @@ impl VolumeStore {
             return Ok(none);
         }
         sys::rename_noreplace(self.root_fd(), &names.live, &names.replaced)
-            .and_then(|()| self.fsync_root())
+            .and_then(|()| self.commit_root())
             .map_err(|e| self.failed(pkg, "moving the volume aside", e))?;
         let held = self.purge_locked(pkg, names)?.and_then(Disposal::held);
         tracing::info!(package = %pkg, "volume deleted, backup kept");

@@ -153,9 +153,9 @@ impl VolumeStore {
         // finished by recovery, never undone. A mount of the volume now
         // shows the replaced one, which the purge keeps while it does.
         let synced = self
-            .fsync_root()
+            .commit_root()
             .and_then(|()| failpoint("restore.exchanged"))
-            .map_err(|e| self.failed(pkg, "syncing the volumes root after the exchange", e));
+            .map_err(|e| self.failed(pkg, "committing the exchange", e));
         let finished = synced.and_then(|()| self.finish_restore(pkg, names));
         if let Err(e) = finished {
             if !self.is_restored(names) {
@@ -332,7 +332,7 @@ impl VolumeStore {
             // mount still holds it).
             self.discard_tree(pkg, names, &names.replaced)?;
             sys::rename_noreplace(self.root_fd(), &names.rollback, &names.replaced)
-                .and_then(|()| self.fsync_root())
+                .and_then(|()| self.commit_root())
                 .with_ctx(io_ctx)?;
         }
         failpoint("restore.replaced-moved").with_ctx(|_| {

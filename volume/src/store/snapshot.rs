@@ -105,6 +105,19 @@ impl VolumeStore {
             Ok(fd) => fd,
             Err(e) => return ("opening", Err(e)),
         };
+        match self.read_only_in_one_step(live.as_fd(), names) {
+            Ok(true) => {
+                let publish = failpoint("snapshot.created")
+                    .and_then(|()| failpoint("snapshot.frozen"))
+                    .and_then(|()| {
+                        sys::rename_noreplace(self.root_fd(), &names.backup_tmp, &names.backup)
+                    })
+                    .and_then(|()| self.commit_root());
+                return ("putting in place the snapshot of", publish);
+            }
+            Ok(false) => {}
+            Err(e) => return ("snapshotting", Err(e)),
+        }
         let tmp = match sys::snapshot_tree(live.as_fd(), self.root_fd(), &names.backup_tmp) {
             Ok(fd) => fd,
             Err(e) => return ("snapshotting", Err(e)),
@@ -135,8 +148,29 @@ impl VolumeStore {
             return ("making read-only the snapshot of", Err(e));
         }
         let publish = sys::rename_noreplace(self.root_fd(), &names.backup_tmp, &names.backup)
-            .and_then(|()| self.fsync_root());
+            .and_then(|()| self.commit_root());
         ("putting in place the snapshot of", publish)
+    }
+
+    /// With no subvolume nested in the volume open as `live`, the backup
+    /// is made read-only by the snapshot ioctl itself, under
+    /// `<pkg>.install-backup.tmp`: one transaction commit less than
+    /// freezing a writable snapshot afterwards (SUBVOL_SETFLAGS commits
+    /// one). `false` when something is nested (the tree is snapshotted
+    /// subvolume by subvolume, then frozen): also when a subvolume appeared
+    /// while the snapshot was taken, whose content the snapshot may lack,
+    /// and then the one-step snapshot is deleted again. A crash leaves at
+    /// most the `.tmp`, which recovery deletes.
+    fn read_only_in_one_step(&self, live: BorrowedFd<'_>, names: &Names) -> io::Result<bool> {
+        if !sys::nested_subvolumes(live)?.is_empty() {
+            return Ok(false);
+        }
+        sys::create_snapshot(live, self.root_fd(), &names.backup_tmp, true)?;
+        if sys::nested_subvolumes(live)?.is_empty() {
+            return Ok(true);
+        }
+        self.delete_entry(&names.backup_tmp)?;
+        Ok(false)
     }
 
     /// The fallback for a volume that is still a plain directory on btrfs:
