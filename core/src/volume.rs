@@ -140,6 +140,18 @@ fn parse_package(pkg_id: &str) -> Result<PackageId, Error> {
 ///
 /// Every call first finishes or undoes whatever a crash left for the
 /// package ([`InstallBackup::resolve_pending`]), under the package's lock.
+///
+/// Each call runs on tokio's blocking pool. Dropping its future (a
+/// `select!`, a timeout, a cancelled install) does not stop it: the
+/// operation goes on to its end on that thread, as one atomic step of the
+/// store, and leaves the package as before or as after it, never between;
+/// what it returns is lost with the future. A call waits for the
+/// package's lock as long as another operation of the package holds it:
+/// the store's own operations hold it for milliseconds (a plain
+/// directory's reflink backup, bounded by its extent limit, for up to
+/// about a second), the boot cleanup for one batch of a few milliseconds
+/// at a time; only a conversion of the same package holds it longer,
+/// before its service is loaded.
 pub struct InstallBackup {
     root: PathBuf,
     pkg: Result<PackageId, String>,
