@@ -1,0 +1,377 @@
+//! The cleanup after a conversion (the old tree `<pkg>.migrate-old`, a
+//! deferred cut's rest) holds the package's lock one bounded batch at a
+//! time, so what a service load, an update or a rollback of that package
+//! needs (`ensure`, a backup, a restore) gets in between two batches, and
+//! the cleanup, continued, looks again at the package before it goes on.
+//!
+//! The cleanup runs as the `volume-migrate` binary, stopped between two
+//! batches by the `migrate.between-batches=stop` failpoint (SIGSTOP there,
+//! where it holds no lock). Each test's first comment line says how it
+//! fails on the code before this change: there, the failpoint does not
+//! exist, and the same spec's second site (`migrate.remove` or
+//! `migrate.rest-removed`, once per entry, under the lock) stops it instead,
+//! holding the lock; every wait here is bounded, so that fails instead of
+//! hanging.
+
+mod common;
+
+use std::fs;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::cli::*;
+use common::*;
+use integration::{LoopFs, fs_or_skip};
+use startos_core::volume::{InstallBackup, ensure_volume_root_at};
+use volume::VolumeKind;
+use volume::VolumeStore;
+
+/// How long an operation may wait for the package before the test fails:
+/// far more than a batch, far less than a stopped cleanup.
+const PROMPT: Duration = Duration::from_secs(10);
+/// How long a cleanup may take to stop or to finish.
+const TIMEOUT: Duration = Duration::from_secs(120);
+/// Files in the trees removed: a few dozen batches.
+const FILES: usize = 3000;
+
+/// `volume-migrate --root <root> <args>`, run to its end.
+fn migrate(root: &Path, args: &[&str]) -> Output {
+    Command::new(volume_migrate_bin())
+        .arg("--root")
+        .arg(root)
+        .args(args)
+        .env_remove(volume::FAILPOINT_ENV)
+        .output()
+        .expect("running volume-migrate")
+}
+
+/// A cleanup run of `volume-migrate` (no flag: it removes what earlier
+/// runs kept), killed unless it finished.
+struct Cleanup {
+    child: Option<Child>,
+}
+
+impl Cleanup {
+    /// Starts the cleanup of `root` with the failpoints `spec`.
+    fn start(root: &Path, spec: &str) -> Cleanup {
+        let child = Command::new(volume_migrate_bin())
+            .arg("--root")
+            .arg(root)
+            .env(volume::FAILPOINT_ENV, spec)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting volume-migrate");
+        Cleanup { child: Some(child) }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().expect("a running cleanup").id()
+    }
+
+    /// The state letter of the process (field 3 of /proc/<pid>/stat).
+    fn state(&self) -> Option<char> {
+        let stat = fs::read_to_string(format!("/proc/{}/stat", self.pid())).ok()?;
+        let (_, rest) = stat.rsplit_once(')')?;
+        rest.trim_start().chars().next()
+    }
+
+    /// Waits for the cleanup to stop at a failpoint; panics if it exits
+    /// first.
+    fn stopped(&mut self) {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            match self.state() {
+                Some('T') => return,
+                Some('Z') | Some('X') | None => {
+                    let out = self.finish();
+                    panic!(
+                        "the cleanup never stopped: it exited ({}), stderr {:?}",
+                        out.status,
+                        text(&out.stderr)
+                    );
+                }
+                _ if Instant::now() >= deadline => panic!("the cleanup never stopped"),
+                _ => thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    }
+
+    /// Lets the cleanup go on, past any later stop too, to its end.
+    fn finish(&mut self) -> Output {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            match self.state() {
+                Some('Z') | Some('X') | None => break,
+                Some('T') => {
+                    let pid = rustix::process::Pid::from_raw(self.pid() as i32).expect("a pid");
+                    rustix::process::kill_process(pid, rustix::process::Signal::CONT)
+                        .expect("SIGCONT");
+                }
+                _ if Instant::now() >= deadline => panic!("the cleanup never finished"),
+                _ => thread::sleep(Duration::from_millis(5)),
+            }
+        }
+        self.child
+            .take()
+            .expect("a running cleanup")
+            .wait_with_output()
+            .expect("waiting for the cleanup")
+    }
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Runs `op` on another thread and returns what it returned, failing the
+/// test if it takes longer than [`PROMPT`] (it waits on the cleanup).
+#[track_caller]
+fn promptly<T: Send + 'static>(what: &str, op: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    let start = Instant::now();
+    thread::spawn(move || {
+        let _ = tx.send(op());
+    });
+    let out = rx.recv_timeout(PROMPT).unwrap_or_else(|_| {
+        panic!("{what} still waiting after {PROMPT:?}: it waits for the cleanup to finish")
+    });
+    eprintln!("{what}: {:?}", start.elapsed());
+    out
+}
+
+/// Runs the future `f` makes on a runtime of its own (start-core's calls
+/// are async).
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime")
+        .block_on(f)
+}
+
+/// `<root>/app`, a plain package directory of [`FILES`] small files in
+/// `data/main`, spread over directories of 100.
+fn plain_app(root: &Path) -> PathBuf {
+    let main = root.join("app/data/main");
+    for i in 0..FILES {
+        let dir = main.join(format!("d{}", i / 100));
+        if i % 100 == 0 {
+            fs::create_dir_all(&dir).unwrap();
+        }
+        fs::write(dir.join(format!("f{i}")), bytes(i as u64, 64)).unwrap();
+    }
+    root.join("app")
+}
+
+/// The filler beside the volumes root that a parent snapshot's rest
+/// holds: [`FILES`] files.
+fn filler(fs: &LoopFs) {
+    let dir = fs.path("elsewhere");
+    for i in 0..FILES {
+        let sub = dir.join(format!("d{}", i / 100));
+        if i % 100 == 0 {
+            fs::create_dir_all(&sub).unwrap();
+        }
+        fs::write(sub.join(format!("f{i}")), bytes(i as u64, 64)).unwrap();
+    }
+}
+
+fn is_subvolume(path: &Path) -> bool {
+    fs::symlink_metadata(path).is_ok_and(|m| m.is_dir() && m.ino() == 256)
+}
+
+fn exists(path: &Path) -> bool {
+    fs::symlink_metadata(path).is_ok()
+}
+
+/// The store's and start-core's entry points, each on `app` under `root`
+/// while its cleanup is stopped: each returns at once. The backup is taken
+/// and then restored, with a file written in between, so the volume is
+/// what it was.
+fn every_entry_point_gets_in(root: &Path) {
+    let r = root.to_owned();
+    let kind = promptly("VolumeStore::ensure", move || {
+        VolumeStore::open_without_recovery(&r)
+            .and_then(|s| s.ensure(&pkg("app")))
+            .expect("ensure")
+    });
+    assert_eq!(kind, VolumeKind::Subvolume);
+    let r = root.to_owned();
+    promptly("ensure_volume_root_at", move || {
+        block_on(ensure_volume_root_at(&r, "app")).expect("ensure_volume_root_at")
+    });
+    let r = root.to_owned();
+    let taken = promptly("InstallBackup::snapshot", move || {
+        block_on(InstallBackup::at(&r, "app").snapshot()).expect("snapshot")
+    });
+    assert!(taken, "a backup taken");
+    fs::write(
+        root.join("app/data/main/later"),
+        b"written after the backup",
+    )
+    .unwrap();
+    let r = root.to_owned();
+    promptly("InstallBackup::restore", move || {
+        block_on(InstallBackup::at(&r, "app").restore()).expect("restore")
+    });
+    assert!(!exists(&root.join("app/data/main/later")), "restored");
+}
+
+// Today: the cleanup stops at `migrate.remove@1500` holding app's lock, and "VolumeStore::ensure still waiting after 10s".
+#[test]
+fn ensure_backup_and_restore_get_in_while_the_old_tree_goes() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    plain_app(&root);
+    must_succeed(
+        &migrate(&root, &["--method", "clone", "--keep-old"]),
+        "the conversion, keeping the old tree",
+    );
+    assert!(is_subvolume(&root.join("app")));
+    assert!(root.join("app.migrate-old").is_dir());
+    let before = digest(&root.join("app"));
+
+    let mut cleanup = Cleanup::start(
+        &root,
+        "migrate.between-batches@2=stop,migrate.remove@1500=stop",
+    );
+    cleanup.stopped();
+    assert!(
+        root.join("app.migrate-old").is_dir(),
+        "stopped part-way through the old tree"
+    );
+    every_entry_point_gets_in(&root);
+    let out = cleanup.finish();
+    must_succeed(&out, "the continued cleanup");
+    assert!(
+        !exists(&root.join("app.migrate-old")),
+        "{:?}",
+        root_names(&root)
+    );
+    assert_eq!(
+        package_names(&root, "app"),
+        ["app"],
+        "nothing else of app left"
+    );
+    assert_same(
+        &before,
+        &digest(&root.join("app")),
+        "the volume after the cleanup",
+    );
+}
+
+/// Converts `app` by a parent snapshot with its cut deferred, the
+/// filler's [`FILES`] files in its rest; returns the digest of its data.
+fn app_with_a_rest(fs: &LoopFs, root: &Path) -> integration::TreeDigest {
+    filler(fs);
+    plain_app(root);
+    must_succeed(
+        &migrate(root, &["--method", "snapshot-parent", "--keep-old"]),
+        "the conversion by a parent snapshot, keeping its rest",
+    );
+    assert!(exists(&root.join("app.migrate-rest")), "a deferred cut");
+    assert!(
+        root.join("app")
+            .join(integration::identity::CARVE_REST)
+            .is_dir()
+    );
+    digest(&root.join("app/data"))
+}
+
+// Today: the cleanup stops at `migrate.rest-removed@1500` holding app's lock, and "InstallBackup::snapshot still waiting after 10s".
+#[test]
+fn a_backup_taken_between_batches_of_the_rest_keeps_it_and_its_record() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let before = app_with_a_rest(&fs, &root);
+    let rest = root.join("app").join(integration::identity::CARVE_REST);
+
+    let mut cleanup = Cleanup::start(
+        &root,
+        "migrate.between-batches@2=stop,migrate.rest-removed@1500=stop",
+    );
+    cleanup.stopped();
+    assert!(rest.is_dir(), "stopped part-way through the rest");
+    let r = root.clone();
+    let taken = promptly("InstallBackup::snapshot", move || {
+        block_on(InstallBackup::at(&r, "app").snapshot()).expect("snapshot")
+    });
+    assert!(taken, "a backup taken");
+    let backup = digest(&root.join("app.install-backup"));
+    must_succeed(&cleanup.finish(), "the continued cleanup");
+
+    assert!(!exists(&rest), "the rest gone from the volume");
+    assert!(!exists(&root.join("app.migrate-old")));
+    assert_same(&before, &digest(&root.join("app/data")), "the volume");
+    assert_same(
+        &backup,
+        &digest(&root.join("app.install-backup")),
+        "the backup taken between two batches",
+    );
+    assert!(
+        exists(&root.join("app.migrate-rest")),
+        "the record stays while the backup holds part of the rest"
+    );
+
+    // The backup brings that part back; the next cleanup removes it.
+    block_on(InstallBackup::at(&root, "app").restore()).expect("restore");
+    assert!(rest.is_dir(), "the restore brought the rest back");
+    must_succeed(&migrate(&root, &[]), "the next cleanup");
+    assert!(!exists(&rest));
+    assert!(
+        !exists(&root.join("app.migrate-rest")),
+        "the record gone with the last copy"
+    );
+    assert_eq!(
+        package_names(&root, "app"),
+        ["app"],
+        "nothing else of app left"
+    );
+    assert_same(
+        &before,
+        &digest(&root.join("app/data")),
+        "the volume after all",
+    );
+}
+
+// Today: the cleanup stops at `migrate.rest-removed@1500` holding app's lock, and "VolumeStore::ensure still waiting after 10s".
+#[test]
+fn a_restore_between_batches_of_the_rest_stops_that_removal_and_the_cleanup_starts_over() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let before = app_with_a_rest(&fs, &root);
+    let rest = root.join("app").join(integration::identity::CARVE_REST);
+
+    let mut cleanup = Cleanup::start(
+        &root,
+        "migrate.between-batches@2=stop,migrate.rest-removed@1500=stop",
+    );
+    cleanup.stopped();
+    assert!(rest.is_dir(), "stopped part-way through the rest");
+    // A backup holding part of the rest, restored: the volume the
+    // cleanup was removing the rest from is exchanged for another.
+    every_entry_point_gets_in(&root);
+    assert!(rest.is_dir(), "the restored volume holds part of the rest");
+    let out = cleanup.finish();
+    eprintln!("{}\n{}", text(&out.stdout), text(&out.stderr));
+    must_succeed(&out, "the continued cleanup");
+
+    assert!(!exists(&rest), "the rest gone from the restored volume");
+    assert_eq!(
+        package_names(&root, "app"),
+        ["app"],
+        "nothing else of app left"
+    );
+    assert_same(&before, &digest(&root.join("app/data")), "the volume");
+}
