@@ -62,6 +62,8 @@ impl Cleanup {
             .arg("--root")
             .arg(root)
             .env(volume::FAILPOINT_ENV, spec)
+            // For the longest hold of the lock it logs.
+            .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -374,4 +376,66 @@ fn a_restore_between_batches_of_the_rest_stops_that_removal_and_the_cleanup_star
         "nothing else of app left"
     );
     assert_same(&before, &digest(&root.join("app/data")), "the volume");
+}
+
+/// Files in the old tree whose cleanup is measured.
+const MEASURED_FILES: usize = 20_000;
+/// The longest any wait for the package may be while its cleanup runs: a
+/// batch is a few milliseconds, the whole removal seconds; the margin is
+/// for a debug build on a loaded machine.
+const LONGEST_WAIT: Duration = Duration::from_millis(250);
+
+// Today: the cleanup holds app's lock for the whole removal of the 20,000 files, and "the longest wait for app's lock: 2.1s" or so.
+#[test]
+fn the_lock_is_held_a_few_milliseconds_at_a_time_over_a_20k_file_tree() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let main = root.join("app/data/main");
+    for i in 0..MEASURED_FILES {
+        let dir = main.join(format!("d{}", i / 500));
+        if i % 500 == 0 {
+            fs::create_dir_all(&dir).unwrap();
+        }
+        fs::write(dir.join(format!("f{i}")), b"x").unwrap();
+    }
+    must_succeed(
+        &migrate(&root, &["--method", "clone", "--keep-old"]),
+        "the conversion, keeping the old tree",
+    );
+    let before = digest(&root.join("app"));
+    let locks = {
+        let dir = volume::sys::open_dir_path(&root).expect("opening the root");
+        volume::lock::LockDir::for_root(std::os::fd::AsFd::as_fd(&dir)).expect("the lock dir")
+    };
+
+    let started = Instant::now();
+    let mut cleanup = Cleanup::start(&root, "");
+    let (mut waits, mut longest) = (0u32, Duration::ZERO);
+    while matches!(cleanup.state(), Some(s) if s != 'Z' && s != 'X') {
+        let t = Instant::now();
+        let lock = locks.lock(&pkg("app")).expect("app's lock");
+        longest = longest.max(t.elapsed());
+        waits += 1;
+        drop(lock);
+        thread::sleep(Duration::from_millis(2));
+    }
+    let out = cleanup.finish();
+    let took = started.elapsed();
+    must_succeed(&out, "the cleanup");
+    let said = text(&out.stderr);
+    let held = said
+        .split("longest_hold_us=")
+        .nth(1)
+        .and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|us| us.parse::<u64>().ok());
+    eprintln!(
+        "cleanup of {MEASURED_FILES} files: {took:?}; {waits} takes of the lock meanwhile, the \
+         longest wait {longest:?}; longest hold the cleanup reports: {held:?} us"
+    );
+    assert!(!exists(&root.join("app.migrate-old")));
+    assert_same(&before, &digest(&root.join("app")), "the volume");
+    assert!(
+        longest < LONGEST_WAIT,
+        "the longest wait for app's lock: {longest:?} (over {waits} takes during {took:?})"
+    );
 }

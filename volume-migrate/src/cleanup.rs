@@ -174,12 +174,16 @@ impl Migrator {
             tracker.entries(n);
             failpoint("migrate.remove")?;
             shed.removed(&mut still)
-        })
-        .and_then(|()| sys::fsync(root));
+        });
         if stopped(pkg, &removed, shed) {
             return Ok(None);
         }
-        removed.with_ctx(step(pkg, "removing the old directory"))?;
+        // Gone, durable or not: a crash before the sync leaves part of it
+        // under its name again, garbage as before. No one need wait for it.
+        shed.release();
+        removed
+            .and_then(|()| sys::fsync(root))
+            .with_ctx(step(pkg, "removing the old directory"))?;
         tracker.phase(Phase::Done);
         tracing::info!(
             package = %pkg,
@@ -236,7 +240,10 @@ impl Migrator {
                         failpoint("migrate.rest-removed")?;
                         shed.removed(&mut still)
                     })
-                    .and_then(|()| sys::commit(live.as_fd()));
+                    // Durable before the record goes: the commit, which
+                    // writes out the services' data too, with the package
+                    // set down.
+                    .and_then(|()| shed.pass(&mut still, &mut || sys::commit(live.as_fd())));
                 if stopped(pkg, &removed, shed) {
                     return Ok(None);
                 }
@@ -278,9 +285,15 @@ impl Migrator {
             in_backup |= holds;
         }
         if !in_backup {
-            volume::record::remove(root, &names.migrate_rest)
-                .and_then(|()| sys::fsync(root))
-                .with_ctx(step(pkg, "removing the deferred cut's record"))?;
+            // A crash before the sync brings back a record whose rest is
+            // gone, which the next cleanup removes: the sync need not keep
+            // anyone waiting, and what follows looks at the package anew.
+            let removed = volume::record::remove(root, &names.migrate_rest)
+                .and_then(|()| shed.pass(&mut || Ok(true), &mut || sys::fsync(root)));
+            if stopped(pkg, &removed, shed) {
+                return Ok(None);
+            }
+            removed.with_ctx(step(pkg, "removing the deferred cut's record"))?;
         }
         Ok(Some(true))
     }

@@ -130,21 +130,37 @@ impl<'fd> Shed<'fd> {
     pub fn removed(&mut self, still: &mut dyn FnMut() -> io::Result<bool>) -> io::Result<()> {
         self.batch += 1;
         self.since_commit += 1;
-        let held = self.started.elapsed();
-        if self.batch < BATCH_ENTRIES && held < BATCH_TIME {
+        if self.batch < BATCH_ENTRIES && self.started.elapsed() < BATCH_TIME {
             return Ok(());
         }
-        self.longest = self.longest.max(held);
+        let commit = self.since_commit >= COMMIT_EVERY;
+        if commit {
+            self.since_commit = 0;
+        }
+        let (fd, reserve) = (self.fd, self.reserve);
+        self.pass(still, &mut || match commit {
+            true => sys::commit_metadata(fd.as_fd()).and_then(|()| check(fd, reserve)),
+            false => Ok(()),
+        })
+    }
+
+    /// Ends the current batch: sets the package down, runs `meanwhile`
+    /// (a commit, which need not keep anyone waiting), takes the package
+    /// up again and asks `still` whether the removal may go on
+    /// ([`Interrupted`] if not). Holds the package whenever it returns
+    /// `Ok`.
+    pub fn pass(
+        &mut self,
+        still: &mut dyn FnMut() -> io::Result<bool>,
+        meanwhile: &mut dyn FnMut() -> io::Result<()>,
+    ) -> io::Result<()> {
+        self.longest = self.longest.max(self.started.elapsed());
         let lock = self
             .lock
             .take()
             .ok_or_else(|| io::Error::other("the package's lock was not taken up again"))?;
         let down = lock.set_down()?;
-        if self.since_commit >= COMMIT_EVERY {
-            self.since_commit = 0;
-            sys::commit_metadata(self.fd.as_fd())?;
-            self.check()?;
-        }
+        meanwhile()?;
         failpoint("migrate.between-batches")?;
         self.lock = Some(down.take_up()?);
         self.batch = 0;
@@ -155,24 +171,36 @@ impl<'fd> Shed<'fd> {
         Ok(())
     }
 
+    /// Lets the package go for good, the removal done: what is left to do
+    /// (making it durable) needs no lock.
+    pub fn release(&mut self) {
+        if self.lock.take().is_some() {
+            self.longest = self.longest.max(self.started.elapsed());
+        }
+    }
+
     /// The longest the package was held in one batch so far, the current
     /// batch included.
     pub fn longest_hold(&self) -> Duration {
-        self.longest.max(self.started.elapsed())
-    }
-
-    fn check(&self) -> io::Result<()> {
-        let free = sys::metadata_space(self.fd.as_fd())?.free();
-        if free < self.reserve {
-            return Err(io::Error::new(
-                io::ErrorKind::StorageFull,
-                format!(
-                    "only {free} bytes of metadata space free, under the {} kept in reserve: \
-                     left for the next cleanup",
-                    self.reserve
-                ),
-            ));
+        match self.lock {
+            Some(_) => self.longest.max(self.started.elapsed()),
+            None => self.longest,
         }
-        Ok(())
     }
+}
+
+/// Fails with [`io::ErrorKind::StorageFull`] if the filesystem of `fd` has
+/// less than `reserve` bytes of metadata space free.
+fn check(fd: BorrowedFd<'_>, reserve: u64) -> io::Result<()> {
+    let free = sys::metadata_space(fd)?.free();
+    if free < reserve {
+        return Err(io::Error::new(
+            io::ErrorKind::StorageFull,
+            format!(
+                "only {free} bytes of metadata space free, under the {reserve} kept in \
+                 reserve: left for the next cleanup"
+            ),
+        ));
+    }
+    Ok(())
 }
