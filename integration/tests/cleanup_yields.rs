@@ -439,3 +439,54 @@ fn the_lock_is_held_a_few_milliseconds_at_a_time_over_a_20k_file_tree() {
         "the longest wait for app's lock: {longest:?} (over {waits} takes during {took:?})"
     );
 }
+
+/// `app`'s lock under `root`, taken as every operation takes it.
+fn hold_app(root: &Path) -> volume::lock::PackageLock {
+    let dir = volume::sys::open_dir_path(root).expect("opening the root");
+    volume::lock::LockDir::for_root(std::os::fd::AsFd::as_fd(&dir))
+        .expect("the lock dir")
+        .lock(&pkg("app"))
+        .expect("app's lock")
+}
+
+// Today: `ensure` always takes the lock first: "VolumeStore::ensure of a settled volume still waiting after 10s".
+#[test]
+fn ensure_of_a_settled_volume_takes_no_lock_and_of_a_pending_one_recovers() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let store = VolumeStore::open(&root).expect("open");
+    store.create(&pkg("app"), &[vol("main")]).expect("create");
+    // The cleanup's garbage is no pending work.
+    fs::create_dir_all(root.join("app.migrate-old/data/main")).unwrap();
+    let held = hold_app(&root);
+    let r = root.clone();
+    let kind = promptly("VolumeStore::ensure of a settled volume", move || {
+        VolumeStore::open_without_recovery(&r)
+            .and_then(|s| s.ensure(&pkg("app")))
+            .expect("ensure")
+    });
+    assert_eq!(kind, VolumeKind::Subvolume);
+
+    // A backup being made (or left by a crash): ensure waits its turn and
+    // recovers.
+    fs::create_dir(root.join("app.install-backup.tmp")).unwrap();
+    let (tx, rx) = mpsc::channel();
+    let r = root.clone();
+    thread::spawn(move || {
+        let _ = tx.send(VolumeStore::open_without_recovery(&r).and_then(|s| s.ensure(&pkg("app"))));
+    });
+    assert!(
+        rx.recv_timeout(Duration::from_millis(300)).is_err(),
+        "ensure with an operation's name present must wait for the lock"
+    );
+    drop(held);
+    let kind = rx
+        .recv_timeout(PROMPT)
+        .expect("ensure once the lock is free");
+    assert_eq!(kind.expect("ensure"), VolumeKind::Subvolume);
+    assert!(!exists(&root.join("app.install-backup.tmp")), "recovered");
+    assert!(
+        root.join("app.migrate-old").is_dir(),
+        "the garbage left to the cleanup"
+    );
+}
