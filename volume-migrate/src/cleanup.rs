@@ -4,6 +4,15 @@
 //!
 //! Both only ever hold data that lives elsewhere, so a crash part-way is
 //! harmless: the next removal takes up what is left.
+//!
+//! A removal holds the package's lock one bounded batch at a time (the
+//! `shed` module): a service load, a backup, a restore or a delete of the
+//! package waits a few milliseconds, not for the whole removal. After each
+//! batch it looks again: the old tree still the same tree under its name,
+//! the volume holding the rest still the same subvolume with the same
+//! record. If another operation changed that (a delete, a restore), the
+//! removal starts over from what is there now, the package still held, at
+//! most [`ATTEMPTS`] times before it leaves the rest for the next cleanup.
 
 use std::io;
 use std::os::fd::AsFd;
