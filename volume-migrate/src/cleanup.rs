@@ -12,7 +12,7 @@
 //! the volume holding the rest still the same subvolume with the same
 //! record. If another operation changed that (a delete, a restore), the
 //! removal starts over from what is there now, the package still held, at
-//! most [`ATTEMPTS`] times before it leaves the rest for the next cleanup.
+//! most `ATTEMPTS` times before it leaves the rest for the next cleanup.
 
 use std::io;
 use std::os::fd::AsFd;

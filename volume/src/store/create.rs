@@ -53,8 +53,12 @@ impl VolumeStore {
     /// A volume that is there with nothing pending is returned without the
     /// package's lock: a service load must not wait for whoever holds it
     /// (the cleanup after a conversion, a backup of the package). Nothing
-    /// pending means [`VolumeStore::may_need_recovery`] finds nothing, the
-    /// garbage the cleanup removes meanwhile not counting. That is read
+    /// pending means no name exists that recovery acts on or that an
+    /// operation in flight makes (`.install-backup.tmp`, `.rollback`,
+    /// `.delete`, upstream's `.restore-old`, a conversion's `.migrate`,
+    /// ...), nor a writable backup; the garbage the cleanup removes
+    /// meanwhile (`.migrate-old`, a deferred cut's rest) does not count,
+    /// nor does what is kept for the operator. That is read
     /// without the lock, name by name, and still sound: the store's
     /// operations change `<pkg>` only by atomic renames and exchanges, so
     /// at every instant `<pkg>`, if there, is a complete volume; an
