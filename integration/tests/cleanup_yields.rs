@@ -273,6 +273,42 @@ fn ensure_backup_and_restore_get_in_while_the_old_tree_goes() {
     );
 }
 
+// Today: the cleanup stops at `migrate.remove@1500` holding app's lock, and "VolumeStore::delete still waiting after 10s".
+#[test]
+fn a_delete_between_batches_of_the_old_tree_takes_it_and_the_cleanup_stops() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    plain_app(&root);
+    must_succeed(
+        &migrate(&root, &["--method", "clone", "--keep-old"]),
+        "the conversion, keeping the old tree",
+    );
+    let mut cleanup = Cleanup::start(
+        &root,
+        "migrate.between-batches@2=stop,migrate.remove@1500=stop",
+    );
+    cleanup.stopped();
+    assert!(root.join("app.migrate-old").is_dir(), "stopped part-way");
+    let r = root.clone();
+    let deleted = promptly("VolumeStore::delete", move || {
+        VolumeStore::open_without_recovery(&r)
+            .and_then(|s| s.delete(&pkg("app")))
+            .expect("delete")
+    });
+    assert!(deleted, "app deleted");
+    assert!(
+        package_names(&root, "app").is_empty(),
+        "{:?}",
+        root_names(&root)
+    );
+    must_succeed(&cleanup.finish(), "the continued cleanup");
+    assert!(
+        package_names(&root, "app").is_empty(),
+        "{:?}",
+        root_names(&root)
+    );
+}
+
 /// Converts `app` by a parent snapshot with its cut deferred, the
 /// filler's [`FILES`] files in its rest; returns the digest of its data.
 fn app_with_a_rest(fs: &LoopFs, root: &Path) -> integration::TreeDigest {
