@@ -526,3 +526,40 @@ fn ensure_of_a_settled_volume_takes_no_lock_and_of_a_pending_one_recovers() {
         "the garbage left to the cleanup"
     );
 }
+
+// Today: `PackageLock::set_down` does not exist (and a holder that unlocks and locks again at once wins against the waiter the kernel has only just woken).
+#[test]
+fn a_holder_that_sets_the_package_down_lets_every_waiter_in_first() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let mut lock = hold_app(&root);
+    for round in 0..10 {
+        let (tx, rx) = mpsc::channel();
+        let waiters: Vec<_> = (0..2)
+            .map(|_| {
+                let (r, tx) = (root.clone(), tx.clone());
+                thread::spawn(move || {
+                    let held = hold_app(&r);
+                    tx.send(()).expect("the test waits");
+                    drop(held);
+                })
+            })
+            .collect();
+        // Both blocked on the lock (announced) by then.
+        thread::sleep(Duration::from_millis(50));
+        assert!(rx.try_recv().is_err(), "round {round}: the lock is held");
+        lock = lock
+            .set_down()
+            .expect("set down")
+            .take_up()
+            .expect("take up");
+        assert_eq!(
+            rx.try_iter().count(),
+            2,
+            "round {round}: both waiters had the package before it was taken up again"
+        );
+        for w in waiters {
+            w.join().expect("a waiter");
+        }
+    }
+}

@@ -204,8 +204,9 @@ impl Migrator {
 
     /// Removes what a deferred cut set aside in `<pkg>`, by its record (see
     /// the `rest` module); returns whether there was a record, `None` if
-    /// another operation changed the volume between two batches (see the
-    /// `shed` module: the rest is left for the next cleanup).
+    /// another operation changed the volume or the record between two
+    /// batches (the `shed` module), for [`Migrator::remove_parts`] to start
+    /// over.
     fn remove_rest(
         &self,
         pkg: &PackageId,
@@ -297,12 +298,9 @@ impl Migrator {
             // A crash before the sync brings back a record whose rest is
             // gone, which the next cleanup removes: the sync need not keep
             // anyone waiting, and what follows looks at the package anew.
-            let removed = volume::record::remove(root, &names.migrate_rest)
-                .and_then(|()| shed.pass(&mut || Ok(true), &mut || sys::fsync(root)));
-            if stopped(pkg, &removed, shed) {
-                return Ok(None);
-            }
-            removed.with_ctx(step(pkg, "removing the deferred cut's record"))?;
+            volume::record::remove(root, &names.migrate_rest)
+                .and_then(|()| shed.pass(&mut || Ok(true), &mut || sys::fsync(root)))
+                .with_ctx(step(pkg, "removing the deferred cut's record"))?;
         }
         Ok(Some(true))
     }
@@ -310,7 +308,7 @@ impl Migrator {
 
 /// Whether `removed` is a removal stopped between two batches because
 /// another operation changed the package ([`shed::interrupted`]): logged,
-/// and no error; what is left is garbage for the next cleanup.
+/// and no error; [`Migrator::remove_parts`] starts over from what is left.
 fn stopped(pkg: &PackageId, removed: &io::Result<()>, shed: &Shed<'_>) -> bool {
     let Err(e) = removed else {
         return false;

@@ -22,8 +22,11 @@
 //! under `<pkg>.migrate-old`; the volume holding the rest still the same
 //! subvolume under `<pkg>`, with the same record). If not (a delete took
 //! the package and its leftovers, a restore exchanged the volume), the
-//! removal stops there with [`Interrupted`], removing nothing more: what is
-//! left is garbage under its name or record, for the next cleanup. A
+//! removal stops there with [`Interrupted`], removing nothing more through
+//! what it had opened: what is left is garbage under its name or record,
+//! which the cleanup looks for again from the start (a restore may have
+//! brought back part of a rest), a bounded number of times, else the next
+//! cleanup does. A
 //! snapshot taken in between changes neither: the removal goes on in the
 //! volume, and the record stays while the backup holds a copy of the rest
 //! (the `cleanup` module). Each batch removes only entries of the tree it
@@ -77,8 +80,8 @@ pub(crate) const BATCH_TIME: Duration = Duration::from_millis(2);
 
 /// The removal stopped between two batches because what it removed
 /// changed meanwhile (see the module docs): the payload of the `io::Error`
-/// [`Shed::removed`] returns. Nothing is wrong; the rest is left for the
-/// next cleanup.
+/// [`Shed::removed`] returns. Nothing is wrong; the cleanup starts over
+/// from what is left (the `cleanup` module).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Interrupted;
 
@@ -86,7 +89,7 @@ impl fmt::Display for Interrupted {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(
             "another operation changed the package between two batches of the removal; \
-             what is left is for the next cleanup",
+             starting over from what is left",
         )
     }
 }
