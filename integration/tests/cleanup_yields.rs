@@ -503,24 +503,38 @@ fn ensure_of_a_settled_volume_takes_no_lock_and_of_a_pending_one_recovers() {
     });
     assert_eq!(kind, VolumeKind::Subvolume);
 
-    // A backup being made (or left by a crash): ensure waits its turn and
-    // recovers.
-    fs::create_dir(root.join("app.install-backup.tmp")).unwrap();
-    let (tx, rx) = mpsc::channel();
-    let r = root.clone();
-    thread::spawn(move || {
-        let _ = tx.send(VolumeStore::open_without_recovery(&r).and_then(|s| s.ensure(&pkg("app"))));
-    });
-    assert!(
-        rx.recv_timeout(Duration::from_millis(300)).is_err(),
-        "ensure with an operation's name present must wait for the lock"
-    );
     drop(held);
-    let kind = rx
-        .recv_timeout(PROMPT)
-        .expect("ensure once the lock is free");
-    assert_eq!(kind.expect("ensure"), VolumeKind::Subvolume);
-    assert!(!exists(&root.join("app.install-backup.tmp")), "recovered");
+
+    // A name an operation in flight makes, or a crash left (each one that
+    // recovery deletes): ensure waits its turn, then recovers.
+    for suffix in [
+        ".create",
+        ".install-backup.tmp",
+        ".install-backup.drop",
+        ".replaced",
+        ".install-backup-tmp",
+        ".convert-tmp",
+    ] {
+        let name = root.join(format!("app{suffix}"));
+        fs::create_dir(&name).unwrap();
+        let held = hold_app(&root);
+        let (tx, rx) = mpsc::channel();
+        let r = root.clone();
+        thread::spawn(move || {
+            let _ =
+                tx.send(VolumeStore::open_without_recovery(&r).and_then(|s| s.ensure(&pkg("app"))));
+        });
+        assert!(
+            rx.recv_timeout(Duration::from_millis(300)).is_err(),
+            "ensure with app{suffix} present must wait for the lock"
+        );
+        drop(held);
+        let kind = rx
+            .recv_timeout(PROMPT)
+            .expect("ensure once the lock is free");
+        assert_eq!(kind.expect("ensure"), VolumeKind::Subvolume);
+        assert!(!exists(&name), "app{suffix} recovered");
+    }
     assert!(
         root.join("app.migrate-old").is_dir(),
         "the garbage left to the cleanup"
