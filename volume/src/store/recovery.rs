@@ -101,8 +101,10 @@ impl VolumeStore {
     /// The garbage the cleanup after a conversion removes while services
     /// run (`.migrate-old`, the rest a `.migrate-rest` record names) is no
     /// pending work: with a volume present, recovery leaves both to the
-    /// cleanup. Nor is what is kept for the operator (`.restore-conflict`)
-    /// or upstream's install state (`.install-fresh`).
+    /// cleanup. Nor are the trees kept while a mount holds them
+    /// (`.held`, reclaimed by the next operation that holds the package),
+    /// what is kept for the operator (`.restore-conflict`), or upstream's
+    /// install state (`.install-fresh`).
     ///
     /// Each name is read at a different instant, so this is no snapshot of
     /// the package; it is only used where that does not matter (see
