@@ -4,13 +4,24 @@
 //!
 //! Both only ever hold data that lives elsewhere, so a crash part-way is
 //! harmless: the next removal takes up what is left.
+//!
+//! A removal holds the package's lock one bounded batch at a time (the
+//! `shed` module): a service load, a backup, a restore or a delete of the
+//! package waits a few milliseconds, not for the whole removal. After each
+//! batch it looks again: the old tree still the same tree under its name,
+//! the volume holding the rest still the same subvolume with the same
+//! record. If another operation changed that (a delete, a restore), the
+//! removal starts over from what is there now, the package still held, at
+//! most `ATTEMPTS` times before it leaves the rest for the next cleanup.
 
+use std::io;
 use std::os::fd::AsFd;
 
 use models::{Error, ErrorKind, PackageId, ResultExt};
 use volume::copy;
 use volume::failpoint::failpoint;
 use volume::layout::Names;
+use volume::record::Identity;
 use volume::sys;
 
 use crate::carve;
@@ -18,10 +29,14 @@ use crate::errors::step;
 use crate::migrate::Migrator;
 use crate::options::default_reserve;
 use crate::rest::RestRecord;
-use crate::shed::Pace;
+use crate::shed::{self, Shed};
 use crate::state::{Kind, settle_exchanged};
 use crate::track::Tracker;
 use crate::{Estimate, Phase, ProgressSink};
+
+/// How many times one package's cleanup starts over after another
+/// operation changed the package between two of its batches.
+const ATTEMPTS: usize = 3;
 
 impl Migrator {
     /// Removes every old tree left under the root ([`Migrator::remove_old`]
@@ -116,12 +131,37 @@ impl Migrator {
             return Ok(false);
         }
         let names = Names::new(pkg)?;
-        let _lock = self.lock(pkg)?;
+        let lock = self.lock(pkg)?;
         settle_exchanged(&self.root, pkg, &names)?;
         let mut tracker = Tracker::new(pkg.clone(), Estimate::default(), sink);
         let reserve = default_reserve(&self.metadata_space(pkg)?);
-        let pace = || Pace::start(self.root_fd(), reserve);
-        let rest = self.remove_rest(pkg, &names, &mut tracker, &pace)?;
+        let mut shed = Shed::start(self.root_fd(), reserve, lock);
+        // Interrupted, the removal still holds the package: it starts over
+        // from what is there now (a restore may have brought back part of
+        // the rest). Bounded, so that a package changed again and again is
+        // left to the next cleanup instead.
+        for _ in 0..ATTEMPTS {
+            if let Some(found) = self.shed_parts(pkg, &names, old, &mut tracker, &mut shed)? {
+                return Ok(found);
+            }
+        }
+        Ok(false)
+    }
+
+    /// [`Migrator::remove_parts`] holding the package in `shed`; `None` if
+    /// another operation changed the package between two batches.
+    fn shed_parts(
+        &self,
+        pkg: &PackageId,
+        names: &Names,
+        old: bool,
+        tracker: &mut Tracker<'_>,
+        shed: &mut Shed<'_>,
+    ) -> Result<Option<bool>, Error> {
+        let rest = match self.remove_rest(pkg, names, tracker, shed)? {
+            Some(rest) => rest,
+            None => return Ok(None),
+        };
         if !old
             || Kind::of(&self.root, &names.migrate_old)
                 .with_ctx(step(pkg, "inspecting the old directory"))?
@@ -130,31 +170,50 @@ impl Migrator {
             if rest {
                 tracker.phase(Phase::Done);
             }
-            return Ok(rest);
+            return Ok(Some(rest));
         }
         tracker.phase(Phase::RemoveOld);
-        let pace = pace();
-        copy::remove_tree_at(self.root_fd(), &names.migrate_old, &mut |n| {
+        let root = self.root_fd();
+        let tree = Identity::of_entry(root, &names.migrate_old)
+            .with_ctx(step(pkg, "inspecting the old directory"))?;
+        // The same tree under the same name: nothing else ever renames a
+        // tree to `.migrate-old` but a conversion, done with this package.
+        let mut still = || Ok(Identity::of_entry(root, &names.migrate_old)? == tree);
+        let removed = copy::remove_tree_at(root, &names.migrate_old, &mut |n| {
             tracker.entries(n);
-            pace.step(n)?;
-            failpoint("migrate.remove")
-        })
-        .and_then(|()| sys::fsync(self.root_fd()))
-        .with_ctx(step(pkg, "removing the old directory"))?;
+            failpoint("migrate.remove")?;
+            shed.removed(&mut still)
+        });
+        if stopped(pkg, &removed, shed) {
+            return Ok(None);
+        }
+        // Gone, durable or not: a crash before the sync leaves part of it
+        // under its name again, garbage as before. No one need wait for it.
+        shed.release();
+        removed
+            .and_then(|()| sys::fsync(root))
+            .with_ctx(step(pkg, "removing the old directory"))?;
         tracker.phase(Phase::Done);
-        tracing::info!(package = %pkg, "old plain volume directory removed");
-        Ok(true)
+        tracing::info!(
+            package = %pkg,
+            longest_hold_us = shed.longest_hold().as_micros() as u64,
+            "old plain volume directory removed"
+        );
+        Ok(Some(true))
     }
 
     /// Removes what a deferred cut set aside in `<pkg>`, by its record (see
-    /// the `rest` module); returns whether there was a record.
-    fn remove_rest<'m>(
-        &'m self,
+    /// the `rest` module); returns whether there was a record, `None` if
+    /// another operation changed the volume or the record between two
+    /// batches (the `shed` module), for [`Migrator::remove_parts`] to start
+    /// over.
+    fn remove_rest(
+        &self,
         pkg: &PackageId,
         names: &Names,
         tracker: &mut Tracker<'_>,
-        pace: &dyn Fn() -> Pace<'m>,
-    ) -> Result<bool, Error> {
+        shed: &mut Shed<'_>,
+    ) -> Result<Option<bool>, Error> {
         let root = self.root_fd();
         let Some(record) = RestRecord::read(root, &names.migrate_rest).with_ctx(|e| {
             (
@@ -163,7 +222,7 @@ impl Migrator {
             )
         })?
         else {
-            return Ok(false);
+            return Ok(Some(false));
         };
         if Kind::of(&self.root, &names.live).with_ctx(step(pkg, "inspecting the volume"))?
             == Kind::Subvolume
@@ -175,14 +234,30 @@ impl Migrator {
                 .with_ctx(step(pkg, "looking for the cut's rest"))?
             {
                 tracker.phase(Phase::RemoveOld);
-                let pace = pace();
-                carve::remove_rest(live.as_fd(), &record.name, record.root_stuck, &mut |n| {
-                    tracker.entries(n);
-                    pace.step(n)?;
-                    failpoint("migrate.rest-removed")
-                })
-                .and_then(|()| sys::commit(live.as_fd()))
-                .with_ctx(step(pkg, "removing the rest of the parent's snapshot"))?;
+                let volume =
+                    Identity::of(live.as_fd()).with_ctx(step(pkg, "opening the volume"))?;
+                // A restore exchanges the volume, a delete takes it and the
+                // record: either stops the removal. A snapshot changes
+                // neither (the record stays while its backup holds the
+                // rest, below).
+                let mut still = || {
+                    Ok(Identity::of_entry(root, &names.live)? == Some(volume)
+                        && RestRecord::read(root, &names.migrate_rest)?.as_ref() == Some(&record))
+                };
+                let removed =
+                    carve::remove_rest(live.as_fd(), &record.name, record.root_stuck, &mut |n| {
+                        tracker.entries(n);
+                        failpoint("migrate.rest-removed")?;
+                        shed.removed(&mut still)
+                    })
+                    // Durable before the record goes: the commit, which
+                    // writes out the services' data too, with the package
+                    // set down.
+                    .and_then(|()| shed.pass(&mut still, &mut || sys::commit(live.as_fd())));
+                if stopped(pkg, &removed, shed) {
+                    return Ok(None);
+                }
+                removed.with_ctx(step(pkg, "removing the rest of the parent's snapshot"))?;
                 tracing::info!(package = %pkg, "the rest of the parent's snapshot removed");
             } else {
                 // Removed before a crash that came before the record's
@@ -220,10 +295,31 @@ impl Migrator {
             in_backup |= holds;
         }
         if !in_backup {
+            // A crash before the sync brings back a record whose rest is
+            // gone, which the next cleanup removes: the sync need not keep
+            // anyone waiting, and what follows looks at the package anew.
             volume::record::remove(root, &names.migrate_rest)
-                .and_then(|()| sys::fsync(root))
+                .and_then(|()| shed.pass(&mut || Ok(true), &mut || sys::fsync(root)))
                 .with_ctx(step(pkg, "removing the deferred cut's record"))?;
         }
-        Ok(true)
+        Ok(Some(true))
     }
+}
+
+/// Whether `removed` is a removal stopped between two batches because
+/// another operation changed the package ([`shed::interrupted`]): logged,
+/// and no error; [`Migrator::remove_parts`] starts over from what is left.
+fn stopped(pkg: &PackageId, removed: &io::Result<()>, shed: &Shed<'_>) -> bool {
+    let Err(e) = removed else {
+        return false;
+    };
+    if !shed::interrupted(e) {
+        return false;
+    }
+    tracing::info!(
+        package = %pkg,
+        longest_hold_us = shed.longest_hold().as_micros() as u64,
+        "{e}"
+    );
+    true
 }

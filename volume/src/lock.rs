@@ -18,6 +18,29 @@
 //! must never hang behind one package: it waits [`LockWait::Within`] a
 //! bounded time, then reports the package busy, naming the holder's pid
 //! from `/proc/locks` ([`Busy`]), and goes on with the others.
+//!
+//! ## Background work gives way
+//!
+//! The cleanup after a conversion removes trees of tens of thousands of
+//! entries under a package's lock, in the idle I/O class: seconds. A
+//! service load (`ensure`), a backup or a restore of that package must not
+//! wait for all of it. So the cleanup holds the lock one bounded batch at a
+//! time and, between two batches, lets everyone already waiting go first
+//! ([`PackageLock::set_down`], [`SetDown::take_up`]).
+//!
+//! flock is not fair: a holder that unlocks and locks again at once wins
+//! against the waiters the kernel has only just woken, so releasing alone
+//! would not let them in. Each waiter therefore announces itself: before
+//! it waits for the package's lock it takes a shared lock on a second
+//! file, `<pkg>.wait` (package ids have no dot, so no package's lock file
+//! is ever named so), and drops it as soon as it holds the package. The
+//! cleanup, having set the package down, takes that second file
+//! exclusively before it takes the package again: it gets it only once
+//! every waiter announced at that moment holds the package (or gave up),
+//! and then queues behind them for the package. Nothing ever waits for the
+//! announcement file while holding a package lock, so no cycle: a waiter
+//! holds `.wait` and waits for the package; the cleanup, holding nothing,
+//! waits for `.wait`.
 
 use std::ffi::OsStr;
 use std::fmt;
@@ -65,19 +88,36 @@ impl LockDir {
 
     /// Takes `pkg`'s lock, waiting as `wait` says: past its patience, a
     /// [`Busy`] error naming the holder.
+    ///
+    /// While it waits, it is announced on `<pkg>.wait` (see the module
+    /// docs), so a background holder that sets the package down between
+    /// two batches lets it in before it takes the package again.
     pub fn lock_with(&self, pkg: &PackageId, wait: LockWait) -> io::Result<PackageLock> {
         let file = sys::create_file_at(self.dir.as_fd(), OsStr::new(pkg.as_str()), 0o600)?;
+        let waiting = sys::create_file_at(
+            self.dir.as_fd(),
+            OsStr::new(&format!("{pkg}{WAIT_SUFFIX}")),
+            0o600,
+        )?;
+        // Held exclusively only for the instant between a background
+        // holder's two flock calls: a short wait, whatever `wait` says.
+        sys::lock_shared(waiting.as_fd())?;
+        let taken = self.take(&file, wait);
+        sys::unlock(waiting.as_fd())?;
+        taken?;
+        Ok(PackageLock { file, waiting })
+    }
+
+    /// Takes `file` exclusively, waiting as `wait` says.
+    fn take(&self, file: &OwnedFd, wait: LockWait) -> io::Result<()> {
         let patience = match wait {
-            LockWait::Forever => {
-                sys::lock_exclusive(file.as_fd())?;
-                return Ok(PackageLock { _file: file });
-            }
+            LockWait::Forever => return sys::lock_exclusive(file.as_fd()),
             LockWait::Within(patience) => patience,
         };
         let start = Instant::now();
         loop {
             if sys::try_lock_exclusive(file.as_fd())? {
-                return Ok(PackageLock { _file: file });
+                return Ok(());
             }
             let waited = start.elapsed();
             if waited >= patience {
@@ -132,13 +172,55 @@ pub fn busy(e: &io::Error) -> Option<Busy> {
     e.get_ref()?.downcast_ref::<Busy>().copied()
 }
 
+/// Suffix of the file a waiter for a package's lock holds shared while it
+/// waits (see the module docs).
+const WAIT_SUFFIX: &str = ".wait";
+
 /// Held while one operation runs on one package; released on drop (or when
 /// the process dies, so a crash never leaves a package locked).
 pub struct PackageLock {
-    _file: OwnedFd,
+    file: OwnedFd,
+    /// The package's announcement file (`<pkg>.wait`), open, not held.
+    waiting: OwnedFd,
+}
+
+/// A package whose lock a background holder has set down between two
+/// batches of its work ([`PackageLock::set_down`]): held by nobody on its
+/// behalf until [`SetDown::take_up`]. Whatever the holder knew of the
+/// package may have changed meanwhile; it must look again.
+pub struct SetDown {
+    file: OwnedFd,
+    waiting: OwnedFd,
+}
+
+impl SetDown {
+    /// Takes the package's lock again, after every operation that was
+    /// waiting for it when this is called has had it (see the module
+    /// docs): waits for them to take it, then for the last of them to let
+    /// it go. Operations that start waiting later may come first too.
+    pub fn take_up(self) -> io::Result<PackageLock> {
+        sys::lock_exclusive(self.waiting.as_fd())?;
+        sys::unlock(self.waiting.as_fd())?;
+        sys::lock_exclusive(self.file.as_fd())?;
+        Ok(PackageLock {
+            file: self.file,
+            waiting: self.waiting,
+        })
+    }
 }
 
 impl PackageLock {
+    /// Lets the package go for a while, for a holder working in bounded
+    /// batches (the cleanup after a conversion): anyone waiting, or
+    /// starting to wait, gets it, until [`SetDown::take_up`].
+    pub fn set_down(self) -> io::Result<SetDown> {
+        sys::unlock(self.file.as_fd())?;
+        Ok(SetDown {
+            file: self.file,
+            waiting: self.waiting,
+        })
+    }
+
     /// Takes the lock of `pkg` for the volumes root open as `root`, the
     /// same lock every [`crate::VolumeStore`] operation on `pkg` takes, so
     /// other tools (the one-time conversion) never interleave with a volume

@@ -49,8 +49,35 @@ impl VolumeStore {
     /// An existing volume, subvolume or plain directory, is kept as it is.
     /// Finishes whatever a crash left for the package first. One atomic
     /// step: after a crash `<pkg>` is absent or empty.
+    ///
+    /// A volume that is there with nothing pending is returned without the
+    /// package's lock: a service load must not wait for whoever holds it
+    /// (the cleanup after a conversion, a backup of the package). Nothing
+    /// pending means no name exists that recovery acts on or that an
+    /// operation in flight makes (`.install-backup.tmp`, `.rollback`,
+    /// `.delete`, upstream's `.restore-old`, a conversion's `.migrate`,
+    /// ...), nor a writable backup; the garbage the cleanup removes
+    /// meanwhile (`.migrate-old`, a deferred cut's rest) does not count,
+    /// nor does what is kept for the operator. That is read
+    /// without the lock, name by name, and still sound: the store's
+    /// operations change `<pkg>` only by atomic renames and exchanges, so
+    /// at every instant `<pkg>`, if there, is a complete volume; an
+    /// operation in flight that has made none of its names yet has changed
+    /// nothing, and one that has made them forces the slow way, which waits
+    /// for it and recovers what a crash left.
     pub fn ensure(&self, pkg: &PackageId) -> Result<VolumeKind, Error> {
-        let held = self.hold_recovered(pkg, Names::new(pkg)?)?;
+        let names = Names::new(pkg)?;
+        if !self.may_need_recovery(pkg, &names)?
+            && let super::Entry::Tree(kind) = self.entry(&names.live).with_ctx(|_| {
+                (
+                    ErrorKind::Filesystem,
+                    pkg.context(format!("inspecting {}", self.volume_path(pkg).display())),
+                )
+            })?
+        {
+            return Ok(kind);
+        }
+        let held = self.hold_recovered(pkg, names)?;
         self.ensure_locked(pkg, &held.names)
     }
 

@@ -7,6 +7,7 @@
 
 use std::ffi::OsStr;
 use std::io;
+use std::os::fd::AsFd;
 
 use models::{Error, ErrorKind, PackageId, ResultExt};
 
@@ -15,8 +16,9 @@ use super::restore::copy_kind;
 use super::{Entry, VolumeStore};
 use crate::layout::Names;
 use crate::lock::PackageLock;
-use crate::outcome::Recovery;
+use crate::outcome::{Recovery, VolumeKind};
 use crate::record::{self, Identity};
+use crate::sys;
 
 mod upstream;
 
@@ -86,6 +88,62 @@ impl VolumeStore {
             }
         }
         Ok(out)
+    }
+
+    /// Whether anything under `pkg`'s names may need [`VolumeStore::recover`]
+    /// or belong to an operation in flight, read without the lock: `false`
+    /// only when none of the names [`VolumeStore::recover_locked`] acts on
+    /// exists (nor a conversion's `.migrate`, `.migrate-parent`), the
+    /// backup's read-only record has its backup, and a backup is read-only.
+    /// Keep in step with `recover_locked`: a name it acts on that this
+    /// misses would let an `ensure` skip recovery.
+    ///
+    /// The garbage the cleanup after a conversion removes while services
+    /// run (`.migrate-old`, the rest a `.migrate-rest` record names) is no
+    /// pending work: with a volume present, recovery leaves both to the
+    /// cleanup. Nor are the trees kept while a mount holds them
+    /// (`.held`, reclaimed by the next operation that holds the package),
+    /// what is kept for the operator (`.restore-conflict`), or upstream's
+    /// install state (`.install-fresh`).
+    ///
+    /// Each name is read at a different instant, so this is no snapshot of
+    /// the package; it is only used where that does not matter (see
+    /// [`VolumeStore::ensure`]).
+    pub(super) fn may_need_recovery(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
+        let io_ctx = |_: &io::Error| {
+            (
+                ErrorKind::Filesystem,
+                pkg.context("looking for an interrupted operation"),
+            )
+        };
+        for name in [
+            &names.create,
+            &names.backup_tmp,
+            &names.backup_drop,
+            &names.rollback,
+            &names.rollback_id,
+            &names.replaced,
+            &names.delete,
+            &names.upstream_backup_tmp,
+            &names.restore_old,
+            &names.convert_tmp,
+            &names.convert_old,
+            &names.migrate,
+            &names.migrate_parent,
+        ] {
+            if self.exists_at(name).with_ctx(io_ctx)? {
+                return Ok(true);
+            }
+        }
+        match self.entry(&names.backup).with_ctx(io_ctx)? {
+            Entry::Absent => self.exists_at(&names.backup_ro).with_ctx(io_ctx),
+            Entry::Tree(VolumeKind::Subvolume) => {
+                let backup = sys::open_dir_at(self.root_fd(), &names.backup).with_ctx(io_ctx)?;
+                Ok(!sys::is_read_only(backup.as_fd()).with_ctx(io_ctx)?)
+            }
+            Entry::Tree(VolumeKind::Directory) => Ok(false),
+            Entry::Other(_) => Ok(true),
+        }
     }
 
     pub(super) fn recover_locked(&self, pkg: &PackageId, names: &Names) -> Result<Recovery, Error> {

@@ -477,6 +477,24 @@ pub(crate) fn lock_exclusive(fd: BorrowedFd<'_>) -> io::Result<()> {
     }
 }
 
+/// Locks `fd` shared (flock), waiting as long as it takes: any number of
+/// shared holders, none beside an exclusive one.
+pub(crate) fn lock_shared(fd: BorrowedFd<'_>) -> io::Result<()> {
+    loop {
+        super::fault::check("flock")?;
+        match rustix::fs::flock(fd, rustix::fs::FlockOperation::LockShared) {
+            Err(Errno::INTR) => continue,
+            r => return Ok(r?),
+        }
+    }
+}
+
+/// Releases the flock this open file description holds on `fd`, if any.
+pub(crate) fn unlock(fd: BorrowedFd<'_>) -> io::Result<()> {
+    super::fault::check("flock")?;
+    Ok(rustix::fs::flock(fd, rustix::fs::FlockOperation::Unlock)?)
+}
+
 /// Locks `fd` exclusively (flock) if nobody holds it; `false` if another
 /// open file description does.
 pub(crate) fn try_lock_exclusive(fd: BorrowedFd<'_>) -> io::Result<bool> {
