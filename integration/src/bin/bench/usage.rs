@@ -449,13 +449,17 @@ fn verdicts(cases: &[Case]) -> Vec<Verdict> {
     };
     let (worst, detail) = on(&many, &|c| c.row(Tool::Compsize).warm_vs_ours);
     out.push(Verdict::new(
-        format!("usage: on many files, ours >= {COMPSIZE_WARM_TARGET:.0}x faster than compsize, warm"),
+        format!(
+            "usage: on many files, ours >= {COMPSIZE_WARM_TARGET:.0}x faster than compsize, warm"
+        ),
         worst >= COMPSIZE_WARM_TARGET,
         detail,
     ));
     let (worst, detail) = on(&many, &|c| c.row(Tool::Compsize).cold_vs_ours);
     out.push(Verdict::new(
-        format!("usage: on many files, ours >= {COMPSIZE_COLD_TARGET:.0}x faster than compsize, cold"),
+        format!(
+            "usage: on many files, ours >= {COMPSIZE_COLD_TARGET:.0}x faster than compsize, cold"
+        ),
         worst >= COMPSIZE_COLD_TARGET,
         detail,
     ));
@@ -472,7 +476,10 @@ fn verdicts(cases: &[Case]) -> Vec<Verdict> {
         let detail = one
             .iter()
             .map(|c| format!("{} warm {}", c.tree, fmt_ratio(cpu_share(c, true))))
-            .chain(one.iter().map(|c| format!("{} cold {}", c.tree, fmt_ratio(cpu_share(c, false)))))
+            .chain(
+                one.iter()
+                    .map(|c| format!("{} cold {}", c.tree, fmt_ratio(cpu_share(c, false)))),
+            )
             .collect::<Vec<_>>()
             .join(", ");
         (worst, detail)
