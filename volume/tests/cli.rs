@@ -209,7 +209,7 @@ fn every_subcommand_in_text_and_json() {
     assert_eq!(fs::read(root.join("app/data/main/state")).unwrap(), b"v1");
     assert_eq!(
         ok_json(&root, &["restore", "db"]),
-        json!({"package": "db", "restored": true})
+        json!({"package": "db", "restored": true, "held": null})
     );
     assert_eq!(fs::read(root.join("db/data/main/state")).unwrap(), b"v1");
     assert_eq!(
@@ -394,7 +394,7 @@ impl Drop for Bind {
 }
 
 #[test]
-fn busy_volume_and_existing_backup_fail_with_one_line() {
+fn an_existing_backup_fails_with_one_line_and_a_mount_keeps_the_replaced_tree() {
     let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
     let root = volumes_root(&fs);
     ok(&root, &["create", "app", "main"]);
@@ -413,20 +413,23 @@ fn busy_volume_and_existing_backup_fail_with_one_line() {
     assert!(line.contains("Incoherent"), "{line}");
     assert_unchanged(&before, &root, "a refused snapshot");
 
-    // restore and delete of a bind-mounted volume
+    // A restore of a bind-mounted volume goes on: the replaced tree is
+    // kept under app.held/1 while the mount shows it, the mount point named.
     let target = fs.path("container/rootfs/data");
     let bind = Bind::new(&root.join("app/data/main"), &target);
-    let t = target.display().to_string();
-    for op in ["restore", "delete"] {
-        let line = fails(root.as_os_str(), &[op, "app"], &t);
-        assert!(line.contains("app"), "{line}");
-        assert_unchanged(&before, &root, &format!("a refused {op}"));
-    }
-    bind.unmount();
-
-    assert_eq!(
-        ok_json(&root, &["restore", "app"]),
-        json!({"package": "app", "restored": true})
+    let out = ok(&root, &["restore", "app"]);
+    assert!(
+        out.contains("app.held/1") && out.contains(&target.display().to_string()),
+        "{out}"
     );
     assert_eq!(fs::read(root.join("app/data/main/state")).unwrap(), b"v1");
+    assert_eq!(
+        fs::read(target.join("state")).unwrap(),
+        b"v2",
+        "the mount still shows the replaced tree, kept whole"
+    );
+    bind.unmount();
+    // Once nothing holds it, the next operation reclaims it.
+    ok(&root, &["recover"]);
+    assert!(!root.join("app.held").exists(), "reclaimed once unmounted");
 }
