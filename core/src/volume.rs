@@ -121,6 +121,18 @@ pub fn backup_dir(pkg_id: &(impl Display + ?Sized)) -> PathBuf {
         .join("data")
 }
 
+/// How long a call of this module waits for a package's lock, which
+/// another operation of the same package holds, before failing with
+/// `Timeout` naming the holder's pid (nothing changed). The caller cannot
+/// see the wait: it awaits a future, and dropping it does not stop the
+/// wait (see [`InstallBackup`]). Every legitimate holder is far quicker:
+/// the store's operations take milliseconds (a plain directory's reflink
+/// backup, bounded by its extent limit, up to about a second), the boot
+/// cleanup gives the lock up after each batch of a few milliseconds, and a
+/// conversion of the package, which can take minutes, runs before its
+/// service is loaded. So a wait this long is a holder that hangs.
+pub const LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(600);
+
 /// The volumes root on a StartOS server.
 pub fn volumes_root() -> PathBuf {
     volume::default_root()
@@ -146,12 +158,7 @@ fn parse_package(pkg_id: &str) -> Result<PackageId, Error> {
 /// operation goes on to its end on that thread, as one atomic step of the
 /// store, and leaves the package as before or as after it, never between;
 /// what it returns is lost with the future. A call waits for the
-/// package's lock as long as another operation of the package holds it:
-/// the store's own operations hold it for milliseconds (a plain
-/// directory's reflink backup, bounded by its extent limit, for up to
-/// about a second), the boot cleanup for one batch of a few milliseconds
-/// at a time; only a conversion of the same package holds it longer,
-/// before its service is loaded.
+/// package's lock at most [`LOCK_PATIENCE`], then fails naming the holder.
 pub struct InstallBackup {
     root: PathBuf,
     pkg: Result<PackageId, String>,
@@ -470,8 +477,13 @@ mod backend {
     use models::{Error, ErrorKind, PackageId};
     use volume::VolumeStore;
 
+    /// The store as the drop-in's calls use it: every wait for a package's
+    /// lock bounded by [`super::LOCK_PATIENCE`].
     fn store(root: &Path) -> Result<VolumeStore, Error> {
-        VolumeStore::open_without_recovery(root)
+        let wait = volume::lock::LockWait::Within(super::LOCK_PATIENCE);
+        Ok(VolumeStore::open_without_recovery(root)?
+            .with_lock_wait(wait)
+            .with_change_wait(wait))
     }
 
     pub(super) fn exists(root: &Path, pkg: &PackageId) -> Result<bool, Error> {

@@ -1356,3 +1356,41 @@ fn hardlinked_append_only_and_immutable_files_are_copied() {
     assert!(has_flags(&bmain.join("frozen.link"), IFlags::IMMUTABLE));
     assert!(store.drop_backup(&pkg("plain")).expect("drop"));
 }
+
+/// An operation that changes a package waits for its lock only as long as
+/// the store was told (what start-core's drop-in sets, as its caller cannot
+/// see the wait): then it fails with `Timeout` naming the holder, and
+/// nothing changed.
+#[test]
+fn a_bounded_change_wait_fails_naming_the_holder_and_changes_nothing() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let store = open(&root);
+    let app = pkg("app");
+    store.create(&app, &[vol("main")]).expect("create");
+    populate_volume(&store.volume_path(&app), false);
+    let before = digest(&root);
+
+    let dir = volume::sys::open_dir_path(&root).expect("opening the volumes root");
+    let locks =
+        volume::lock::LockDir::for_root(std::os::fd::AsFd::as_fd(&dir)).expect("the lock dir");
+    let held = locks.lock(&app).expect("taking the package lock");
+    let bounded = VolumeStore::open_without_recovery(&root)
+        .expect("open")
+        .with_change_wait(volume::lock::LockWait::Within(Duration::from_millis(300)));
+    let t0 = Instant::now();
+    let e = bounded.snapshot(&app).expect_err("the lock is held");
+    let waited = t0.elapsed();
+    assert_eq!(e.kind, ErrorKind::Timeout, "{e}");
+    assert!(
+        e.to_string().contains(&std::process::id().to_string()),
+        "the holder is named: {e}"
+    );
+    assert!(waited < Duration::from_secs(10), "waited {waited:?}");
+    assert_same(&before, &digest(&root), "a snapshot that timed out");
+    drop(held);
+    assert_eq!(
+        bounded.snapshot(&app).expect("once the lock is free"),
+        SnapshotOutcome::Snapshot
+    );
+}

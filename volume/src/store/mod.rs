@@ -126,6 +126,7 @@ pub struct VolumeStore {
     reflink_extent_limit: u64,
     locks: LockDir,
     read_wait: LockWait,
+    change_wait: LockWait,
 }
 
 /// A package held for one operation: its names, and its lock until this is
@@ -189,6 +190,7 @@ impl VolumeStore {
             reflink_extent_limit: DEFAULT_REFLINK_EXTENT_LIMIT,
             locks,
             read_wait: LockWait::Forever,
+            change_wait: LockWait::Forever,
         })
     }
 
@@ -203,13 +205,25 @@ impl VolumeStore {
     /// [`recover`], [`recover_all`]) wait for a package another process
     /// holds before reporting it busy (`Timeout`, naming the holder's pid):
     /// [`LockWait::Forever`] by default. Operations that change a package
-    /// always wait their turn.
+    /// wait as [`VolumeStore::with_change_wait`] says.
     ///
     /// [`usage`]: VolumeStore::usage
     /// [`recover`]: VolumeStore::recover
     /// [`recover_all`]: VolumeStore::recover_all
     pub fn with_lock_wait(mut self, wait: LockWait) -> Self {
         self.read_wait = wait;
+        self
+    }
+
+    /// Sets how long the operations that change a package wait for its
+    /// lock before failing (`Timeout`, naming the holder's pid, with
+    /// nothing changed): [`LockWait::Forever`] by default, where an
+    /// operator sees the wait (the CLI). A caller that cannot see it (a
+    /// service load awaiting a future) bounds it, so that a holder that
+    /// hangs (a stopped process, a stuck mount) shows as an error naming it
+    /// rather than as a load that never returns.
+    pub fn with_change_wait(mut self, wait: LockWait) -> Self {
+        self.change_wait = wait;
         self
     }
 
@@ -253,10 +267,11 @@ impl VolumeStore {
     }
 
     /// Holds `pkg`, whose names are `names`, for an operation that changes
-    /// it: takes its lock, waiting its turn however long. Nothing else:
-    /// for the operations that must not recover first.
+    /// it: takes its lock, waiting its turn as long as
+    /// [`VolumeStore::with_change_wait`] lets it. Nothing else: for the
+    /// operations that must not recover first.
     fn hold(&self, pkg: &PackageId, names: Names) -> Result<Held, Error> {
-        let lock = self.lock_with(pkg, LockWait::Forever)?;
+        let lock = self.lock_with(pkg, self.change_wait)?;
         Ok(Held { names, _lock: lock })
     }
 
