@@ -20,10 +20,13 @@
 //! - `r#gen` (`gen` is a reserved word): hostile trees of random shape,
 //!   generated from a seed and built through directory descriptors;
 //! - [`upstream`]: upstream's own volume code, restated as a baseline;
-//! - [`compare`]: scenarios run against that baseline and against ours.
+//! - [`compare`]: scenarios run against that baseline and against ours;
+//! - [`call_sites`]: the fixture's `call-sites` runner driven through a
+//!   box's first boot, each package's `Service::load` volume calls timed.
 //!
 //! Everything here needs Linux; most of it needs root.
 
+pub mod call_sites;
 pub mod compare;
 pub mod deep;
 pub mod dist;
