@@ -112,14 +112,8 @@ fn fmt_waits(w: &[(&str, f64)]) -> String {
 fn print_way(title: &str, b: &BootLoads) {
     println!("      {title}:");
     println!(
-        "        {:<13} {:>19}  {:>10}  {:>14}  {:>14}  {:>10}  {}",
-        "package",
-        "exchange",
-        "load called",
-        "calls returned",
-        "after exchange",
-        "calls took",
-        "waited for its lock during its calls"
+        "        {:<13} {:>19}  {:>10}  {:>14}  {:>14}  {:>10}  waited for its lock during its calls",
+        "package", "exchange", "load called", "calls returned", "after exchange", "calls took",
     );
     let mut rows: Vec<&PackageLoad> = b.packages.iter().collect();
     rows.sort_by(|a, b| {
