@@ -15,7 +15,8 @@ APT_PACKAGES := btrfs-progs libbtrfsutil-dev libclang-dev btrfs-compsize e2fspro
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
 # Extra arguments for the bench binary, e.g. `make bench BENCH_ARGS="--extents 500000"`,
-# or `BENCH_ARGS="--only loads --boot-small"`: the first boot through the call sites, in seconds.
+# or `BENCH_ARGS="--only loads --boot-small"`: the first boot through the call sites
+# on the test suite's box, in about half a minute.
 # The boot section runs the fixture's `call-sites` runner, built here beside it.
 BENCH_ARGS ?=
 # Extra arguments for the compare binary, e.g. `make compare COMPARE_ARGS="--only crash"`.

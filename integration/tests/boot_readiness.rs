@@ -3,8 +3,8 @@
 //! box in miniature: in both orders every package's volume exchange, load
 //! start and volume calls' return are measured, in the order that boot
 //! makes them. The figures themselves are the benchmark's (`make bench`,
-//! section `boot`, or `--only loads --boot-small` in seconds); this checks
-//! the path that measures them.
+//! section `boot`, or `--only loads --boot-small` in about half a
+//! minute); this checks the path that measures them.
 
 use integration::call_sites::{self, Order};
 use integration::node::{self, NodeShape};

@@ -33,7 +33,8 @@
 //! ([`boot`]), and beside its event times the readiness a service sees
 //! through start-core's own call sites, its `Service::load` volume calls
 //! timed ([`boot_loads`]; `loads` runs those rows alone, and
-//! `--boot-small` runs both on the test suite's box, in seconds).
+//! `--boot-small` runs both on the test suite's box, `loads` in about half
+//! a minute).
 //! `--only` picks sections; each prints its own table and target lines.
 //!
 //! The benchmark reports; it does not assert. It exits 0 whatever the figures,
@@ -148,7 +149,8 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "500000,2000000")]
     boot_extents: Vec<u64>,
     /// The boot and loads sections on the test suite's box (monerod at
-    /// 20,000 extents, `NodeShape::small`) instead: seconds, not minutes.
+    /// 20,000 extents, `NodeShape::small`) instead: about half a minute for
+    /// `loads`, not minutes.
     #[arg(long)]
     boot_small: bool,
     /// Print the results as JSON on stdout (progress still goes to stderr).

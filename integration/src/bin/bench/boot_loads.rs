@@ -152,7 +152,7 @@ pub fn print(extents: u64, f: &Fixture, events_all_ready: f64) {
             .fold(0.0, f64::max)
     };
     println!(
-        "    {:>11} extents, through start-core's call sites (fixtures/upstream-call-sites' runner, ms from the boot's start; each exchange between two samples of the runner's watch, \"after exchange\" from the earlier):",
+        "    {:>11} extents, through start-core's call sites (fixtures/upstream-call-sites' runner, times from the boot's start; each exchange between two samples of the runner's watch, \"after exchange\" from the earlier):",
         fmt_count(extents)
     );
     print_way(
@@ -227,7 +227,8 @@ pub fn verdicts(cases: &[(u64, &Fixture)]) -> Vec<Verdict> {
 }
 
 /// The `loads` section alone: both ways at each box size, with no other
-/// way and no event rows (`--boot-small`: the test suite's box, seconds).
+/// way and no event rows (`--boot-small`: the test suite's box, about half
+/// a minute).
 pub fn run_section(shapes: &[NodeShape]) -> Result<Vec<(u64, Fixture)>> {
     shapes
         .iter()
@@ -242,7 +243,7 @@ pub fn print_section(cases: &[(u64, Fixture)]) {
     );
     for (x, f) in cases {
         println!(
-            "    {:>11} extents, ms from the boot's start:",
+            "    {:>11} extents, times from the boot's start:",
             fmt_count(*x)
         );
         print_way(
