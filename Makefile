@@ -14,7 +14,10 @@ APT_PACKAGES := btrfs-progs libbtrfsutil-dev libclang-dev btrfs-compsize e2fspro
 	qemu-system-x86 busybox-static
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
-# Extra arguments for the bench binary, e.g. `make bench BENCH_ARGS="--extents 500000"`.
+# Extra arguments for the bench binary, e.g. `make bench BENCH_ARGS="--extents 500000"`,
+# or `BENCH_ARGS="--only loads --boot-small"`: the first boot through the call sites
+# on the test suite's box, in about half a minute.
+# The boot section runs the fixture's `call-sites` runner, built here beside it.
 BENCH_ARGS ?=
 # Extra arguments for the compare binary, e.g. `make compare COMPARE_ARGS="--only crash"`.
 COMPARE_ARGS ?=
@@ -85,7 +88,7 @@ powercut: deps guest-bins
 	POWERCUT_FULL=1 $(CARGO) test -p integration --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS) --test powercut -- --test-threads=3 --nocapture
 
 bench: deps
-	$(CARGO) build --release --features $(CLI_FEATURES) -p volume --bin startos-volume -p volume-migrate --bin volume-migrate -p integration --bin startos-core-service && $(CARGO) run --release -p integration --bin bench -- $(BENCH_ARGS)
+	$(CARGO) build --release --features $(CLI_FEATURES) -p volume --bin startos-volume -p volume-migrate --bin volume-migrate -p integration --bin startos-core-service -p upstream-call-sites --bin call-sites && $(CARGO) run --release -p integration --bin bench -- $(BENCH_ARGS)
 
 # The demo's update flow runs services as `startos-core-service` processes,
 # found beside the demo binary.

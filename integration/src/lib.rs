@@ -20,7 +20,10 @@
 //! - `r#gen` (`gen` is a reserved word): hostile trees of random shape,
 //!   generated from a seed and built through directory descriptors;
 //! - [`upstream`]: upstream's own volume code, restated as a baseline;
-//! - [`compare`]: scenarios run against that baseline and against ours.
+//! - [`compare`]: scenarios run against that baseline and against ours;
+//! - [`call_sites`]: the fixture's `call-sites` runner driven from outside:
+//!   boxes, flows and kill-point sweeps in both orders, and (`boot`) a
+//!   box's first boot, each package's `Service::load` volume calls timed.
 //!
 //! Everything here needs Linux; most of it needs root.
 

@@ -29,6 +29,12 @@
 //! order, at the same extent counts as the snapshot section ([`finalize`]).
 //! `commits` times starting a btrfs commit, the bare ioctl against ours
 //! ([`commits`]).
+//! `boot` times the first boot of a box shaped like the field reports'
+//! ([`boot`]), and beside its event times the readiness a service sees
+//! through start-core's own call sites, its `Service::load` volume calls
+//! timed ([`boot_loads`]; `loads` runs those rows alone, and
+//! `--boot-small` runs both on the test suite's box, `loads` in about half
+//! a minute).
 //! `--only` picks sections; each prints its own table and target lines.
 //!
 //! The benchmark reports; it does not assert. It exits 0 whatever the figures,
@@ -36,6 +42,8 @@
 
 #[path = "bench/boot.rs"]
 mod boot;
+#[path = "bench/boot_loads.rs"]
+mod boot_loads;
 #[path = "bench/commits.rs"]
 mod commits;
 mod common;
@@ -94,6 +102,10 @@ enum Section {
     Costs,
     /// Starting a btrfs commit: the bare ioctl's stalls against ours.
     Commits,
+    /// The boot section's rows through start-core's call sites alone: each
+    /// package's `Service::load` volume calls timed, in the readiness step
+    /// and in upstream's order (the boot section runs them too).
+    Loads,
 }
 
 #[derive(Parser)]
@@ -136,6 +148,11 @@ struct Args {
     /// comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "500000,2000000")]
     boot_extents: Vec<u64>,
+    /// The boot and loads sections on the test suite's box (monerod at
+    /// 20,000 extents, `NodeShape::small`) instead: about half a minute for
+    /// `loads`, not minutes.
+    #[arg(long)]
+    boot_small: bool,
     /// Print the results as JSON on stdout (progress still goes to stderr).
     #[arg(long)]
     json: bool,
@@ -600,6 +617,8 @@ struct Report {
     costs: Option<boot::CostReport>,
     #[serde(skip_serializing_if = "Option::is_none")]
     commits: Option<commits::Report>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    loads: Option<Vec<(u64, boot_loads::Fixture)>>,
     total_seconds: f64,
 }
 
@@ -636,8 +655,20 @@ fn run(args: &Args) -> Result<Report> {
     let commits = wants(Section::Commits)
         .then(|| commits::run(commits::ROUNDS))
         .transpose()?;
+    let shapes: Vec<integration::node::NodeShape> = if args.boot_small {
+        vec![integration::node::NodeShape::small()]
+    } else {
+        args.boot_extents
+            .iter()
+            .map(|&x| integration::node::NodeShape::field(x))
+            .collect()
+    };
     let boot = wants(Section::Boot)
-        .then(|| boot::run(&args.boot_extents))
+        .then(|| boot::run(&shapes))
+        .transpose()?;
+    // The boot section runs the loads' rows itself.
+    let loads = (boot.is_none() && wants(Section::Loads))
+        .then(|| boot_loads::run_section(&shapes))
         .transpose()?;
     Ok(Report {
         snapshot,
@@ -647,6 +678,7 @@ fn run(args: &Args) -> Result<Report> {
         boot,
         costs,
         commits,
+        loads,
         total_seconds: start.elapsed().as_secs_f64(),
     })
 }
@@ -685,6 +717,10 @@ fn print_text(report: &Report) {
     if let Some(r) = &report.boot {
         gap();
         boot::print(r);
+    }
+    if let Some(r) = &report.loads {
+        gap();
+        boot_loads::print_section(r);
     }
     println!(
         "total {}",

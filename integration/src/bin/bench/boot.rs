@@ -2,7 +2,7 @@
 //! ([`integration::node`]: monerod's fragmented LMDB, bitcoind's NOCOW data
 //! directory, electrs's 20,000 small files, five small packages, all plain
 //! directories on the top-level subvolume), at each of `--boot-extents`
-//! extents of monerod's database. Three ways, each on a fresh filesystem
+//! extents of monerod's database. Four ways, each on a fresh filesystem
 //! with the same box, settled and out of the page cache:
 //!
 //! - upstream's boot conversion ([`integration::upstream`]): clone each
@@ -14,7 +14,10 @@
 //! - ours, [`startos_core::volume::boot_volume_maintenance_at`]: each
 //!   service may start when its own volume is ready; the old trees go in a
 //!   background task, timed separately. Ours runs [`OURS_RUNS`] times, each
-//!   on a fresh box, and the median run is reported.
+//!   on a fresh box, and the median run is reported;
+//! - through start-core's own call sites ([`crate::boot_loads`]), ours in
+//!   the readiness step and in upstream's order, each package's
+//!   `Service::load` volume calls timed beside its volume's exchange.
 //!
 //! After upstream's and our conversions, the first writes to bitcoind's
 //! NOCOW block files: whether either way left them copying on write.
@@ -150,6 +153,10 @@ pub struct BootCase {
     pub deciding_seconds: f64,
     /// What it decided, per package, in its order.
     pub decisions: Vec<(String, String)>,
+    /// The same box's first boot through start-core's call sites, each
+    /// package's `Service::load` volume calls timed, in the readiness step
+    /// and in upstream's order.
+    pub call_sites: crate::boot_loads::Fixture,
 }
 
 /// The `boot` section's results.
@@ -536,11 +543,11 @@ impl MetadataPeak {
     }
 }
 
-/// The `boot` section.
-pub fn run(extent_counts: &[u64]) -> Result<Report> {
+/// The `boot` section, one case per box.
+pub fn run(shapes: &[NodeShape]) -> Result<Report> {
     let mut cases = Vec::new();
-    for &target in extent_counts {
-        let shape = NodeShape::field(target);
+    for shape in shapes {
+        let (shape, target) = (*shape, shape.monerod_extents);
         eprintln!(
             "boot: the box with monerod at {} extents: upstream's conversion",
             fmt_count(target)
@@ -557,6 +564,7 @@ pub fn run(extent_counts: &[u64]) -> Result<Report> {
         let every_run_cut = runs.iter().all(|r| r.dominant_cut == Some(true));
         runs.sort_by(|a, b| a.way.all_ready.total_cmp(&b.way.all_ready));
         let ours = runs.swap_remove(runs.len() / 2);
+        let call_sites = crate::boot_loads::run(&shape)?;
         let missing = || "first writes not measured".to_owned();
         let (deciding, decisions) = cp.schedule.ok_or("the schedule was not timed")?;
         cases.push(BootCase {
@@ -575,6 +583,7 @@ pub fn run(extent_counts: &[u64]) -> Result<Report> {
             dominant_cut_in_run: ours.dominant_cut.ok_or_else(missing)? && every_run_cut,
             deciding_seconds: deciding.as_secs_f64(),
             decisions,
+            call_sites,
         });
     }
     let per_extent = match (cases.first(), cases.last()) {
@@ -727,6 +736,11 @@ pub fn run(extent_counts: &[u64]) -> Result<Report> {
             ),
         ));
     }
+    let fixtures: Vec<(u64, &crate::boot_loads::Fixture)> = cases
+        .iter()
+        .map(|c| (c.target_extents, &c.call_sites))
+        .collect();
+    targets.extend(crate::boot_loads::verdicts(&fixtures));
     Ok(Report {
         cases,
         per_extent,
@@ -883,6 +897,7 @@ pub fn print(r: &Report) {
             share(&c.upstream),
             share(&c.ours)
         );
+        crate::boot_loads::print(c.extents, &c.call_sites, c.ours.all_ready);
     }
     if let Some(x) = &r.per_extent {
         println!(
