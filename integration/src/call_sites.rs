@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-pub mod boot;
+pub mod boot_loads;
 pub mod sweep;
 
 /// Why a run could not be made or read (as opposed to its outcome).

@@ -22,7 +22,7 @@
 //! - [`upstream`]: upstream's own volume code, restated as a baseline;
 //! - [`compare`]: scenarios run against that baseline and against ours;
 //! - [`call_sites`]: the fixture's `call-sites` runner driven from outside:
-//!   boxes, flows and kill-point sweeps in both orders, and (`boot`) a
+//!   boxes, flows and kill-point sweeps in both orders, and (`boot_loads`) a
 //!   box's first boot, each package's `Service::load` volume calls timed.
 //!
 //! Everything here needs Linux; most of it needs root.

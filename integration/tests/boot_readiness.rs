@@ -1,12 +1,12 @@
 //! The boot benchmark's readiness rows, measured through start-core's own
-//! call sites ([`integration::call_sites::boot::first_boot`]), on the real-node
+//! call sites ([`integration::call_sites::boot_loads::first_boot`]), on the real-node
 //! box in miniature: in both orders every package's volume exchange, load
 //! start and volume calls' return are measured, in the order that boot
 //! makes them. The figures themselves are the benchmark's (`make bench`,
 //! section `boot`, or `--only loads --boot-small` in about half a
 //! minute); this checks the path that measures them.
 
-use integration::call_sites::boot::{self as call_sites, Order};
+use integration::call_sites::boot_loads::{self as call_sites, Order};
 use integration::node::{self, NodeShape};
 use integration::{LoopFs, fs_or_skip};
 

@@ -1,7 +1,7 @@
 //! The `boot` section's readiness where a service waits: the first boot of
 //! the same box, run through start-core's own call sites (the
 //! `call-sites` runner of `fixtures/upstream-call-sites`,
-//! [`integration::call_sites::boot`]), each package's time from the boot's start
+//! [`integration::call_sites::boot_loads`]), each package's time from the boot's start
 //! to the return of its `Service::load` volume calls (`ensure_volume_root`,
 //! the `data_dir` checks), beside its volume's exchange, with the boot's
 //! background cleanup running. Two ways, each on a fresh box:
@@ -21,7 +21,7 @@
 use std::fs;
 
 use integration::LoopFs;
-use integration::call_sites::boot::{self as call_sites, BootLoads, Order, PackageLoad};
+use integration::call_sites::boot_loads::{self as call_sites, BootLoads, Order, PackageLoad};
 use integration::node::{self, NodeShape};
 use serde::Serialize;
 
