@@ -214,7 +214,7 @@ fn every_subcommand_in_text_and_json() {
     assert_eq!(fs::read(root.join("db/data/main/state")).unwrap(), b"v1");
     assert_eq!(
         ok_json(&root, &["restore", "db"]),
-        json!({"package": "db", "restored": false})
+        json!({"package": "db", "restored": false, "held": null})
     );
     assert_eq!(
         ok(&root, &["restore", "db"]),
@@ -276,7 +276,7 @@ fn every_subcommand_in_text_and_json() {
     fails(root.as_os_str(), &["delete", "app"], "no volume for app");
     assert_eq!(
         ok_json(&root, &["delete", "db"]),
-        json!({"package": "db", "deleted": true})
+        json!({"package": "db", "deleted": true, "held": null})
     );
     fails(
         root.as_os_str(),
@@ -417,11 +417,13 @@ fn an_existing_backup_fails_with_one_line_and_a_mount_keeps_the_replaced_tree() 
     // kept under app.held/1 while the mount shows it, the mount point named.
     let target = fs.path("container/rootfs/data");
     let bind = Bind::new(&root.join("app/data/main"), &target);
-    let out = ok(&root, &["restore", "app"]);
-    assert!(
-        out.contains("app.held/1") && out.contains(&target.display().to_string()),
-        "{out}"
-    );
+    let run = startos_volume(root.as_os_str(), &["restore", "app"]);
+    assert!(run.status.success(), "restore under a mount: {run:?}");
+    let (out, warned) = (text(&run.stdout), text(&run.stderr));
+    let t = target.display().to_string();
+    assert!(out.contains("app.held/1") && out.contains(&t), "{out}");
+    assert_eq!(warned.lines().count(), 1, "one warning line: {warned:?}");
+    assert!(warned.contains("WARN") && warned.contains(&t), "{warned}");
     assert_eq!(fs::read(root.join("app/data/main/state")).unwrap(), b"v1");
     assert_eq!(
         fs::read(target.join("state")).unwrap(),
@@ -430,6 +432,7 @@ fn an_existing_backup_fails_with_one_line_and_a_mount_keeps_the_replaced_tree() 
     );
     bind.unmount();
     // Once nothing holds it, the next operation reclaims it.
-    ok(&root, &["recover"]);
+    let recovered = startos_volume(root.as_os_str(), &["recover"]);
+    assert!(recovered.status.success(), "recover: {recovered:?}");
     assert!(!root.join("app.held").exists(), "reclaimed once unmounted");
 }
