@@ -259,7 +259,12 @@ impl InstallBackup {
     /// dependent's bind mount of its `data_dir`), never makes it fail: the
     /// replaced volume it still shows is kept, not deleted, until no mount
     /// holds it, and the holders (pid, mount point) are named in a warning;
-    /// see [`InstallBackup::restore_outcome`] for them as data.
+    /// see [`InstallBackup::restore_outcome`] for them as data. It returns
+    /// once the restored volume is in place and durable, in milliseconds
+    /// whatever the volumes hold: the replaced one, moved to the volumes
+    /// root's trash, is deleted after, in a background thread
+    /// ([`volume::purge`]), as deleting it evicts its cached inodes first
+    /// (seconds for a million files).
     pub async fn restore(&self) -> Result<(), Error> {
         self.restore_outcome().await.map(drop)
     }
@@ -310,7 +315,9 @@ pub async fn ensure_volume_root_at(
 /// volume never makes it fail: the volume leaves its name, and is kept as
 /// `<pkg>.held/<n>` (the holders named in a warning) until no mount holds
 /// it, then deleted by the package's next operation or the next boot, the
-/// last of the package's names to go.
+/// last of the package's names to go. A volume no mount holds is moved to
+/// the volumes root's trash and deleted after, in a background thread
+/// ([`volume::purge`]): this returns in milliseconds whatever it holds.
 pub async fn delete_tree(path: impl AsRef<Path>) -> Result<(), Error> {
     delete_tree_at(volumes_root(), path).await
 }
@@ -490,8 +497,14 @@ mod backend {
         store(root)?.snapshot_replacing(pkg)
     }
 
+    /// The replaced volume is deleted after, in the background: the
+    /// restore returns once it is in place and durable (milliseconds),
+    /// where deleting it would evict its cached inodes first (seconds for
+    /// a million files). See `volume::purge`.
     pub(super) fn restore(root: &Path, pkg: &PackageId) -> Result<volume::RestoreOutcome, Error> {
-        store(root)?.restore_outcome(pkg)
+        let outcome = store(root)?.with_deferred_purge().restore_outcome(pkg);
+        volume::purge::in_background(root);
+        outcome
     }
 
     pub(super) fn resolve_pending(root: &Path, pkg: &PackageId) -> Result<(), Error> {
@@ -509,8 +522,12 @@ mod backend {
         store(root)?.ensure(pkg).map(drop)
     }
 
+    /// A package's volume is deleted after, in the background (as by
+    /// [`restore`]).
     pub(super) fn delete_tree(root: &Path, path: &Path) -> Result<(), Error> {
-        volume::delete_tree_in(root, path)
+        let done = volume::delete_tree_in_deferring_purge(root, path);
+        volume::purge::in_background(root);
+        done
     }
 
     pub(super) fn convert(root: &Path, pkg: &PackageId) -> Result<(), Error> {

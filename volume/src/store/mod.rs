@@ -41,8 +41,13 @@
 //! - **delete**: `<pkg>` is renamed to `<pkg>.delete`, the commit point;
 //!   while `.delete` exists the delete is under way, so recovery drops the
 //!   backup, then deletes `.delete`, last.
-//! - `<pkg>.replaced` is always garbage; deleted, or, while a mount in
-//!   any namespace holds it, moved into `<pkg>.held`.
+//! - `<pkg>.replaced` is always garbage; moved to the trash, or, while a
+//!   mount in any namespace holds it, into `<pkg>.held`.
+//! - **trash** ([`trash`]): a tree no package uses any more and no mount
+//!   holds (the volume a restore replaced, a deleted one) is moved, in one
+//!   rename under the package's lock, into `.trash` (no package's name),
+//!   and deleted from there after the lock is released: everything there
+//!   is garbage.
 //! - **kept while mounted** ([`held`]): the volume a restore replaced, or
 //!   a deleted one (`.delete`), that a mount still holds is moved into
 //!   `<pkg>.held/<n>` in one rename rather than deleted; an entry there is
@@ -82,10 +87,12 @@ mod recovery;
 mod removal;
 mod restore;
 mod snapshot;
+mod trash;
 
 pub use install::Begun;
 pub use query::VolumeUsage;
-pub use removal::{delete_tree, delete_tree_at, delete_tree_in};
+pub use removal::{delete_tree, delete_tree_at, delete_tree_in, delete_tree_in_deferring_purge};
+pub use trash::empty_trash_at;
 
 /// Default bound on the extent count of a plain (not yet converted) volume
 /// directory for which a reflink backup is still taken. At the ~6.7 us per
@@ -126,6 +133,8 @@ pub struct VolumeStore {
     reflink_extent_limit: u64,
     locks: LockDir,
     read_wait: LockWait,
+    /// Who empties the trash after an operation ([`trash`]).
+    purge: trash::Purge,
 }
 
 /// A package held for one operation: its names, and its lock until this is
@@ -189,6 +198,7 @@ impl VolumeStore {
             reflink_extent_limit: DEFAULT_REFLINK_EXTENT_LIMIT,
             locks,
             read_wait: LockWait::Forever,
+            purge: trash::Purge::Inline,
         })
     }
 
