@@ -259,12 +259,9 @@ impl InstallBackup {
     /// dependent's bind mount of its `data_dir`), never makes it fail: the
     /// replaced volume it still shows is kept, not deleted, until no mount
     /// holds it, and the holders (pid, mount point) are named in a warning;
-    /// see [`InstallBackup::restore_outcome`] for them as data. It returns
-    /// once the restored volume is in place and durable, in milliseconds
-    /// whatever the volumes hold: the replaced one, moved to the volumes
-    /// root's trash, is deleted after, in a background thread
-    /// ([`volume::purge`]), as deleting it evicts its cached inodes first
-    /// (seconds for a million files).
+    /// see [`InstallBackup::restore_outcome`] for them as data. Returns in
+    /// milliseconds whatever the volumes hold: the replaced one is deleted
+    /// after, in a background thread ([`volume::purge`]).
     pub async fn restore(&self) -> Result<(), Error> {
         self.restore_outcome().await.map(drop)
     }
@@ -477,8 +474,27 @@ mod backend {
     use models::{Error, ErrorKind, PackageId};
     use volume::VolumeStore;
 
-    fn store(root: &Path) -> Result<VolumeStore, Error> {
-        VolumeStore::open_without_recovery(root)
+    /// The store, whose trash (a restore's replaced volume, a deleted
+    /// one, what recovery moved there) is emptied once it is dropped, in
+    /// `volume::purge`'s thread: no call waits for it (seconds for a
+    /// million cached files), nor does any other operation of the package.
+    struct Store(VolumeStore);
+
+    impl std::ops::Deref for Store {
+        type Target = VolumeStore;
+        fn deref(&self) -> &VolumeStore {
+            &self.0
+        }
+    }
+
+    impl Drop for Store {
+        fn drop(&mut self) {
+            volume::purge::in_background(self.0.root());
+        }
+    }
+
+    fn store(root: &Path) -> Result<Store, Error> {
+        VolumeStore::open_without_recovery(root).map(|s| Store(s.with_deferred_purge()))
     }
 
     pub(super) fn exists(root: &Path, pkg: &PackageId) -> Result<bool, Error> {
@@ -497,14 +513,8 @@ mod backend {
         store(root)?.snapshot_replacing(pkg)
     }
 
-    /// The replaced volume is deleted after, in the background: the
-    /// restore returns once it is in place and durable (milliseconds),
-    /// where deleting it would evict its cached inodes first (seconds for
-    /// a million files). See `volume::purge`.
     pub(super) fn restore(root: &Path, pkg: &PackageId) -> Result<volume::RestoreOutcome, Error> {
-        let outcome = store(root)?.with_deferred_purge().restore_outcome(pkg);
-        volume::purge::in_background(root);
-        outcome
+        store(root)?.restore_outcome(pkg)
     }
 
     pub(super) fn resolve_pending(root: &Path, pkg: &PackageId) -> Result<(), Error> {
@@ -522,8 +532,6 @@ mod backend {
         store(root)?.ensure(pkg).map(drop)
     }
 
-    /// A package's volume is deleted after, in the background (as by
-    /// [`restore`]).
     pub(super) fn delete_tree(root: &Path, path: &Path) -> Result<(), Error> {
         let done = volume::delete_tree_in_deferring_purge(root, path);
         volume::purge::in_background(root);
@@ -571,7 +579,7 @@ mod backend {
         all: &BTreeSet<String>,
         tx: &tokio::sync::mpsc::UnboundedSender<super::BootEvent>,
     ) -> Result<(Vec<volume::Recovery>, Vec<(PackageId, Error)>, bool), Error> {
-        let store = volume::VolumeStore::open_without_recovery(root)?;
+        let store = store(root)?;
         let mut failed = Vec::new();
         let mut recovered = Vec::new();
         for r in store.recover_all()? {

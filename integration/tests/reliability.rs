@@ -1435,10 +1435,7 @@ fn recovery_never_exchanges_back_a_restore_whose_replaced_volume_is_in_use() {
 /// running service's are), with an install backup taken before the last
 /// one of them was changed.
 fn cached_volume_with_backup(root: &Path, files: usize) -> PathBuf {
-    must_succeed(
-        &volume_cli(root, &["create", "app", "main"], &[]),
-        "create",
-    );
+    must_succeed(&volume_cli(root, &["create", "app", "main"], &[]), "create");
     let main = root.join("app/data/main");
     for i in 0..files {
         fs::write(main.join(format!("f{i}")), i.to_string()).unwrap();
@@ -1481,10 +1478,17 @@ fn a_restore_and_a_delete_finish_before_their_purge_which_holds_no_lock() {
         "startos-volume",
         &root,
         &["restore", "app"],
-        Opts { env: &stop, ..PLAIN },
+        Opts {
+            env: &stop,
+            ..PLAIN
+        },
     );
     let restore = stopped_at(restore, "trash.deleting");
-    assert_eq!(fs::read_to_string(main.join("f0")).unwrap(), "0", "restored");
+    assert_eq!(
+        fs::read_to_string(main.join("f0")).unwrap(),
+        "0",
+        "restored"
+    );
     assert!(!root.join("app.install-backup").exists(), "backup consumed");
     assert_eq!(trash_entries(&root), ["app.1"], "the replaced volume");
     let replaced = root.join(volume::layout::TRASH_DIR).join("app.1");
@@ -1502,13 +1506,19 @@ fn a_restore_and_a_delete_finish_before_their_purge_which_holds_no_lock() {
     go_on(&restore);
     must_succeed(&restore.wait(TIMEOUT, "the continued restore"), "restore");
     assert_eq!(trash_entries(&root), Vec::<String>::new());
-    assert!(!root.join(volume::layout::TRASH_DIR).exists(), "trash removed");
+    assert!(
+        !root.join(volume::layout::TRASH_DIR).exists(),
+        "trash removed"
+    );
 
     let delete = spawn(
         "startos-volume",
         &root,
         &["delete", "app"],
-        Opts { env: &stop, ..PLAIN },
+        Opts {
+            env: &stop,
+            ..PLAIN
+        },
     );
     let delete = stopped_at(delete, "trash.deleting");
     assert_eq!(package_names(&root, "app"), Vec::<String>::new(), "deleted");
@@ -1521,7 +1531,10 @@ fn a_restore_and_a_delete_finish_before_their_purge_which_holds_no_lock() {
     assert!(!main.join("f0").exists(), "a fresh volume");
     go_on(&delete);
     must_succeed(&delete.wait(TIMEOUT, "the continued delete"), "delete");
-    assert!(!root.join(volume::layout::TRASH_DIR).exists(), "trash removed");
+    assert!(
+        !root.join(volume::layout::TRASH_DIR).exists(),
+        "trash removed"
+    );
     assert_no_transient_names(&root, "after the purges");
 }
 
@@ -1540,11 +1553,18 @@ fn a_crash_in_the_purge_leaves_garbage_the_next_recovery_deletes() {
         &[(volume::FAILPOINT_ENV, "trash.deleting")],
     );
     assert!(!out.status.success(), "never reached trash.deleting");
-    assert_eq!(fs::read_to_string(main.join("f0")).unwrap(), "0", "restored");
+    assert_eq!(
+        fs::read_to_string(main.join("f0")).unwrap(),
+        "0",
+        "restored"
+    );
     assert_eq!(trash_entries(&root), ["app.1"]);
     let list = must_succeed(&volume_cli(&root, &["list"], &[]), "list");
     assert!(!list.contains("trash"), "the trash is no package: {list}");
     must_succeed(&volume_cli(&root, &["recover"], &[]), "recover");
-    assert!(!root.join(volume::layout::TRASH_DIR).exists(), "trash emptied");
+    assert!(
+        !root.join(volume::layout::TRASH_DIR).exists(),
+        "trash emptied"
+    );
     assert_eq!(package_names(&root, "app"), ["app"]);
 }

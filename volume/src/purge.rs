@@ -38,9 +38,13 @@ fn state() -> MutexGuard<'static, State> {
 }
 
 /// Empties the trash of the volumes root at `root` in the background
-/// thread, starting it if it is not running. Returns at once. If no
-/// thread can be started, empties it here.
+/// thread, starting it if it is not running; nothing if `root` has no
+/// trash (a call that put nothing there costs one `stat`). Returns at
+/// once. If no thread can be started, empties it here.
 pub fn in_background(root: &Path) {
+    if !root.join(crate::layout::TRASH_DIR).exists() {
+        return;
+    }
     let mut s = state();
     if !s.queue.iter().any(|r| r == root) {
         s.queue.push(root.to_owned());

@@ -29,6 +29,9 @@
 //! order, at the same extent counts as the snapshot section ([`finalize`]).
 //! `commits` times starting a btrfs commit, the bare ioctl against ours
 //! ([`commits`]).
+//! `purge` times a restore and a delete of a volume of 100k and 1M cached
+//! small files: the call a user waits on, and the purge after it
+//! ([`purge`]).
 //! `--only` picks sections; each prints its own table and target lines.
 //!
 //! The benchmark reports; it does not assert. It exits 0 whatever the figures,
@@ -45,6 +48,8 @@ mod finalize;
 mod fixture;
 #[path = "bench/migrate.rs"]
 mod migrate;
+#[path = "bench/purge.rs"]
+mod purge;
 #[path = "bench/usage.rs"]
 mod usage;
 
@@ -94,6 +99,9 @@ enum Section {
     Costs,
     /// Starting a btrfs commit: the bare ioctl's stalls against ours.
     Commits,
+    /// Restore and delete of a volume of many cached files: the call, and
+    /// the purge after it.
+    Purge,
 }
 
 #[derive(Parser)]
@@ -136,6 +144,9 @@ struct Args {
     /// comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "500000,2000000")]
     boot_extents: Vec<u64>,
+    /// File counts of the purge section's volume, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "100000,1000000")]
+    purge_files: Vec<u64>,
     /// Print the results as JSON on stdout (progress still goes to stderr).
     #[arg(long)]
     json: bool,
@@ -600,6 +611,8 @@ struct Report {
     costs: Option<boot::CostReport>,
     #[serde(skip_serializing_if = "Option::is_none")]
     commits: Option<commits::Report>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    purge: Option<purge::Report>,
     total_seconds: f64,
 }
 
@@ -636,6 +649,9 @@ fn run(args: &Args) -> Result<Report> {
     let commits = wants(Section::Commits)
         .then(|| commits::run(commits::ROUNDS))
         .transpose()?;
+    let purge = wants(Section::Purge)
+        .then(|| purge::run(&args.purge_files))
+        .transpose()?;
     let boot = wants(Section::Boot)
         .then(|| boot::run(&args.boot_extents))
         .transpose()?;
@@ -647,6 +663,7 @@ fn run(args: &Args) -> Result<Report> {
         boot,
         costs,
         commits,
+        purge,
         total_seconds: start.elapsed().as_secs_f64(),
     })
 }
@@ -681,6 +698,10 @@ fn print_text(report: &Report) {
     if let Some(r) = &report.commits {
         gap();
         commits::print(r);
+    }
+    if let Some(r) = &report.purge {
+        gap();
+        purge::print(r);
     }
     if let Some(r) = &report.boot {
         gap();

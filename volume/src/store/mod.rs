@@ -60,7 +60,8 @@
 //! [`Held`], the one way an operation takes its package (names, lock, and
 //! recovery where it recovers first). The operations, one family a file:
 //! [`create`], [`snapshot`], [`restore`], [`removal`] (with [`held`], the
-//! trees kept while mounted), [`install`] (upstream's `begin` and
+//! trees kept while mounted, and [`trash`], where the trees no package
+//! uses any more wait to be deleted off the lock), [`install`] (upstream's `begin` and
 //! `snapshot`, each decided under one hold), [`recovery`] (with
 //! what upstream's own code leaves behind, in `recovery/upstream.rs`) and
 //! [`query`].

@@ -90,8 +90,8 @@ pub fn empty_trash_at(root: BorrowedFd<'_>, path: &Path) -> Result<usize, Error>
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
         Err(e) => return Err(e).with_ctx(ctx(format!("opening {}", trash.display()))),
     };
-    let names = sys::read_dir_names(dir.as_fd())
-        .with_ctx(ctx(format!("reading {}", trash.display())))?;
+    let names =
+        sys::read_dir_names(dir.as_fd()).with_ctx(ctx(format!("reading {}", trash.display())))?;
     let mut deleted = 0;
     let mut first_error = None;
     for (name, _, _) in &names {
