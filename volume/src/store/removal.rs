@@ -87,7 +87,7 @@ impl VolumeStore {
     /// Deletes the package's volume and its backup, on uninstall: O(1) per
     /// subvolume, nested subvolumes included; the volume is moved to the
     /// trash under the package's lock and deleted after it is released
-    /// ([`super::trash`]: before this returns, or by the caller with
+    /// ([`TRASH_DIR`](crate::layout::TRASH_DIR): before this returns, or by the caller with
     /// [`VolumeStore::with_deferred_purge`]). Returns `false` if there was
     /// nothing to delete. Refuses an entry under the package's name that is
     /// no directory.

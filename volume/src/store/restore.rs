@@ -28,7 +28,7 @@ impl VolumeStore {
     ///
     /// The package is restored, durably, in milliseconds whatever the
     /// volumes hold: the replaced volume is moved to the trash under the
-    /// package's lock and deleted after it is released ([`super::trash`]),
+    /// package's lock and deleted after it is released ([`TRASH_DIR`](crate::layout::TRASH_DIR)),
     /// before this returns, or by the caller with
     /// [`VolumeStore::with_deferred_purge`].
     ///

@@ -19,6 +19,15 @@
 //! [`VolumeStore::with_deferred_purge`], by whoever the caller chooses
 //! (start-core hands it to [`crate::purge`]'s background thread).
 //!
+//! The calls that empty it in the inline way are those that fill it in
+//! their own right (restore, delete, discard, purge) and recovery
+//! (`recover`, `recover_all`); another operation whose recovery moves a
+//! crash's leftover there (a create after a crashed delete, say) leaves it
+//! for the next of those, the boot's included: garbage either way.
+//! What stays deleted under the lock, as before: a dropped backup (its
+//! inodes are rarely cached: nothing runs on it) and a held tree once
+//! unmounted.
+//!
 //! No lock guards the trash: only a package's own operations, under that
 //! package's lock, put entries in (named after the package, numbered above
 //! its highest entry there, so two packages never pick one name), and
@@ -78,7 +87,7 @@ fn open_trash(root: BorrowedFd<'_>) -> io::Result<OwnedFd> {
 
 /// Deletes everything in the trash of the volumes root open as `root`
 /// (whose path, for messages, is `path`), then the trash itself if it is
-/// empty. Takes no lock: see the [module docs](self). Returns how many
+/// empty. Takes no lock: see [`TRASH_DIR`]. Returns how many
 /// trees it deleted. A tree it cannot delete is left for the next
 /// emptying, with a warning; the first such error is returned once the
 /// others were tried.
