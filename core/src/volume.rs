@@ -266,7 +266,9 @@ impl InstallBackup {
     /// dependent's bind mount of its `data_dir`), never makes it fail: the
     /// replaced volume it still shows is kept, not deleted, until no mount
     /// holds it, and the holders (pid, mount point) are named in a warning;
-    /// see [`InstallBackup::restore_outcome`] for them as data.
+    /// see [`InstallBackup::restore_outcome`] for them as data. Returns in
+    /// milliseconds whatever the volumes hold: the replaced one is deleted
+    /// after, in a background thread ([`volume::purge`]).
     pub async fn restore(&self) -> Result<(), Error> {
         self.restore_outcome().await.map(drop)
     }
@@ -317,7 +319,9 @@ pub async fn ensure_volume_root_at(
 /// volume never makes it fail: the volume leaves its name, and is kept as
 /// `<pkg>.held/<n>` (the holders named in a warning) until no mount holds
 /// it, then deleted by the package's next operation or the next boot, the
-/// last of the package's names to go.
+/// last of the package's names to go. A volume no mount holds is moved to
+/// the volumes root's trash and deleted after, in a background thread
+/// ([`volume::purge`]): this returns in milliseconds whatever it holds.
 pub async fn delete_tree(path: impl AsRef<Path>) -> Result<(), Error> {
     delete_tree_at(volumes_root(), path).await
 }
@@ -478,12 +482,35 @@ mod backend {
     use volume::VolumeStore;
 
     /// The store as the drop-in's calls use it: every wait for a package's
-    /// lock bounded by [`super::LOCK_PATIENCE`].
-    fn store(root: &Path) -> Result<VolumeStore, Error> {
+    /// lock bounded by [`super::LOCK_PATIENCE`]; its trash (a restore's
+    /// replaced volume, a deleted one, what recovery moved there) emptied
+    /// once it is dropped, in `volume::purge`'s thread: no call waits for
+    /// it (seconds for a million cached files), nor does any other
+    /// operation of the package.
+    struct Store(VolumeStore);
+
+    impl std::ops::Deref for Store {
+        type Target = VolumeStore;
+        fn deref(&self) -> &VolumeStore {
+            &self.0
+        }
+    }
+
+    impl Drop for Store {
+        fn drop(&mut self) {
+            volume::purge::in_background(self.0.root());
+        }
+    }
+
+    fn store(root: &Path) -> Result<Store, Error> {
         let wait = volume::lock::LockWait::Within(super::LOCK_PATIENCE);
-        Ok(VolumeStore::open_without_recovery(root)?
-            .with_lock_wait(wait)
-            .with_change_wait(wait))
+        let store = VolumeStore::open_without_recovery(root)?;
+        Ok(Store(
+            store
+                .with_deferred_purge()
+                .with_lock_wait(wait)
+                .with_change_wait(wait),
+        ))
     }
 
     pub(super) fn exists(root: &Path, pkg: &PackageId) -> Result<bool, Error> {
@@ -522,7 +549,9 @@ mod backend {
     }
 
     pub(super) fn delete_tree(root: &Path, path: &Path) -> Result<(), Error> {
-        volume::delete_tree_in(root, path)
+        let done = volume::delete_tree_in_deferring_purge(root, path);
+        volume::purge::in_background(root);
+        done
     }
 
     pub(super) fn convert(root: &Path, pkg: &PackageId) -> Result<(), Error> {
@@ -566,7 +595,7 @@ mod backend {
         all: &BTreeSet<String>,
         tx: &tokio::sync::mpsc::UnboundedSender<super::BootEvent>,
     ) -> Result<(Vec<volume::Recovery>, Vec<(PackageId, Error)>, bool), Error> {
-        let store = volume::VolumeStore::open_without_recovery(root)?;
+        let store = store(root)?;
         let mut failed = Vec::new();
         let mut recovered = Vec::new();
         for r in store.recover_all()? {
@@ -693,93 +722,7 @@ mod backend {
     }
 }
 
-/// Where there is no btrfs (start-cli builds start-core for macOS): plain
-/// directories, no backups, nothing to convert, as upstream's own code
-/// there.
 #[cfg(not(target_os = "linux"))]
-mod backend {
-    use std::collections::BTreeSet;
-    use std::path::Path;
-
-    use color_eyre::eyre::eyre;
-    use models::{Error, ErrorKind, PackageId};
-
-    fn io(what: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
-        move |e| Error::new(eyre!("{}: {e}", what.display()), ErrorKind::Filesystem)
-    }
-
-    pub(super) fn exists(_: &Path, _: &PackageId) -> Result<bool, Error> {
-        Ok(false)
-    }
-
-    pub(super) fn begin(_: &Path, _: &PackageId) -> Result<(), Error> {
-        Ok(())
-    }
-
-    pub(super) fn is_fresh(_: &Path, _: &PackageId) -> Result<bool, Error> {
-        Ok(false)
-    }
-
-    pub(super) fn snapshot(_: &Path, _: &PackageId) -> Result<volume::SnapshotOutcome, Error> {
-        Ok(volume::SnapshotOutcome::Skipped {
-            reason: "btrfs subvolumes need Linux".to_owned(),
-        })
-    }
-
-    pub(super) fn restore(_: &Path, _: &PackageId) -> Result<volume::RestoreOutcome, Error> {
-        Ok(volume::RestoreOutcome {
-            restored: false,
-            held: None,
-        })
-    }
-
-    pub(super) fn resolve_pending(_: &Path, _: &PackageId) -> Result<(), Error> {
-        Ok(())
-    }
-
-    pub(super) fn remove(_: &Path, _: &PackageId) -> Result<(), Error> {
-        Ok(())
-    }
-
-    pub(super) fn ensure(root: &Path, pkg: &PackageId) -> Result<(), Error> {
-        let path = root.join(pkg.as_str());
-        std::fs::create_dir_all(&path).map_err(io(&path))
-    }
-
-    pub(super) fn delete_tree(_: &Path, path: &Path) -> Result<(), Error> {
-        match std::fs::remove_dir_all(path) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(path)(e)),
-            _ => Ok(()),
-        }
-    }
-
-    pub(super) fn convert(_: &Path, _: &PackageId) -> Result<(), Error> {
-        Ok(())
-    }
-
-    pub(super) fn cleanup(_: &Path) -> Result<Vec<PackageId>, Error> {
-        Ok(Vec::new())
-    }
-
-    pub(super) fn release_rest(_: &Path, _: &PackageId) -> Result<bool, Error> {
-        Ok(false)
-    }
-
-    #[allow(clippy::type_complexity)]
-    pub(super) fn boot(
-        _: &Path,
-        installed: &BTreeSet<String>,
-        _: &BTreeSet<String>,
-        tx: &tokio::sync::mpsc::UnboundedSender<super::BootEvent>,
-    ) -> Result<(Vec<volume::Recovery>, Vec<(PackageId, Error)>, bool), Error> {
-        let _ = tx.send(super::BootEvent::Total(0));
-        let _ = tx.send(super::BootEvent::Done(0));
-        for pkg in installed
-            .iter()
-            .filter_map(|id| id.parse::<PackageId>().ok())
-        {
-            let _ = tx.send(super::BootEvent::Ready(pkg));
-        }
-        Ok((Vec::new(), Vec::new(), false))
-    }
-}
+mod portable;
+#[cfg(not(target_os = "linux"))]
+use portable as backend;

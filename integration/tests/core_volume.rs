@@ -789,3 +789,85 @@ async fn a_failed_snapshot_stops_the_install_and_tells_the_user_why() {
     install_shaped(&c.ib, &mut uninit).await.unwrap();
     assert!(uninit);
 }
+
+// ------------------------------------------- the purge after a restore or a delete
+
+/// `dir` with `n` small files, each read once: cached, as a running
+/// service's files are.
+fn cached_files(dir: &Path, n: usize) {
+    fs::create_dir_all(dir).unwrap();
+    for i in 0..n {
+        fs::write(dir.join(format!("f{i}")), i.to_string()).unwrap();
+    }
+    for i in 0..n {
+        fs::read(dir.join(format!("f{i}"))).unwrap();
+    }
+}
+
+/// The entries of the volumes root's trash, sorted (none if absent).
+fn trash(c: &Case) -> Vec<String> {
+    let Ok(dir) = fs::read_dir(c.root.join(::volume::layout::TRASH_DIR)) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = dir
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+// Today: the restore deletes the replaced volume before it returns (its cached inodes evicted in the caller's task): "the replaced volume, left to the background purge: []".
+/// Start-core waits on the restore to restart the service: it returns
+/// with the restored volume in place and the replaced one still whole in
+/// the trash, deleted by the background purge (held off here, so the test
+/// sees the state whatever the machine's speed), which holds no lock of
+/// the package: the service's `ensure_volume_root` runs meanwhile.
+#[tokio::test]
+async fn restore_returns_before_the_replaced_volume_is_deleted() {
+    let Some(c) = Case::new() else { return };
+    seed_subvolume(&c.live(), "pre-update");
+    assert!(c.ib.snapshot().await.unwrap());
+    seed(&c.live(), "updated");
+    cached_files(&c.live().join("data/main/db"), 2000);
+    let paused = ::volume::purge::pause();
+    c.ib.restore().await.unwrap();
+    assert_eq!(marker(&c.live()).as_deref(), Some("pre-update"));
+    assert!(!c.ib.exists().await);
+    assert_eq!(
+        trash(&c),
+        ["app.1"],
+        "the replaced volume, left to the background purge: {:?}",
+        trash(&c)
+    );
+    let replaced = c.root.join(::volume::layout::TRASH_DIR).join("app.1");
+    assert_eq!(marker(&replaced).as_deref(), Some("updated"));
+    ensure_volume_root_at(&c.root, "app").await.unwrap();
+    drop(paused);
+    ::volume::purge::wait_purged();
+    assert_eq!(trash(&c), Vec::<String>::new());
+    assert_eq!(root_names(&c.root), ["app"]);
+}
+
+// Today: the delete deletes the volume before it returns: "the deleted volume, left to the background purge: []".
+/// The same for an uninstall's `delete_tree`: the volume leaves the
+/// package's names at once, and is deleted after, in the background.
+#[tokio::test]
+async fn delete_tree_returns_before_the_volume_is_deleted() {
+    let Some(c) = Case::new() else { return };
+    seed_subvolume(&c.live(), "installed");
+    cached_files(&c.live().join("data/main/db"), 2000);
+    let paused = ::volume::purge::pause();
+    delete_tree_at(&c.root, c.live()).await.unwrap();
+    assert!(gone(&c.live()));
+    assert_eq!(
+        trash(&c),
+        ["app.1"],
+        "the deleted volume, left to the background purge: {:?}",
+        trash(&c)
+    );
+    // A reinstall's first step runs meanwhile.
+    ensure_volume_root_at(&c.root, "app").await.unwrap();
+    drop(paused);
+    ::volume::purge::wait_purged();
+    assert_eq!(root_names(&c.root), ["app"]);
+}

@@ -1428,3 +1428,143 @@ fn recovery_never_exchanges_back_a_restore_whose_replaced_volume_is_in_use() {
         b"written after the restore"
     );
 }
+
+// ---------------------------------------------------------------- 3. the purge after a restore or a delete
+
+/// `app`, a volume of `files` small files, all read once (cached, as a
+/// running service's are), with an install backup taken before the last
+/// one of them was changed.
+fn cached_volume_with_backup(root: &Path, files: usize) -> PathBuf {
+    must_succeed(&volume_cli(root, &["create", "app", "main"], &[]), "create");
+    let main = root.join("app/data/main");
+    for i in 0..files {
+        fs::write(main.join(format!("f{i}")), i.to_string()).unwrap();
+    }
+    must_succeed(&volume_cli(root, &["snapshot", "app"], &[]), "snapshot");
+    for i in 0..files {
+        fs::read(main.join(format!("f{i}"))).unwrap();
+    }
+    fs::write(main.join("f0"), b"changed after the backup").unwrap();
+    main
+}
+
+/// The entries of the volumes root's trash, sorted (none if it is absent).
+fn trash_entries(root: &Path) -> Vec<String> {
+    let Ok(dir) = fs::read_dir(root.join(volume::layout::TRASH_DIR)) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = dir
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+// Today: the replaced volume is deleted under the package's lock, with no trash step to stop at: "never stopped at trash.deleting: it exited (exit status: 0)".
+/// Deleting a subvolume evicts its cached inodes in the calling thread
+/// (seconds for a million files): a restore and a delete are complete and
+/// durable before it, their old tree waits in the trash, and the package's
+/// lock is free while it is deleted, so another command on the package
+/// runs to its end meanwhile. Structural: the process is stopped in its
+/// purge, whatever the machine's speed.
+#[test]
+fn a_restore_and_a_delete_finish_before_their_purge_which_holds_no_lock() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let main = cached_volume_with_backup(&root, 2000);
+    let stop = [(volume::FAILPOINT_ENV, "trash.deleting=stop")];
+
+    let restore = spawn(
+        "startos-volume",
+        &root,
+        &["restore", "app"],
+        Opts {
+            env: &stop,
+            ..PLAIN
+        },
+    );
+    let restore = stopped_at(restore, "trash.deleting");
+    assert_eq!(
+        fs::read_to_string(main.join("f0")).unwrap(),
+        "0",
+        "restored"
+    );
+    assert!(!root.join("app.install-backup").exists(), "backup consumed");
+    assert_eq!(trash_entries(&root), ["app.1"], "the replaced volume");
+    let replaced = root.join(volume::layout::TRASH_DIR).join("app.1");
+    assert_eq!(
+        fs::read(replaced.join("data/main/f0")).unwrap(),
+        b"changed after the backup",
+        "the replaced volume, whole until its purge"
+    );
+    // The package is free while its old volume waits: a snapshot runs now.
+    must_succeed(
+        &volume_cli(&root, &["snapshot", "app"], &[]),
+        "a snapshot while the restore's purge is stopped",
+    );
+    assert!(root.join("app.install-backup").exists());
+    go_on(&restore);
+    must_succeed(&restore.wait(TIMEOUT, "the continued restore"), "restore");
+    assert_eq!(trash_entries(&root), Vec::<String>::new());
+    assert!(
+        !root.join(volume::layout::TRASH_DIR).exists(),
+        "trash removed"
+    );
+
+    let delete = spawn(
+        "startos-volume",
+        &root,
+        &["delete", "app"],
+        Opts {
+            env: &stop,
+            ..PLAIN
+        },
+    );
+    let delete = stopped_at(delete, "trash.deleting");
+    assert_eq!(package_names(&root, "app"), Vec::<String>::new(), "deleted");
+    assert_eq!(trash_entries(&root).len(), 1, "the deleted volume");
+    // A reinstall's create runs now, on a fresh volume.
+    must_succeed(
+        &volume_cli(&root, &["create", "app", "main"], &[]),
+        "a create while the delete's purge is stopped",
+    );
+    assert!(!main.join("f0").exists(), "a fresh volume");
+    go_on(&delete);
+    must_succeed(&delete.wait(TIMEOUT, "the continued delete"), "delete");
+    assert!(
+        !root.join(volume::layout::TRASH_DIR).exists(),
+        "trash removed"
+    );
+    assert_no_transient_names(&root, "after the purges");
+}
+
+// Today: nothing is left in a trash for a crash to leave: "never reached trash.deleting" (the restore exits 0).
+/// A crash in the purge leaves the old tree in the trash: garbage that no
+/// listing shows and the next recovery of all packages (the boot's)
+/// deletes.
+#[test]
+fn a_crash_in_the_purge_leaves_garbage_the_next_recovery_deletes() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let main = cached_volume_with_backup(&root, 100);
+    let out = volume_cli(
+        &root,
+        &["restore", "app"],
+        &[(volume::FAILPOINT_ENV, "trash.deleting")],
+    );
+    assert!(!out.status.success(), "never reached trash.deleting");
+    assert_eq!(
+        fs::read_to_string(main.join("f0")).unwrap(),
+        "0",
+        "restored"
+    );
+    assert_eq!(trash_entries(&root), ["app.1"]);
+    let list = must_succeed(&volume_cli(&root, &["list"], &[]), "list");
+    assert!(!list.contains("trash"), "the trash is no package: {list}");
+    must_succeed(&volume_cli(&root, &["recover"], &[]), "recover");
+    assert!(
+        !root.join(volume::layout::TRASH_DIR).exists(),
+        "trash emptied"
+    );
+    assert_eq!(package_names(&root, "app"), ["app"]);
+}

@@ -65,6 +65,24 @@ pub const DELETE_SUFFIX: &str = ".delete";
 /// (garbage, being unmounted). Nothing inside a held tree decides anything;
 /// only the entry names in this directory, which only the store makes.
 pub const HELD_SUFFIX: &str = ".held";
+/// The store's trash: a directory of the volumes root (not a package's:
+/// its name starts with a dot, which no package id holds, so
+/// [`package_of`] and `list` pass it over, and no operation of a package
+/// waits on it) holding trees that no package uses any more, each under
+/// `<pkg>.<n>`, waiting to be deleted.
+///
+/// Deleting a subvolume evicts its cached inodes and pages in the calling
+/// thread (about 4 s for a million cached files), so a restore or a delete
+/// moves the tree it no longer uses here under the package's lock (one
+/// rename and one commit: milliseconds at any size) and it is deleted from
+/// here after the lock is released, by [`crate::VolumeStore::empty_trash`]
+/// (inline, or in a background thread with [`crate::purge`]). A tree a
+/// mount still holds never comes here (it is kept in [`HELD_SUFFIX`]).
+///
+/// Everything in it is garbage, whatever instant a crash hit: the move in
+/// is one rename, and every later recovery of all packages (the boot's)
+/// empties it; the directory itself is removed once empty.
+pub const TRASH_DIR: &str = ".trash";
 /// volume-migrate: the subvolume being built from the plain directory
 /// `<pkg>` before the exchange; the old plain directory after it (a plain
 /// directory under this name means the exchange happened).

@@ -17,6 +17,7 @@
 //! lock every tool takes), [`record`] (the small facts kept beside a
 //! package's trees), [`mounts`] (who holds a mount of a volume),
 //! [`usage`] (space accounting from the b-tree), [`walk`] (the tree walker),
+//! [`purge`] (emptying the trash in a background thread),
 //! [`errors`] (the I/O errors that change what a failed step does next)
 //! and [`failpoint`] (the crash sites the tests name). Everything else is
 //! internal.
@@ -53,6 +54,9 @@ mod outcome;
 // The small facts kept beside a package's trees.
 #[cfg(target_os = "linux")]
 pub mod record;
+// Emptying the trash in a background thread, for long-lived processes.
+#[cfg(target_os = "linux")]
+pub mod purge;
 #[cfg(target_os = "linux")]
 mod root;
 #[cfg(target_os = "linux")]
@@ -85,7 +89,7 @@ pub use root::Root;
 #[cfg(target_os = "linux")]
 pub use store::{
     Begun, DEFAULT_REFLINK_EXTENT_LIMIT, VolumeStore, VolumeUsage, delete_tree, delete_tree_at,
-    delete_tree_in,
+    delete_tree_in, delete_tree_in_deferring_purge, empty_trash_at,
 };
 
 /// Upstream's data directory.

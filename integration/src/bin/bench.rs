@@ -35,6 +35,9 @@
 //! timed ([`boot_loads`]; `loads` runs those rows alone, and
 //! `--boot-small` runs both on the test suite's box, `loads` in about half
 //! a minute).
+//! `purge` times a restore and a delete of a volume of 100k and 1M cached
+//! small files: the call a user waits on, and the purge after it
+//! ([`purge`]).
 //! `--only` picks sections; each prints its own table and target lines.
 //!
 //! The benchmark reports; it does not assert. It exits 0 whatever the figures,
@@ -53,6 +56,8 @@ mod finalize;
 mod fixture;
 #[path = "bench/migrate.rs"]
 mod migrate;
+#[path = "bench/purge.rs"]
+mod purge;
 #[path = "bench/usage.rs"]
 mod usage;
 
@@ -106,6 +111,9 @@ enum Section {
     /// package's `Service::load` volume calls timed, in the readiness step
     /// and in upstream's order (the boot section runs them too).
     Loads,
+    /// Restore and delete of a volume of many cached files: the call, and
+    /// the purge after it.
+    Purge,
 }
 
 #[derive(Parser)]
@@ -153,6 +161,9 @@ struct Args {
     /// `loads`, not minutes.
     #[arg(long)]
     boot_small: bool,
+    /// File counts of the purge section's volume, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "100000,1000000")]
+    purge_files: Vec<u64>,
     /// Print the results as JSON on stdout (progress still goes to stderr).
     #[arg(long)]
     json: bool,
@@ -619,6 +630,7 @@ struct Report {
     commits: Option<commits::Report>,
     #[serde(skip_serializing_if = "Option::is_none")]
     loads: Option<Vec<(u64, boot_loads::Fixture)>>,
+    purge: Option<purge::Report>,
     total_seconds: f64,
 }
 
@@ -663,6 +675,9 @@ fn run(args: &Args) -> Result<Report> {
             .map(|&x| integration::node::NodeShape::field(x))
             .collect()
     };
+    let purge = wants(Section::Purge)
+        .then(|| purge::run(&args.purge_files))
+        .transpose()?;
     let boot = wants(Section::Boot)
         .then(|| boot::run(&shapes))
         .transpose()?;
@@ -679,6 +694,7 @@ fn run(args: &Args) -> Result<Report> {
         costs,
         commits,
         loads,
+        purge,
         total_seconds: start.elapsed().as_secs_f64(),
     })
 }
@@ -713,6 +729,10 @@ fn print_text(report: &Report) {
     if let Some(r) = &report.commits {
         gap();
         commits::print(r);
+    }
+    if let Some(r) = &report.purge {
+        gap();
+        purge::print(r);
     }
     if let Some(r) = &report.boot {
         gap();

@@ -109,8 +109,11 @@ pub fn lock_path(root: &Path, id: &str) -> PathBuf {
         .join(id)
 }
 
-/// Names in the volumes root, sorted.
+/// Names in the volumes root, sorted, once this process's background
+/// purges are done (start-core's restore and delete leave the tree they
+/// replaced in the root's `.trash` for a background thread to delete).
 pub fn root_names(root: &Path) -> Vec<String> {
+    volume::purge::wait_purged();
     let mut names: Vec<String> = fs::read_dir(root)
         .unwrap_or_else(|e| panic!("reading {}: {e}", root.display()))
         .map(|e| {

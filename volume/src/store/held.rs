@@ -25,7 +25,8 @@ use crate::sys;
 /// What became of a tree the store no longer uses.
 #[derive(Debug)]
 pub(super) enum Disposal {
-    /// No mount held it: deleted.
+    /// No mount held it: moved to the trash, deleted once the package's
+    /// lock is released ([`super::trash`]).
     Deleted,
     /// A mount held it: kept under `<pkg>.held`.
     Held(HeldTree),
@@ -65,13 +66,13 @@ fn next_number(dir: BorrowedFd<'_>) -> io::Result<OsString> {
 
 impl VolumeStore {
     /// Removes the tree `name` of the root, one the package no longer uses
-    /// (the volume a restore replaced, a volume being deleted): deleted if
-    /// no mount in any namespace holds it, else moved into `<pkg>.held`
-    /// and kept, with a warning naming the holders. `None` if it is absent.
+    /// (the volume a restore replaced, a volume being deleted): moved to
+    /// the trash ([`super::trash`]) if no mount in any namespace holds it,
+    /// else moved into `<pkg>.held` and kept, with a warning naming the
+    /// holders. `None` if it is absent.
     ///
     /// A crash leaves the tree under `name` (the caller's recovery runs
-    /// this again), part-deleted under it (nothing held it), or whole in
-    /// `<pkg>.held`. A mount made between the reading of the tables and
+    /// this again), in the trash (garbage), or whole in `<pkg>.held`. A mount made between the reading of the tables and
     /// the delete is not seen (the name is off the package's by then, so
     /// only a process already holding a mount of it can make one).
     pub(super) fn discard_tree(
@@ -91,14 +92,9 @@ impl VolumeStore {
             )
         })?;
         if uses.is_empty() {
-            self.delete_entry(name)
-                .and_then(|()| self.fsync_root())
-                .with_ctx(|_| {
-                    (
-                        ErrorKind::DiskManagement,
-                        pkg.context(format!("deleting {}", path.display())),
-                    )
-                })?;
+            // Deleted after the lock is released: deleting evicts its
+            // cached inodes, seconds for a million files.
+            self.trash(pkg, name)?;
             return Ok(Some(Disposal::Deleted));
         }
         self.keep_held(pkg, names, name, &uses)

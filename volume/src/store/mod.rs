@@ -41,8 +41,13 @@
 //! - **delete**: `<pkg>` is renamed to `<pkg>.delete`, the commit point;
 //!   while `.delete` exists the delete is under way, so recovery drops the
 //!   backup, then deletes `.delete`, last.
-//! - `<pkg>.replaced` is always garbage; deleted, or, while a mount in
-//!   any namespace holds it, moved into `<pkg>.held`.
+//! - `<pkg>.replaced` is always garbage; moved to the trash, or, while a
+//!   mount in any namespace holds it, into `<pkg>.held`.
+//! - **trash** ([`trash`]): a tree no package uses any more and no mount
+//!   holds (the volume a restore replaced, a deleted one) is moved, in one
+//!   rename under the package's lock, into `.trash` (no package's name),
+//!   and deleted from there after the lock is released: everything there
+//!   is garbage.
 //! - **kept while mounted** ([`held`]): the volume a restore replaced, or
 //!   a deleted one (`.delete`), that a mount still holds is moved into
 //!   `<pkg>.held/<n>` in one rename rather than deleted; an entry there is
@@ -55,7 +60,8 @@
 //! [`Held`], the one way an operation takes its package (names, lock, and
 //! recovery where it recovers first). The operations, one family a file:
 //! [`create`], [`snapshot`], [`restore`], [`removal`] (with [`held`], the
-//! trees kept while mounted), [`install`] (upstream's `begin` and
+//! trees kept while mounted, and [`trash`], where the trees no package
+//! uses any more wait to be deleted off the lock), [`install`] (upstream's `begin` and
 //! `snapshot`, each decided under one hold), [`recovery`] (with
 //! what upstream's own code leaves behind, in `recovery/upstream.rs`) and
 //! [`query`].
@@ -82,10 +88,12 @@ mod recovery;
 mod removal;
 mod restore;
 mod snapshot;
+mod trash;
 
 pub use install::Begun;
 pub use query::VolumeUsage;
-pub use removal::{delete_tree, delete_tree_at, delete_tree_in};
+pub use removal::{delete_tree, delete_tree_at, delete_tree_in, delete_tree_in_deferring_purge};
+pub use trash::empty_trash_at;
 
 /// Default bound on the extent count of a plain (not yet converted) volume
 /// directory for which a reflink backup is still taken. At the ~6.7 us per
@@ -127,6 +135,8 @@ pub struct VolumeStore {
     locks: LockDir,
     read_wait: LockWait,
     change_wait: LockWait,
+    /// Who empties the trash after an operation ([`trash`]).
+    purge: trash::Purge,
 }
 
 /// A package held for one operation: its names, and its lock until this is
@@ -191,6 +201,7 @@ impl VolumeStore {
             locks,
             read_wait: LockWait::Forever,
             change_wait: LockWait::Forever,
+            purge: trash::Purge::Inline,
         })
     }
 

@@ -47,8 +47,12 @@ impl VolumeStore {
         // A file, symlink or FIFO under the package's name is no volume of
         // ours: refused, as by every other command on the package.
         self.tree(pkg, &names.live)?;
-        let held = self.hold_for_read(pkg, names)?;
-        self.recover_locked(pkg, &held.names)
+        let recovery = {
+            let held = self.hold_for_read(pkg, names)?;
+            self.recover_locked(pkg, &held.names)?
+        };
+        self.purge_after();
+        Ok(recovery)
     }
 
     /// [`VolumeStore::recover`] for a caller that already holds the
@@ -60,7 +64,9 @@ impl VolumeStore {
         self.recover_locked(pkg, &names)
     }
 
-    /// [`VolumeStore::recover`] for every package with anything under the root.
+    /// [`VolumeStore::recover`] for every package with anything under the
+    /// root, then the trash emptied (unless the caller does:
+    /// [`VolumeStore::with_deferred_purge`]).
     ///
     /// One package's failure does not stop the others: it is logged and
     /// returned as a [`Recovery`] with its `error` set, and that package's
@@ -87,6 +93,9 @@ impl VolumeStore {
                 }
             }
         }
+        // What a crash left in the trash with no package name beside it
+        // (each package's recovery above empties it too).
+        self.purge_after();
         Ok(out)
     }
 

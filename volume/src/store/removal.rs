@@ -85,7 +85,10 @@ impl VolumeStore {
     }
 
     /// Deletes the package's volume and its backup, on uninstall: O(1) per
-    /// subvolume, nested subvolumes included. Returns `false` if there was
+    /// subvolume, nested subvolumes included; the volume is moved to the
+    /// trash under the package's lock and deleted after it is released
+    /// ([`TRASH_DIR`](crate::layout::TRASH_DIR): before this returns, or by the caller with
+    /// [`VolumeStore::with_deferred_purge`]). Returns `false` if there was
     /// nothing to delete. Refuses an entry under the package's name that is
     /// no directory.
     ///
@@ -111,8 +114,16 @@ impl VolumeStore {
                 held: None,
             });
         };
-        let guard = self.hold_recovered(pkg, names)?;
-        let names = &guard.names;
+        let outcome = {
+            let guard = self.hold_recovered(pkg, names)?;
+            self.delete_locked(pkg, &guard.names)?
+        };
+        // The volume is in the trash: deleted off the lock.
+        self.purge_after();
+        Ok(outcome)
+    }
+
+    fn delete_locked(&self, pkg: &PackageId, names: &Names) -> Result<DeleteOutcome, Error> {
         // Out of space or at a qgroup limit, the error says so and what to
         // do, as every other operation's does.
         let io_ctx = |what: &'static str| move |e: io::Error| self.failed(pkg, what, e);
@@ -220,15 +231,18 @@ impl VolumeStore {
         let Some(names) = self.present(pkg)? else {
             return Ok(none);
         };
-        let guard = self.hold_recovered(pkg, names)?;
-        let names = &guard.names;
-        if self.tree(pkg, &names.live)?.is_none() {
-            return Ok(none);
-        }
-        sys::rename_noreplace(self.root_fd(), &names.live, &names.replaced)
-            .and_then(|()| self.commit_root())
-            .map_err(|e| self.failed(pkg, "moving the volume aside", e))?;
-        let held = self.purge_locked(pkg, names)?.and_then(Disposal::held);
+        let held = {
+            let guard = self.hold_recovered(pkg, names)?;
+            let names = &guard.names;
+            if self.tree(pkg, &names.live)?.is_none() {
+                return Ok(none);
+            }
+            sys::rename_noreplace(self.root_fd(), &names.live, &names.replaced)
+                .and_then(|()| self.commit_root())
+                .map_err(|e| self.failed(pkg, "moving the volume aside", e))?;
+            self.purge_locked(pkg, names)?.and_then(Disposal::held)
+        };
+        self.purge_after();
         tracing::info!(package = %pkg, "volume deleted, backup kept");
         Ok(DeleteOutcome {
             deleted: true,
@@ -292,6 +306,18 @@ pub fn delete_tree(path: &Path) -> Result<(), Error> {
 /// ([`delete_tree_at`]: subvolumes in O(1), no symlink followed, no mount
 /// crossed), with no package lock and nothing done to its siblings.
 pub fn delete_tree_in(volumes_root: &Path, path: &Path) -> Result<(), Error> {
+    delete_tree_with(volumes_root, path, false)
+}
+
+/// [`delete_tree_in`], but a package's volume is left in the trash for the
+/// caller to delete ([`VolumeStore::with_deferred_purge`]): returns once it
+/// is off the package's names, durably, in milliseconds, and the caller
+/// empties the trash of `volumes_root` ([`crate::purge::in_background`]).
+pub fn delete_tree_in_deferring_purge(volumes_root: &Path, path: &Path) -> Result<(), Error> {
+    delete_tree_with(volumes_root, path, true)
+}
+
+fn delete_tree_with(volumes_root: &Path, path: &Path, deferred: bool) -> Result<(), Error> {
     let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
         return Err(Error::new(
             eyre!("cannot delete {}: no parent directory", path.display()),
@@ -310,9 +336,12 @@ pub fn delete_tree_in(volumes_root: &Path, path: &Path) -> Result<(), Error> {
         )
     })?;
     if let Some(pkg) = volume_of(volumes_root, dir.as_fd(), name)? {
-        return VolumeStore::open_without_recovery(volumes_root)?
-            .delete(&pkg)
-            .map(drop);
+        let store = VolumeStore::open_without_recovery(volumes_root)?;
+        let store = match deferred {
+            true => store.with_deferred_purge(),
+            false => store,
+        };
+        return store.delete(&pkg).map(drop);
     }
     delete_tree_at(dir.as_fd(), name).with_ctx(|_| {
         (

@@ -26,6 +26,12 @@ impl VolumeStore {
     /// Rolls `<pkg>` back to its install backup, atomically, and removes the
     /// backup. Returns `false` (and changes nothing) if there is no backup.
     ///
+    /// The package is restored, durably, in milliseconds whatever the
+    /// volumes hold: the replaced volume is moved to the trash under the
+    /// package's lock and deleted after it is released ([`TRASH_DIR`](crate::layout::TRASH_DIR)),
+    /// before this returns, or by the caller with
+    /// [`VolumeStore::with_deferred_purge`].
+    ///
     /// A writable snapshot of the backup is made under `<pkg>.rollback`
     /// (read-only nested subvolumes made read-only again), its identity is
     /// recorded once it is complete and committed, and one renameat2
@@ -55,12 +61,17 @@ impl VolumeStore {
                 held: None,
             });
         };
-        let guard = self.hold_recovered(pkg, names)?;
-        let restored = self.restore_locked(pkg, &guard.names)?;
-        let held = self
-            .purge_locked(pkg, &guard.names)?
-            .and_then(Disposal::held);
-        Ok(RestoreOutcome { restored, held })
+        let outcome = {
+            let guard = self.hold_recovered(pkg, names)?;
+            let restored = self.restore_locked(pkg, &guard.names)?;
+            let held = self
+                .purge_locked(pkg, &guard.names)?
+                .and_then(Disposal::held);
+            RestoreOutcome { restored, held }
+        };
+        // The replaced volume is in the trash: deleted off the lock.
+        self.purge_after();
+        Ok(outcome)
     }
 
     /// [`VolumeStore::restore`] without deleting the replaced volume, which
@@ -81,7 +92,9 @@ impl VolumeStore {
     }
 
     /// Deletes the volume a restore replaced (`<pkg>.replaced`), if any:
-    /// O(1) per subvolume plus the eviction of its cached pages. One a
+    /// moved to the trash under the package's lock, then deleted (O(1) per
+    /// subvolume plus the eviction of its cached inodes and pages) after
+    /// the lock is released. One a
     /// mount still holds is kept under `<pkg>.held` instead (see
     /// [`VolumeStore::restore`]). Returns whether there was one.
     pub fn purge(&self, pkg: &PackageId) -> Result<bool, Error> {
@@ -96,8 +109,11 @@ impl VolumeStore {
                 held: None,
             });
         };
-        let guard = self.hold(pkg, names)?;
-        let done = self.purge_locked(pkg, &guard.names)?;
+        let done = {
+            let guard = self.hold(pkg, names)?;
+            self.purge_locked(pkg, &guard.names)?
+        };
+        self.purge_after();
         Ok(DeleteOutcome {
             deleted: done.is_some(),
             held: done.and_then(Disposal::held),
