@@ -491,3 +491,61 @@ pub fn walk_files(
     }
     Ok(Visit::Continue)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    /// A directory of several batches, whose descriptor the walk closes
+    /// while it is deep below it (past [`FD_BUDGET`]) and reopens through
+    /// `..`, and which changes meanwhile: every name that stayed is
+    /// visited exactly once, the deep chain whole, no name twice.
+    #[test]
+    fn a_wide_directory_is_walked_in_batches_across_a_reopen_and_a_change() {
+        let fs = test_fs::fs_or_skip!(test_fs::LoopFs::btrfs(256 << 20));
+        let wide = fs.path("top/wide");
+        std::fs::create_dir_all(&wide).unwrap();
+        let files = 2 * BATCH + 500;
+        for i in 0..files {
+            if i == BATCH + 10 {
+                let mut d = wide.join("deep");
+                for _ in 0..FD_BUDGET + 4 {
+                    std::fs::create_dir(&d).unwrap();
+                    std::fs::write(d.join("x"), b"x").unwrap();
+                    d = d.join("d");
+                }
+            }
+            std::fs::write(wide.join(format!("f{i:05}")), b"").unwrap();
+        }
+        let top = std::fs::File::open(fs.path("top")).unwrap();
+        let mut walk = Walk::new(top.as_fd(), None).unwrap();
+        let mut seen: HashMap<(usize, OsString), u32> = HashMap::new();
+        let mut changed = false;
+        while let Some(step) = walk.step().unwrap() {
+            let Step::Entry(entry) = step else { continue };
+            *seen.entry((walk.depth(), entry.name.clone())).or_default() += 1;
+            if walk.entry_type(&entry).unwrap() == Some(FileType::Directory) {
+                walk.enter(&entry.name).unwrap();
+            }
+            if walk.depth() == FD_BUDGET + 5 && !changed {
+                changed = true;
+                for i in files - 100..files {
+                    std::fs::remove_file(wide.join(format!("f{i:05}"))).unwrap();
+                }
+                for i in 0..100 {
+                    std::fs::write(wide.join(format!("g{i:05}")), b"").unwrap();
+                }
+            }
+        }
+        assert!(changed, "the walk went {} deep", FD_BUDGET + 5);
+        assert!(seen.values().all(|&n| n == 1), "a name came twice");
+        for i in 0..files - 100 {
+            let name = OsString::from(format!("f{i:05}"));
+            assert!(seen.contains_key(&(1, name)), "f{i:05} was not visited");
+        }
+        for depth in 2..FD_BUDGET + 6 {
+            assert!(seen.contains_key(&(depth, OsString::from("x"))), "depth {depth}");
+        }
+    }
+}
