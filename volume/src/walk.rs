@@ -545,7 +545,10 @@ mod tests {
             assert!(seen.contains_key(&(1, name)), "f{i:05} was not visited");
         }
         for depth in 2..FD_BUDGET + 6 {
-            assert!(seen.contains_key(&(depth, OsString::from("x"))), "depth {depth}");
+            assert!(
+                seen.contains_key(&(depth, OsString::from("x"))),
+                "depth {depth}"
+            );
         }
     }
 }

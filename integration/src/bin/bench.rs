@@ -51,6 +51,8 @@ mod common;
 mod finalize;
 #[path = "bench/fixture.rs"]
 mod fixture;
+#[path = "bench/memory.rs"]
+mod memory;
 #[path = "bench/migrate.rs"]
 mod migrate;
 #[path = "bench/usage.rs"]
