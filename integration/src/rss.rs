@@ -1,10 +1,21 @@
-//! Peak memory of a child process: what the kernel counted as its largest
-//! resident set (`ru_maxrss` from `wait4`), for the tests and the bench
-//! that hold a command to a memory bound.
+//! Peak memory of a child process, for the tests and the bench that hold a
+//! command to a memory bound.
+//!
+//! Measured by GNU time (`/usr/bin/time`, Debian's `time`, which `make
+//! deps` installs), which reports its child's `ru_maxrss` from `wait4`. Not
+//! by a `wait4` of this process's own: a child's `ru_maxrss` includes the
+//! resident set of the process it was forked or vforked from, up to its
+//! `exec` (the kernel keeps the larger), so every command measured from a
+//! test or bench process of 11 MiB would show at least 11 MiB. GNU time is
+//! a process of a megabyte or two: that is its floor.
 
-use std::io::{self, Read};
-use std::os::unix::process::ExitStatusExt;
+use std::io;
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// GNU time.
+const TIME: &str = "/usr/bin/time";
 
 /// What [`run_measured`] saw of a command.
 #[derive(Debug)]
@@ -20,57 +31,53 @@ pub struct Measured {
     pub peak_rss: u64,
 }
 
-/// Runs `cmd` to its end, its output captured, and measures its peak
-/// resident set. Reaps the child itself (with `wait4`, which reports that
-/// one child's usage, whatever else this process runs at the same time).
-pub fn run_measured(cmd: &mut Command) -> io::Result<Measured> {
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()?;
-    let mut out = child.stdout.take();
-    let mut err = child.stderr.take();
-    let err_reader = std::thread::spawn(move || {
-        let mut buf = Vec::new();
-        if let Some(e) = err.as_mut() {
-            let _ = e.read_to_end(&mut buf);
-        }
-        buf
-    });
-    let mut stdout = Vec::new();
-    if let Some(o) = out.as_mut() {
-        o.read_to_end(&mut stdout)?;
+/// Runs `cmd` (its program, arguments, environment and directory) to its
+/// end under GNU time, its output captured, and measures its peak resident
+/// set. GNU time's report goes to a file of its own in the temporary
+/// directory, removed afterwards.
+pub fn run_measured(cmd: &Command) -> io::Result<Measured> {
+    if !Path::new(TIME).is_file() {
+        return Err(io::Error::other(format!(
+            "{TIME} is missing: install Debian's `time` package (make deps)"
+        )));
     }
-    let stderr = err_reader.join().unwrap_or_default();
-    let pid = i32::try_from(child.id()).map_err(io::Error::other)?;
-    let (status, max_rss_kib) = wait4(pid)?;
+    static SEQ: AtomicU32 = AtomicU32::new(0);
+    let report: PathBuf = std::env::temp_dir().join(format!(
+        "rss-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    ));
+    let mut timed = Command::new(TIME);
+    timed
+        .args(["-f", "%M", "-o"])
+        .arg(&report)
+        .arg(cmd.get_program())
+        .args(cmd.get_args())
+        .stdin(Stdio::null());
+    for (k, v) in cmd.get_envs() {
+        match v {
+            Some(v) => timed.env(k, v),
+            None => timed.env_remove(k),
+        };
+    }
+    if let Some(dir) = cmd.get_current_dir() {
+        timed.current_dir(dir);
+    }
+    let out = timed.output();
+    let text = std::fs::read_to_string(&report);
+    let _ = std::fs::remove_file(&report);
+    let out = out?;
+    // GNU time writes "Command exited with non-zero status N" before the
+    // figure when the command fails: the figure is the last line.
+    let kib: u64 = text?
+        .lines()
+        .last()
+        .and_then(|l| l.trim().parse().ok())
+        .ok_or_else(|| io::Error::other(format!("{TIME} reported no peak resident set")))?;
     Ok(Measured {
-        status: ExitStatus::from_raw(status),
-        stdout,
-        stderr,
-        peak_rss: max_rss_kib.saturating_mul(1024),
+        status: out.status,
+        stdout: out.stdout,
+        stderr: out.stderr,
+        peak_rss: kib.saturating_mul(1024),
     })
-}
-
-/// Waits for the child `pid`: its raw wait status and `ru_maxrss` (KiB).
-#[allow(unsafe_code)] // wait4
-fn wait4(pid: i32) -> io::Result<(i32, u64)> {
-    let mut status = 0;
-    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    loop {
-        // SAFETY: wait4 writes only the status and rusage it is given,
-        // both valid for writes; a zeroed rusage is a valid one.
-        let r = unsafe { libc::wait4(pid, &mut status, 0, usage.as_mut_ptr()) };
-        if r == pid {
-            break;
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
-    // SAFETY: wait4 succeeded and filled it (and zeroed was valid already).
-    let usage = unsafe { usage.assume_init() };
-    Ok((status, u64::try_from(usage.ru_maxrss).unwrap_or(0)))
 }

@@ -8,8 +8,9 @@
 //!
 //! Each tree is written once into a loop btrfs of its own; cp copies it to
 //! `<mnt>/volumes-<tree>/<pkg>`, which the dry run counts and the clone
-//! then converts. Peaks are the kernel's (`wait4`'s `ru_maxrss`); each is
-//! one run, with its wall time beside it for scale.
+//! then converts. Peaks are the kernel's `ru_maxrss`, as GNU time reports
+//! it ([`integration::rss`]); each is one run, with its wall time beside it
+//! for scale.
 
 use std::path::Path;
 use std::process::Command;
@@ -64,13 +65,18 @@ fn measured(what: &str, cmd: &mut Command) -> Result<Peak> {
     let m: Measured = run_measured(cmd).map_err(|e| format!("{what}: {e}"))?;
     let seconds = start.elapsed().as_secs_f64();
     if !m.status.success() {
-        return Err(format!(
-            "{what}: {}: {}",
-            m.status,
-            String::from_utf8_lossy(&m.stderr)
+        let last = |b: &[u8]| {
+            String::from_utf8_lossy(b)
                 .lines()
                 .last()
                 .unwrap_or("")
+                .to_owned()
+        };
+        return Err(format!(
+            "{what}: {}: {} {}",
+            m.status,
+            last(&m.stdout),
+            last(&m.stderr)
         )
         .into());
     }
@@ -170,7 +176,7 @@ pub fn print(report: &Report) {
         );
     }
     println!(
-        "peak resident set (wait4's ru_maxrss) and wall time of one run each; files of {FILE_BYTES} \
+        "peak resident set (ru_maxrss, by GNU time) and wall time of one run each; files of {FILE_BYTES} \
          bytes, a thousand to a directory\n\x20 (flat-300k: all in one), no hardlinks; the dry run \
          and the clone are the volume-migrate process"
     );
