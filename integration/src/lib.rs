@@ -23,7 +23,8 @@
 //! - [`compare`]: scenarios run against that baseline and against ours;
 //! - [`call_sites`]: the fixture's `call-sites` runner driven from outside:
 //!   boxes, flows and kill-point sweeps in both orders, and (`boot_loads`) a
-//!   box's first boot, each package's `Service::load` volume calls timed.
+//!   box's first boot, each package's `Service::load` volume calls timed;
+//! - [`rss`]: a child process's peak memory, for memory bounds.
 //!
 //! Everything here needs Linux; most of it needs root.
 
@@ -37,6 +38,7 @@ pub mod identity;
 pub mod r#gen;
 pub mod node;
 pub mod powercut;
+pub mod rss;
 pub mod services;
 pub mod upstream;
 

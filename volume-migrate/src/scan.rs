@@ -15,8 +15,24 @@ use volume::walk::{Step, Walk};
 
 use crate::Estimate;
 
-/// File extent items of each regular file, by (device, inode).
+/// File extent items of regular files, by (device, inode): only those with
+/// other than [`usual_extents`] of them (fragmented files, mostly), and at
+/// most [`UNUSUAL_MAX`] of those, so that it weighs nothing like one entry
+/// per file (at a million files, 25 bytes each and twice that while the
+/// table grows was most of a conversion's memory).
 pub(crate) type ExtentsByInode = HashMap<(u64, u64), u64>;
+
+/// The extent items a regular file of `size` bytes usually has: one (or an
+/// inline extent) if it has data, none if it is empty. A file the scan
+/// found otherwise is in [`ExtentsByInode`], unless past [`UNUSUAL_MAX`].
+pub(crate) fn usual_extents(size: u64) -> u64 {
+    u64::from(size > 0)
+}
+
+/// Files [`ExtentsByInode`] holds at most (a megabyte or two): past that,
+/// progress counts the other fragmented files' extents when their copy ends
+/// rather than as it goes.
+pub(crate) const UNUSUAL_MAX: usize = 1 << 16;
 
 /// What an entry and an extent item weigh against [`Limits::max_work`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,7 +123,7 @@ pub(crate) fn scan(
     let mut scan = Scan::new(Limits::all(stop));
     // Without a work limit it never breaks off.
     let _ = scan.dir(dir)?;
-    Ok((scan.tally.est, scan.tally.files))
+    Ok((scan.tally.est, scan.tally.unusual))
 }
 
 /// [`scan`] within `limits`: stops once the work counted passes
@@ -139,7 +155,8 @@ pub(crate) fn bytes(dir: BorrowedFd<'_>) -> io::Result<Estimate> {
         est.entries += 1;
         match st.file_type {
             FileType::Directory => walk.enter(&entry.name)?,
-            FileType::RegularFile if seen.insert((st.dev, st.ino)) => {
+            // Only a file of several names can come again.
+            FileType::RegularFile if st.nlink < 2 || seen.insert((st.dev, st.ino)) => {
                 est.files += 1;
                 est.bytes += st.size;
             }
@@ -179,7 +196,12 @@ struct Scan<'a> {
 struct Tally<'a> {
     limits: Limits<'a>,
     est: Estimate,
-    files: ExtentsByInode,
+    /// Files with several names already counted, which their other names
+    /// must not count again: only these, so a tree without hardlinks costs
+    /// no memory per file.
+    linked: HashSet<(u64, u64)>,
+    /// See [`ExtentsByInode`].
+    unusual: ExtentsByInode,
     in_place: u64,
 }
 
@@ -213,6 +235,8 @@ struct FileItems {
     seen: bool,
     /// Its size, from its inode item.
     size: u64,
+    /// It has more than one name.
+    linked: bool,
     extents: u64,
     in_place: bool,
 }
@@ -223,7 +247,8 @@ impl<'a> Scan<'a> {
             tally: Tally {
                 limits,
                 est: Estimate::default(),
-                files: HashMap::new(),
+                linked: HashSet::new(),
+                unusual: HashMap::new(),
                 in_place: 0,
             },
             searcher: Searcher::default(),
@@ -346,7 +371,7 @@ impl<'a> Scan<'a> {
         let mut wanted = std::mem::take(pending);
         wanted.sort_unstable();
         wanted.dedup();
-        wanted.retain(|ino| !self.tally.files.contains_key(&(dev, *ino)));
+        wanted.retain(|ino| !self.tally.linked.contains(&(dev, *ino)));
         let (Some(&first), Some(&last)) = (wanted.first(), wanted.last()) else {
             return Ok(ControlFlow::Continue(()));
         };
@@ -509,6 +534,7 @@ impl Tally<'_> {
         let inode = InodeItem::parse(body).ok();
         cur.seen = true;
         cur.size = inode.map_or(0, |i| i.size);
+        cur.linked = inode.is_some_and(|i| i.nlink > 1);
         self.est.files += 1;
         self.est.bytes += cur.size;
         // A malformed inode item (never from a sane kernel) counts as
@@ -555,7 +581,12 @@ impl Tally<'_> {
         if file.in_place {
             self.in_place += 1;
         }
-        self.files.insert((dev, ino), file.extents);
+        if file.linked {
+            self.linked.insert((dev, ino));
+        }
+        if file.extents != usual_extents(file.size) && self.unusual.len() < UNUSUAL_MAX {
+            self.unusual.insert((dev, ino), file.extents);
+        }
     }
 }
 

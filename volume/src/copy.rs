@@ -24,7 +24,7 @@
 //! (which forbid everything before them). Directories get theirs after their
 //! children, so their mtime is the source's.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -326,11 +326,10 @@ impl Copier<'_, '_> {
                 set_flags(dst, have ^ InodeFlags::NOCOW)?;
             }
         }
-        let wanted = existing.then(|| walk.remaining().map(|e| e.name.clone()).collect());
         Ok(DirFrame {
             st,
             nested,
-            wanted,
+            resumed: existing,
             shared: None,
         })
     }
@@ -348,13 +347,8 @@ impl Copier<'_, '_> {
     ) -> io::Result<()> {
         // Every child complete before the directory's own metadata.
         self.collect(true)?;
-        if let Some(wanted) = &frame.wanted {
-            for (name, _, _) in sys::read_dir_names(dst)? {
-                if !wanted.contains(&name) {
-                    remove_tree_at(dst, &name, &mut |_| Ok(()))?;
-                    self.stats.entries_discarded += 1;
-                }
-            }
+        if frame.resumed {
+            self.stats.entries_discarded += remove::remove_missing_from(src, dst)?;
         }
         finish_metadata(&frame.st, Target::Fd(dst), Some(src))?;
         if frame.nested && sys::is_read_only(src)? {
@@ -585,8 +579,9 @@ struct DirFrame {
     st: Stat,
     /// It is a nested subvolume, copied as one.
     nested: bool,
-    /// In a resumed copy, the source's names: the destination's others go.
-    wanted: Option<HashSet<OsString>>,
+    /// It was there before (a resumed copy): once its entries are done,
+    /// the names the source no longer has go.
+    resumed: bool,
     /// This directory's pair of descriptors, shared with the helpers
     /// copying its files.
     shared: Option<SharedDirs>,

@@ -10,8 +10,14 @@
 //! data on the third. So every walk here:
 //!
 //! - is iterative: its stack is a `Vec` on the heap, one frame per level
-//!   with the names still to visit (read once, when the directory is
-//!   entered, so a directory's position is never lost);
+//!   with the next names to visit: a batch of at most [`BATCH`], read when
+//!   the last one is used up from the position the directory's filesystem
+//!   gave with the batch before (a `d_off`, which outlives the descriptor:
+//!   a level reopened through `..` goes on where it was). So a walk holds
+//!   depth × [`BATCH`] names at most, whatever a directory's size: a
+//!   directory of 300,000 entries read whole cost 21 MB. Names added to a
+//!   directory while it is walked may or may not be visited, names removed
+//!   may or may not be; every other name is visited exactly once;
 //! - works relative to descriptors, one component at a time, never
 //!   following a symlink and opening nothing but directories;
 //! - keeps at most [`FD_BUDGET`] descriptors of its own open, whatever the
@@ -41,6 +47,11 @@ use crate::sys::{self, FileType};
 /// included. Every level deeper than that costs, on the way back up, one
 /// `openat(.., "..")` and one `fstat`.
 pub const FD_BUDGET: usize = 8;
+
+/// Names a [`Walk`] reads of a directory at a time, and holds at most per
+/// level: one `getdents` pass and one `lseek` per batch, a few hundred
+/// kilobytes of names at most per level.
+pub const BATCH: usize = 1024;
 
 /// Whether a walk goes on after a file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -280,9 +291,8 @@ pub enum Step {
 /// each directory's entries before its [`Step::End`].
 pub struct Walk<'a> {
     chain: Chain<'a>,
-    /// Per level, the top's included, the entries still to visit, last
-    /// first.
-    pending: Vec<Vec<DirEntry>>,
+    /// Per level, the top's included, the entries still to visit.
+    pending: Vec<Pending>,
     /// Whether the current directory's `End` was given.
     ended: bool,
     /// The top's mount, which the walk never leaves.
@@ -296,7 +306,7 @@ impl<'a> Walk<'a> {
     /// deep (deeper is a [`too_deep`] error from [`Walk::enter`]).
     pub fn new(top: BorrowedFd<'a>, max_depth: Option<usize>) -> io::Result<Walk<'a>> {
         let mount = sys::mount_id(top)?;
-        let entries = read_entries(top)?;
+        let entries = Pending::read(top)?;
         Ok(Walk {
             chain: Chain::new(top),
             pending: vec![entries],
@@ -314,7 +324,12 @@ impl<'a> Walk<'a> {
             }
             self.leave()?;
         }
-        match self.pending.last_mut().and_then(Vec::pop) {
+        let dir = self.chain.dir();
+        let next = match self.pending.last_mut() {
+            Some(p) => p.next(dir)?,
+            None => None,
+        };
+        match next {
             Some(entry) => Ok(Some(Step::Entry(entry))),
             None => {
                 self.ended = true;
@@ -352,7 +367,7 @@ impl<'a> Walk<'a> {
         if crosses {
             return Err(crosses_mount(self.chain.path().join(name)));
         }
-        let entries = read_entries(fd.as_fd())?;
+        let entries = Pending::read(fd.as_fd())?;
         self.chain.push(name, fd)?;
         self.pending.push(entries);
         self.ended = false;
@@ -386,12 +401,6 @@ impl<'a> Walk<'a> {
         self.chain.path()
     }
 
-    /// The current directory's entries not visited yet, in the order they
-    /// will come.
-    pub fn remaining(&self) -> impl Iterator<Item = &DirEntry> {
-        self.pending.last().into_iter().flat_map(|p| p.iter().rev())
-    }
-
     /// The top's mount id: a file of the tree opened by the caller is on
     /// another mount if its `sys::mount_id` differs (`None` where the
     /// kernel gives none: before Linux 5.8).
@@ -406,19 +415,54 @@ impl<'a> Walk<'a> {
     }
 }
 
-/// The entries of the directory open as `fd`, last first (so that
-/// `Vec::pop` gives them in directory order).
-fn read_entries(fd: BorrowedFd<'_>) -> io::Result<Vec<DirEntry>> {
-    let mut entries: Vec<DirEntry> = sys::read_dir_names(fd)?
-        .into_iter()
-        .map(|(name, file_type, ino)| DirEntry {
-            name,
-            file_type,
-            ino,
-        })
-        .collect();
-    entries.reverse();
-    Ok(entries)
+/// One level's entries still to visit: the rest of a batch, and where the
+/// next batch starts.
+struct Pending {
+    /// The batch, last first (so that `Vec::pop` gives directory order).
+    batch: Vec<DirEntry>,
+    /// Where the directory goes on after the batch; `None`: it ends there.
+    more: Option<sys::DirPos>,
+}
+
+impl Pending {
+    /// The first batch of the directory open as `fd`.
+    fn read(fd: BorrowedFd<'_>) -> io::Result<Pending> {
+        let mut p = Pending {
+            batch: Vec::new(),
+            more: Some(sys::DirPos::Start),
+        };
+        p.refill(fd)?;
+        Ok(p)
+    }
+
+    /// The next entry of the directory open as `fd` (the one this level
+    /// lists), reading its next batch when this one is used up.
+    fn next(&mut self, fd: BorrowedFd<'_>) -> io::Result<Option<DirEntry>> {
+        if self.batch.is_empty() {
+            self.refill(fd)?;
+        }
+        Ok(self.batch.pop())
+    }
+
+    fn refill(&mut self, fd: BorrowedFd<'_>) -> io::Result<()> {
+        let Some(from) = self.more else {
+            return Ok(());
+        };
+        let (names, more) = sys::read_dir_batch(fd, from, BATCH)?;
+        self.more = more;
+        self.batch.clear();
+        self.batch.extend(
+            names
+                .into_iter()
+                .rev()
+                .map(|(name, file_type, ino)| DirEntry {
+                    name,
+                    file_type,
+                    ino,
+                }),
+        );
+        Ok(())
+    }
 }
 
 /// Calls `file(parent_dir, inode)` for every regular file below `dir`,
@@ -446,4 +490,65 @@ pub fn walk_files(
         }
     }
     Ok(Visit::Continue)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    /// A directory of several batches, whose descriptor the walk closes
+    /// while it is deep below it (past [`FD_BUDGET`]) and reopens through
+    /// `..`, and which changes meanwhile: every name that stayed is
+    /// visited exactly once, the deep chain whole, no name twice.
+    #[test]
+    fn a_wide_directory_is_walked_in_batches_across_a_reopen_and_a_change() {
+        let fs = test_fs::fs_or_skip!(test_fs::LoopFs::btrfs(256 << 20));
+        let wide = fs.path("top/wide");
+        std::fs::create_dir_all(&wide).unwrap();
+        let files = 2 * BATCH + 500;
+        for i in 0..files {
+            if i == BATCH + 10 {
+                let mut d = wide.join("deep");
+                for _ in 0..FD_BUDGET + 4 {
+                    std::fs::create_dir(&d).unwrap();
+                    std::fs::write(d.join("x"), b"x").unwrap();
+                    d = d.join("d");
+                }
+            }
+            std::fs::write(wide.join(format!("f{i:05}")), b"").unwrap();
+        }
+        let top = std::fs::File::open(fs.path("top")).unwrap();
+        let mut walk = Walk::new(top.as_fd(), None).unwrap();
+        let mut seen: HashMap<(usize, OsString), u32> = HashMap::new();
+        let mut changed = false;
+        while let Some(step) = walk.step().unwrap() {
+            let Step::Entry(entry) = step else { continue };
+            *seen.entry((walk.depth(), entry.name.clone())).or_default() += 1;
+            if walk.entry_type(&entry).unwrap() == Some(FileType::Directory) {
+                walk.enter(&entry.name).unwrap();
+            }
+            if walk.depth() == FD_BUDGET + 5 && !changed {
+                changed = true;
+                for i in files - 100..files {
+                    std::fs::remove_file(wide.join(format!("f{i:05}"))).unwrap();
+                }
+                for i in 0..100 {
+                    std::fs::write(wide.join(format!("g{i:05}")), b"").unwrap();
+                }
+            }
+        }
+        assert!(changed, "the walk went {} deep", FD_BUDGET + 5);
+        assert!(seen.values().all(|&n| n == 1), "a name came twice");
+        for i in 0..files - 100 {
+            let name = OsString::from(format!("f{i:05}"));
+            assert!(seen.contains_key(&(1, name)), "f{i:05} was not visited");
+        }
+        for depth in 2..FD_BUDGET + 6 {
+            assert!(
+                seen.contains_key(&(depth, OsString::from("x"))),
+                "depth {depth}"
+            );
+        }
+    }
 }

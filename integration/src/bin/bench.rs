@@ -54,6 +54,8 @@ mod common;
 mod finalize;
 #[path = "bench/fixture.rs"]
 mod fixture;
+#[path = "bench/memory.rs"]
+mod memory;
 #[path = "bench/migrate.rs"]
 mod migrate;
 #[path = "bench/purge.rs"]

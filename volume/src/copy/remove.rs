@@ -86,6 +86,28 @@ pub fn remove_tree_at(
     removed(&mut count)
 }
 
+/// Removes (with [`remove_tree_at`]) every entry of the directory open as
+/// `dst` whose name the directory open as `src` does not hold (now: one
+/// lstat each), reading `dst` a bounded batch at a time
+/// ([`crate::walk::BATCH`]) rather than holding either directory's names.
+/// Returns how many went. A crash part-way leaves some of them, which a
+/// second call removes.
+pub(super) fn remove_missing_from(src: BorrowedFd<'_>, dst: BorrowedFd<'_>) -> io::Result<u64> {
+    let mut removed = 0;
+    let mut from = Some(sys::DirPos::Start);
+    while let Some(pos) = from {
+        let (names, more) = sys::read_dir_batch(dst, pos, crate::walk::BATCH)?;
+        from = more;
+        for (name, _, _) in names {
+            if sys::stat_at(src, &name)?.is_none() {
+                remove_tree_at(dst, &name, &mut |_| Ok(()))?;
+                removed += 1;
+            }
+        }
+    }
+    Ok(removed)
+}
+
 /// Deletes the directory `name` of `parent` (open as `dir`, stat'ed as
 /// `st`) in one step if it is the root of a nested subvolume, read-only
 /// flags cleared first, every subvolume below it included; returns whether

@@ -34,7 +34,7 @@ pub enum FileType {
 }
 
 impl FileType {
-    fn from_rustix(t: rustix::fs::FileType) -> FileType {
+    pub(super) fn from_rustix(t: rustix::fs::FileType) -> FileType {
         use rustix::fs::FileType as R;
         match t {
             R::RegularFile => FileType::RegularFile,

@@ -42,6 +42,8 @@ const INODE_GENERATION: usize = 0;
 const INODE_TRANSID: usize = 8;
 /// `size`.
 const INODE_SIZE: usize = 16;
+/// `nlink`.
+const INODE_NLINK: usize = 40;
 /// `mode`.
 const INODE_MODE: usize = 52;
 /// `flags`.
@@ -243,6 +245,8 @@ pub struct InodeItem {
     pub(crate) transid: u64,
     /// The file's size in bytes.
     pub size: u64,
+    /// Its number of names (hard links).
+    pub nlink: u32,
     /// Its mode (type and permissions).
     pub(crate) mode: u32,
     /// Its btrfs inode flags.
@@ -260,6 +264,7 @@ impl InodeItem {
             generation: le64(body, INODE_GENERATION).ok_or(short)?,
             transid: le64(body, INODE_TRANSID).ok_or(short)?,
             size: le64(body, INODE_SIZE).ok_or(short)?,
+            nlink: le32(body, INODE_NLINK).ok_or(short)?,
             mode: le32(body, INODE_MODE).ok_or(short)?,
             flags: le64(body, INODE_FLAGS).ok_or(short)?,
         })

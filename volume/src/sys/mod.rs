@@ -31,6 +31,7 @@
 //! passes through `fault::check` first.
 
 mod clone;
+mod dir;
 pub mod fault;
 mod flags;
 mod fs;
@@ -53,6 +54,7 @@ mod native;
 // What the sibling crates, tools and tests call (each item documented
 // where it is defined); the rest is for this crate only.
 pub use clone::ficlone_range;
+pub use dir::{DirNames, DirPos, read_dir_batch};
 pub use flags::{
     InodeFlags, clear_stuck_flags, inode_flags, set_immutable_append, set_inode_flags,
     with_stuck_flags_lifted,

@@ -26,6 +26,9 @@
 //! the method every package with much beside it gets is measured too.
 //!
 //! No warm-up round: each round's untimed copy brings everything in.
+//!
+//! Last, the peak memory of a conversion beside cp's, at 100,000 and
+//! 1,000,000 files ([`crate::memory`]).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -39,6 +42,7 @@ use volume_migrate::{
 
 use crate::common::{Result, cp_reflink, fmt_count, fmt_duration, rm_rf, settle, timed};
 use crate::fixture::{Fixture, Tree, TreeKind};
+use crate::memory;
 use crate::{Samples, Stats, Verdict, sibling_binary};
 
 /// Ours over cp may be at most this: no slower than upstream's copy.
@@ -210,6 +214,8 @@ pub struct Report {
     runs: u32,
     cases: Vec<Case>,
     noop: Noop,
+    /// Peak memory against cp's (issue 31).
+    memory: memory::Report,
     targets: Vec<Verdict>,
     total_seconds: f64,
 }
@@ -440,9 +446,13 @@ pub fn run(fx: &Fixture, runs: u32) -> Result<Report> {
     }
     eprintln!("migrate: no-op rerun over {NOOP_PACKAGES} packages ...");
     let noop = measure_noop(fx, runs)?;
+    let memory = memory::run()?;
+    let mut targets = verdicts(&cases, &noop);
+    targets.push(memory::verdict(&memory));
     Ok(Report {
         runs,
-        targets: verdicts(&cases, &noop),
+        targets,
+        memory,
         cases,
         noop,
         total_seconds: start.elapsed().as_secs_f64(),
@@ -576,6 +586,7 @@ pub fn print(report: &Report) {
         fmt_duration(report.noop.process.median()),
         report.noop.library.runs.len(),
     );
+    memory::print(&report.memory);
     println!();
     for v in &report.targets {
         v.print();
