@@ -37,6 +37,8 @@ pub struct Run {
     pub running: BTreeMap<String, String>,
     /// The database at the end: package and state.
     pub db: BTreeMap<String, Value>,
+    /// The `watch` step's findings, per package.
+    pub watch: BTreeMap<String, Value>,
     /// The runner's log.
     pub stderr: String,
 }
@@ -52,6 +54,17 @@ impl Run {
         self.db.get(id)?["Installed"]["installed"]
             .as_str()
             .map(str::to_owned)
+    }
+
+    /// The first `kind` event's `ms` for each package.
+    pub fn first_ms(&self, kind: &str) -> BTreeMap<String, f64> {
+        let mut out = BTreeMap::new();
+        for e in self.events.iter().filter_map(|e| e.get(kind)) {
+            if let (Some(id), Some(ms)) = (e["id"].as_str(), e["ms"].as_f64()) {
+                out.entry(id.to_owned()).or_insert(ms);
+            }
+        }
+        out
     }
 
     /// The notifications for `id`, in order.
@@ -90,6 +103,8 @@ fn parse(stdout: &str) -> Result<Run, Failure> {
         let v: Value = serde_json::from_str(line).map_err(|e| format!("{line}: {e}"))?;
         if v.get("step").is_some() {
             run.steps.push(v["error"].as_str().map(str::to_owned));
+        } else if let Some(w) = v.get("watch") {
+            run.watch = serde_json::from_value(w.clone()).map_err(|e| format!("{line}: {e}"))?;
         } else if v.get("db").is_some() {
             run.running = serde_json::from_value(v["running"].clone()).unwrap_or_default();
             run.db = serde_json::from_value(v["db"].clone()).unwrap_or_default();

@@ -15,123 +15,36 @@
 //! protocol ([`crate::upstream`] restates that).
 
 use std::collections::BTreeMap;
-use std::fs;
 use std::io;
-use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use serde_json::{Value, json};
 
-/// One run of the runner: what it printed.
-#[derive(Debug, Default)]
-pub struct Run {
-    /// Each step's error, `None` for one that succeeded.
-    pub steps: Vec<Option<String>>,
-    /// The events, in the order they happened.
-    pub events: Vec<Value>,
-    /// The `watch` step's findings, per package.
-    pub watch: BTreeMap<String, Value>,
-    /// The runner's log.
-    pub stderr: String,
-}
-
-impl Run {
-    /// Whether every step succeeded.
-    pub fn ok(&self) -> bool {
-        self.steps.iter().all(Option::is_none)
-    }
-
-    /// The first `kind` event's `ms` for each package.
-    fn first_ms(&self, kind: &str) -> BTreeMap<String, f64> {
-        let mut out = BTreeMap::new();
-        for e in self.events.iter().filter_map(|e| e.get(kind)) {
-            if let (Some(id), Some(ms)) = (e["id"].as_str(), e["ms"].as_f64()) {
-                out.entry(id.to_owned()).or_insert(ms);
-            }
-        }
-        out
-    }
-}
-
-fn parse(stdout: &str) -> io::Result<Run> {
-    let mut run = Run::default();
-    for line in stdout.lines() {
-        let v: Value = serde_json::from_str(line)
-            .map_err(|e| io::Error::other(format!("call-sites printed {line:?}: {e}")))?;
-        if v.get("step").is_some() {
-            run.steps.push(v["error"].as_str().map(str::to_owned));
-        } else if let Some(w) = v.get("watch") {
-            run.watch = serde_json::from_value(w.clone()).map_err(io::Error::other)?;
-        } else if v.get("db").is_none() {
-            run.events.push(v);
-        }
-    }
-    Ok(run)
-}
-
-/// Kills every process left in the run's process group (its containers)
-/// and waits until none is left, so no mount of theirs outlives the run,
-/// as none outlives a reboot.
-fn reap_group(pgid: u32) -> io::Result<()> {
-    let pid = rustix::process::Pid::from_raw(pgid as i32)
-        .ok_or_else(|| io::Error::other("a process group id of 0"))?;
-    let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let group = pgid.to_string();
-    while Instant::now() < deadline {
-        let alive = fs::read_dir("/proc")?
-            .flatten()
-            .filter_map(|e| fs::read_to_string(e.path().join("stat")).ok())
-            .any(|stat| {
-                // Fields after the command's closing parenthesis: state, ppid, pgrp.
-                let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-                let f: Vec<&str> = rest.split_whitespace().collect();
-                f.len() > 2 && f[0] != "Z" && f[2] == group
-            });
-        if !alive {
-            return Ok(());
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    Err(io::Error::other(format!(
-        "processes of group {pgid} still alive 5 s after SIGKILL"
-    )))
-}
+use super::Run;
 
 /// Runs `steps` as one boot of the box whose data directory is `data`,
-/// with the runner `bin`; every step must succeed.
+/// with the runner `bin` ([`super::Box_::completed`]); every step must
+/// succeed.
 pub fn run(bin: &Path, data: &Path, steps: &[Value]) -> io::Result<Run> {
-    let mut cmd = Command::new(bin);
-    cmd.arg("run").arg(data);
-    for s in steps {
-        cmd.arg(s.to_string());
-    }
-    cmd.env_remove("STARTOS_VOLUME_FAILPOINT")
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
-    let child = cmd
-        .spawn()
-        .map_err(|e| io::Error::other(format!("starting {}: {e}", bin.display())))?;
-    let pgid = child.id();
-    let out = child.wait_with_output();
-    reap_group(pgid)?;
-    let out = out?;
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    if !out.status.success() || out.status.signal().is_some() {
-        let tail: String = stderr.lines().rev().take(20).collect::<Vec<_>>().join("\n");
+    let boxed = super::Box_ {
+        bin: bin.to_owned(),
+        data: data.to_owned(),
+    };
+    let run = boxed.completed(steps).map_err(io::Error::other)?;
+    if !run.ok() {
+        let tail: String = run
+            .stderr
+            .lines()
+            .rev()
+            .take(20)
+            .collect::<Vec<_>>()
+            .join("\n");
         return Err(io::Error::other(format!(
-            "call-sites {steps:?} ended with {}; its last log lines, newest first:\n{tail}",
-            out.status
+            "call-sites {steps:?}: a step failed: {:?}; its last log lines, newest first:\n{tail}",
+            run.steps
         )));
     }
-    let mut run = parse(&String::from_utf8_lossy(&out.stdout))?;
-    run.stderr = stderr;
     Ok(run)
 }
 
