@@ -67,6 +67,23 @@ impl Run {
         out
     }
 
+    /// Each `Service::load` of `id`: its disposition, and whether it
+    /// returned a service (`Ok(true)`), none, or an error.
+    pub fn loads(&self, id: &str) -> Vec<(String, Result<bool, String>)> {
+        self.events
+            .iter()
+            .filter_map(|e| e.get("load"))
+            .filter(|l| l["id"] == id)
+            .map(|l| {
+                let outcome = match l["error"].as_str() {
+                    Some(e) => Err(e.to_owned()),
+                    None => Ok(l["service"].as_bool().unwrap_or(false)),
+                };
+                (l["disposition"].as_str().unwrap_or("").to_owned(), outcome)
+            })
+            .collect()
+    }
+
     /// The notifications for `id`, in order.
     pub fn notifications(&self, id: &str) -> Vec<String> {
         self.events

@@ -13,112 +13,25 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use common::MIB;
+use integration::call_sites::{self, Ended, Run};
 use integration::{LoopFs, fs_or_skip};
 use serde_json::{Value, json};
 
-/// One run of the runner: what it printed.
-#[derive(Debug)]
-struct Run {
-    /// Each step's error, `None` for one that succeeded.
-    steps: Vec<Option<String>>,
-    events: Vec<Value>,
-    running: BTreeMap<String, String>,
-    db: BTreeMap<String, Value>,
-    stderr: String,
-}
-
-impl Run {
-    fn ok(&self) -> bool {
-        self.steps.iter().all(Option::is_none)
-    }
-
-    fn notifications(&self, id: &str) -> Vec<String> {
-        self.events
-            .iter()
-            .filter_map(|e| e.get("notification"))
-            .filter(|n| n["id"] == id)
-            .map(|n| n["message"].as_str().unwrap_or_default().to_owned())
-            .collect()
-    }
-
-    /// Each `Service::load` of `id`: its disposition, and whether it
-    /// returned a service (`Ok(true)`), none, or an error.
-    fn loads(&self, id: &str) -> Vec<(String, Result<bool, String>)> {
-        self.events
-            .iter()
-            .filter_map(|e| e.get("load"))
-            .filter(|l| l["id"] == id)
-            .map(|l| {
-                let outcome = match l["error"].as_str() {
-                    Some(e) => Err(e.to_owned()),
-                    None => Ok(l["service"].as_bool().unwrap_or(false)),
-                };
-                (l["disposition"].as_str().unwrap_or("").to_owned(), outcome)
-            })
-            .collect()
-    }
-
-    /// When each package's load volume calls returned, in ms from boot start.
-    fn volumes_ready(&self) -> BTreeMap<String, f64> {
-        let mut out = BTreeMap::new();
-        for r in self.events.iter().filter_map(|e| e.get("volumes_ready")) {
-            out.entry(r["id"].as_str().unwrap_or("").to_owned())
-                .or_insert(r["ms"].as_f64().unwrap_or(f64::NAN));
-        }
-        out
-    }
-
-    /// The version the database has `id` installed at, if `Installed`.
-    fn installed(&self, id: &str) -> Option<String> {
-        self.db.get(id)?["Installed"]["installed"]
-            .as_str()
-            .map(str::to_owned)
-    }
-}
-
 /// A box: its data directory (on a loop-mounted btrfs), driven through
-/// the runner.
+/// the runner ([`integration::call_sites::Box_`]).
 struct Box_ {
     fs: std::sync::Arc<LoopFs>,
-    /// What the runner mounts at `/media/startos/data`.
-    data: PathBuf,
-    bin: PathBuf,
+    inner: call_sites::Box_,
 }
 
-/// How a run ended; a killed run has what it printed before it died.
-enum Ended {
-    Completed(Run),
-    Killed(Run),
-}
-
-/// The runner's lines: one a step, one an event as it happened, and a
-/// last one with the running services and the database.
-fn parse(stdout: &str) -> Run {
-    let mut run = Run {
-        steps: Vec::new(),
-        events: Vec::new(),
-        running: BTreeMap::new(),
-        db: BTreeMap::new(),
-        stderr: String::new(),
-    };
-    for line in stdout.lines() {
-        let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{line}: {e}"));
-        if v.get("step").is_some() {
-            run.steps.push(v["error"].as_str().map(str::to_owned));
-        } else if v.get("db").is_some() {
-            run.running = serde_json::from_value(v["running"].clone()).unwrap();
-            run.db = serde_json::from_value(v["db"].clone()).unwrap();
-        } else {
-            run.events.push(v);
-        }
+impl std::ops::Deref for Box_ {
+    type Target = call_sites::Box_;
+    fn deref(&self) -> &call_sites::Box_ {
+        &self.inner
     }
-    run
 }
 
 impl Box_ {
@@ -130,8 +43,7 @@ impl Box_ {
         let data = fs.mount_point().to_owned();
         Some(Box_ {
             fs: std::sync::Arc::new(fs),
-            data,
-            bin,
+            inner: call_sites::Box_ { bin, data },
         })
     }
 
@@ -146,18 +58,11 @@ impl Box_ {
         }
         Box_ {
             fs: self.fs.clone(),
-            data,
-            bin: self.bin.clone(),
+            inner: call_sites::Box_ {
+                bin: self.inner.bin.clone(),
+                data,
+            },
         }
-    }
-
-    fn volumes(&self) -> PathBuf {
-        self.data.join("package-data/volumes")
-    }
-
-    /// `id`'s main volume (`data_dir(DATA_DIR, id, "main")`).
-    fn main(&self, id: &str) -> PathBuf {
-        self.volumes().join(id).join("data/main")
     }
 
     /// The version the package's init last wrote into its main volume.
@@ -165,64 +70,16 @@ impl Box_ {
         fs::read_to_string(self.main(id).join("version")).ok()
     }
 
-    /// The names in the volumes root that belong to `id`.
-    fn names(&self, id: &str) -> Vec<String> {
-        let Ok(dir) = fs::read_dir(self.volumes()) else {
-            return Vec::new();
-        };
-        let mut names: Vec<String> = dir
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .filter(|n| n == id || n.starts_with(&format!("{id}.")))
-            .collect();
-        names.sort();
-        names
-    }
-
-    /// Runs `steps` as one boot of the box, with `failpoint` armed from
-    /// the environment if given; kills whatever the run left (its
-    /// containers) before returning.
-    fn run_with(&self, steps: &[Value], failpoint: Option<&str>) -> Ended {
-        let mut cmd = Command::new(&self.bin);
-        cmd.arg("run").arg(&self.data);
-        for s in steps {
-            cmd.arg(s.to_string());
-        }
-        cmd.env_remove("STARTOS_VOLUME_FAILPOINT")
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
-        if let Some(fp) = failpoint {
-            cmd.env("STARTOS_VOLUME_FAILPOINT", fp);
-        }
-        let child = cmd.spawn().expect("starting call-sites");
-        let pgid = child.id();
-        let out = child.wait_with_output().expect("waiting for call-sites");
-        reap_group(pgid);
-        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-        use std::os::unix::process::ExitStatusExt;
-        if out.status.signal() == Some(libc::SIGKILL) {
-            let mut run = parse(&String::from_utf8_lossy(&out.stdout));
-            run.stderr = stderr;
-            return Ended::Killed(run);
-        }
-        let code = out.status.code();
-        assert!(
-            matches!(code, Some(0) | Some(3)),
-            "call-sites ended with {:?}:\n{stderr}",
-            out.status
-        );
-        let mut run = parse(&String::from_utf8_lossy(&out.stdout));
-        run.stderr = stderr;
-        Ended::Completed(run)
+    /// Runs `steps` as one boot of the box, killed or not; kills whatever
+    /// the run left (its containers) before returning.
+    fn run_any(&self, steps: &[Value]) -> Ended {
+        self.inner.run(steps).unwrap_or_else(|e| panic!("{e}"))
     }
 
     fn run(&self, steps: &[Value]) -> Run {
-        match self.run_with(steps, None) {
-            Ended::Completed(run) => run,
-            Ended::Killed(run) => panic!("call-sites killed without a failpoint:\n{}", run.stderr),
-        }
+        self.inner
+            .completed(steps)
+            .unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// Runs `steps`, each of which must succeed.
@@ -232,33 +89,6 @@ impl Box_ {
         assert!(run.ok(), "steps failed: {:?}\n{}", run.steps, run.stderr);
         run
     }
-}
-
-/// Kills every process left in the run's process group (its containers)
-/// and waits until none is left, so no mount of theirs outlives the run,
-/// as none outlives a reboot.
-fn reap_group(pgid: u32) {
-    let pgid = rustix::process::Pid::from_raw(pgid as i32).expect("a process group id");
-    let _ = rustix::process::kill_process_group(pgid, rustix::process::Signal::KILL);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < deadline {
-        let alive = fs::read_dir("/proc")
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| fs::read_to_string(e.path().join("stat")).ok())
-            .any(|stat| {
-                // Fields after the command's closing parenthesis: state, ppid, pgrp.
-                let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-                let f: Vec<&str> = rest.split_whitespace().collect();
-                f.len() > 2 && f[0] != "Z" && f[2] == pgid.as_raw_nonzero().to_string()
-            });
-        if !alive {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    panic!("processes of group {pgid:?} still alive after SIGKILL");
 }
 
 fn boot() -> Value {
@@ -379,14 +209,11 @@ fn an_update_crashed_after_its_snapshot_is_undone_at_the_next_boot() {
     b.run_ok(&[boot(), install("app", "1")]);
     // The new version's init fails again at the boot's retry: the boot's
     // `Service::load` (Retry) falls through to its undo arm.
-    let killed = b.run_with(
-        &[
-            boot(),
-            arm("snapshot.created"),
-            install_failing("app", "2", "init"),
-        ],
-        None,
-    );
+    let killed = b.run_any(&[
+        boot(),
+        arm("snapshot.created"),
+        install_failing("app", "2", "init"),
+    ]);
     assert!(
         matches!(killed, Ended::Killed(_)),
         "snapshot.created not reached"
@@ -504,7 +331,7 @@ fn first_boot_of_a_real_node_box_every_load_returns() {
     b.run_ok(&seeds);
 
     let run = b.run_ok(&[boot()]);
-    let ready = run.volumes_ready();
+    let ready = run.first_ms("volumes_ready");
     for (p, digest) in &before {
         assert_eq!(
             run.loads(p),
@@ -817,7 +644,7 @@ fn sweep_flow(flow: Flow) {
     let mut problems = Vec::new();
     let mut upstream = Vec::new();
     for (fp, id) in fps.iter().zip(&ids) {
-        match b.run_with(&[boot(), arm(fp), flow.op(id)], None) {
+        match b.run_any(&[boot(), arm(fp), flow.op(id)]) {
             Ended::Killed(run) | Ended::Completed(run) if run.steps.first() != Some(&None) => {
                 problems.push(format!(
                     "{fp}: the boot failed: {:?}\n{}",
@@ -930,7 +757,7 @@ fn sigkill_at_each_failpoint_of_a_first_boot_then_reboot() {
                 .map(|id| json!({"seed": {"id": id, "version": "1"}}))
                 .collect();
             steps.extend([arm(fp), boot(), json!({"wait": {"ms": 300}})]);
-            let Ended::Killed(run) = b.run_with(&steps, None) else {
+            let Ended::Killed(run) = b.run_any(&steps) else {
                 continue;
             };
             reached.push(fp.clone());
