@@ -3,7 +3,7 @@
 use std::ffi::{OsStr, OsString};
 use std::io;
 use std::os::fd::{BorrowedFd, OwnedFd};
-use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 use rustix::fs::{AtFlags, Mode, OFlags, RenameFlags};
@@ -512,22 +512,8 @@ pub(crate) fn try_lock_exclusive(fd: BorrowedFd<'_>) -> io::Result<bool> {
 
 /// Reads all names in a directory except `.` and `..`, as raw bytes.
 pub fn read_dir_names(fd: BorrowedFd<'_>) -> io::Result<Vec<(OsString, FileType, u64)>> {
-    super::fault::check("getdents")?;
-    let mut dir = rustix::fs::Dir::read_from(fd)?;
-    let mut out = Vec::new();
-    while let Some(entry) = dir.read() {
-        let entry = entry?;
-        let name = entry.file_name().to_bytes();
-        if name == b"." || name == b".." {
-            continue;
-        }
-        out.push((
-            OsString::from_vec(name.to_vec()),
-            FileType::from_rustix(entry.file_type()),
-            entry.ino(),
-        ));
-    }
-    Ok(out)
+    let (names, _) = super::dir::read_dir_batch(fd, super::dir::DirPos::Start, usize::MAX)?;
+    Ok(names)
 }
 
 /// The block size of the filesystem holding `fd` (statvfs `f_bsize`, at
