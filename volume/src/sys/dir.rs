@@ -60,3 +60,10 @@ pub fn read_dir_batch(
     }
     Ok((out, Some(pos)))
 }
+
+/// Reads all names in a directory except `.` and `..`, as raw bytes: one
+/// [`read_dir_batch`] from the start, with no bound.
+pub fn read_dir_names(fd: BorrowedFd<'_>) -> io::Result<DirNames> {
+    let (names, _) = read_dir_batch(fd, DirPos::Start, usize::MAX)?;
+    Ok(names)
+}

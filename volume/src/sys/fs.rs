@@ -1,6 +1,6 @@
 //! POSIX wrappers: fd-based, never following a symlink, names as raw bytes.
 
-use std::ffi::{OsStr, OsString};
+use std::ffi::OsStr;
 use std::io;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
@@ -508,12 +508,6 @@ pub(crate) fn try_lock_exclusive(fd: BorrowedFd<'_>) -> io::Result<bool> {
             Err(e) => return Err(e.into()),
         }
     }
-}
-
-/// Reads all names in a directory except `.` and `..`, as raw bytes.
-pub fn read_dir_names(fd: BorrowedFd<'_>) -> io::Result<Vec<(OsString, FileType, u64)>> {
-    let (names, _) = super::dir::read_dir_batch(fd, super::dir::DirPos::Start, usize::MAX)?;
-    Ok(names)
 }
 
 /// The block size of the filesystem holding `fd` (statvfs `f_bsize`, at

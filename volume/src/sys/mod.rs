@@ -54,15 +54,15 @@ mod native;
 // What the sibling crates, tools and tests call (each item documented
 // where it is defined); the rest is for this crate only.
 pub use clone::ficlone_range;
-pub use dir::{DirNames, DirPos, read_dir_batch};
+pub use dir::{DirNames, DirPos, read_dir_batch, read_dir_names};
 pub use flags::{
     InodeFlags, clear_stuck_flags, inode_flags, set_immutable_append, set_inode_flags,
     with_stuck_flags_lifted,
 };
 pub use fs::{
     FileTime, FileType, Stat, Times, birth_time, fsync, is_btrfs, mkdir_at, nofile_limit,
-    open_beneath, open_dir_at, open_dir_path, read_dir_names, rename_at, rename_exchange,
-    rename_noreplace, rmdir_at, set_nofile_limit, set_times, stat, stat_at, times, write_all,
+    open_beneath, open_dir_at, open_dir_path, rename_at, rename_exchange, rename_noreplace,
+    rmdir_at, set_nofile_limit, set_times, stat, stat_at, times, write_all,
 };
 pub use inode::{dir_parent, inode_item, inodes_written_since, open_subvolume};
 pub use ioprio::IdleIo;

@@ -14,8 +14,9 @@ use std::path::PathBuf;
 
 #[cfg(feature = "btrfsutil")]
 use super::btrfsutil as backend;
+use super::dir::read_dir_names;
 use super::flags::{clear_stuck_flags, with_own_stuck_flags_lifted};
-use super::fs::{FileType, is_btrfs, open_dir_at, read_dir_names, set_times, stat, times};
+use super::fs::{FileType, is_btrfs, open_dir_at, set_times, stat, times};
 use super::inode::{open_subvolume, open_tree_dir};
 use super::ioctl::{BTRFS_IOCTL_MAGIC, ensure_btrfs};
 #[cfg(not(feature = "btrfsutil"))]
