@@ -11,7 +11,7 @@
 
 use std::ffi::{OsStr, OsString};
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::AsFd;
 
 use models::{Error, ErrorKind, PackageId, ResultExt};
 
@@ -51,17 +51,6 @@ fn holder(u: &MountUse) -> Holder {
         namespace: u.namespace,
         own_namespace: u.own_namespace,
     }
-}
-
-/// The entry name after the highest decimal one in the directory open as
-/// `dir` (`1` in an empty one). Only the store names entries there.
-fn next_number(dir: BorrowedFd<'_>) -> io::Result<OsString> {
-    let highest = sys::read_dir_names(dir)?
-        .iter()
-        .filter_map(|(name, _, _)| name.to_str()?.parse::<u64>().ok())
-        .max()
-        .unwrap_or(0);
-    Ok(OsString::from((highest + 1).to_string()))
 }
 
 impl VolumeStore {
@@ -111,8 +100,8 @@ impl VolumeStore {
         uses: &[MountUse],
     ) -> Result<HeldTree, Error> {
         let moved = || -> io::Result<OsString> {
-            let dir = self.held_dir(names)?;
-            let n = next_number(dir.as_fd())?;
+            let dir = super::dir_made(self.root_fd(), &names.held)?;
+            let n = super::next_numbered(dir.as_fd(), "")?;
             failpoint("held.moving")?;
             sys::rename_at(self.root_fd(), name, dir.as_fd(), &n)?;
             self.commit_root()?;
@@ -153,16 +142,6 @@ impl VolumeStore {
             })
             .collect();
         Ok(HeldTree { path, holders })
-    }
-
-    /// `<pkg>.held`, open, made (and committed) if absent.
-    fn held_dir(&self, names: &Names) -> io::Result<OwnedFd> {
-        match sys::mkdir_at(self.root_fd(), &names.held, 0o700) {
-            Ok(()) => self.fsync_root()?,
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(e),
-        }
-        sys::open_dir_at(self.root_fd(), &names.held)
     }
 
     /// The entries of `<pkg>.held`, sorted; empty if it is absent. An

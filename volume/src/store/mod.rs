@@ -66,9 +66,9 @@
 //! what upstream's own code leaves behind, in `recovery/upstream.rs`) and
 //! [`query`].
 
-use std::ffi::OsStr;
+use std::ffi::{OsStr, OsString};
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use color_eyre::eyre::eyre;
@@ -162,6 +162,30 @@ fn open_locks(root: &Path, dir: BorrowedFd<'_>) -> Result<LockDir, Error> {
             ),
         )
     })
+}
+
+/// The directory `name` of the root open as `root`, open; made, and the
+/// root synced, if it was absent: where the store keeps trees it numbers
+/// (`<pkg>.held`, the trash).
+fn dir_made(root: BorrowedFd<'_>, name: &OsStr) -> io::Result<OwnedFd> {
+    match sys::mkdir_at(root, name, 0o700) {
+        Ok(()) => sys::fsync(root)?,
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    sys::open_dir_at(root, name)
+}
+
+/// The entry name `<prefix><n>` after the highest such `n` in the
+/// directory open as `dir` (`<prefix>1` if there is none). Only the store
+/// names entries there, each under the lock of the package it is for.
+fn next_numbered(dir: BorrowedFd<'_>, prefix: &str) -> io::Result<OsString> {
+    let highest = sys::read_dir_names(dir)?
+        .iter()
+        .filter_map(|(name, _, _)| name.to_str()?.strip_prefix(prefix)?.parse::<u64>().ok())
+        .max()
+        .unwrap_or(0);
+    Ok(OsString::from(format!("{prefix}{}", highest + 1)))
 }
 
 /// Appends to `e` that undoing the failed step failed too, if it did.

@@ -41,9 +41,9 @@
 //! next [`VolumeStore::recover_all`] (the boot's) or the next emptying
 //! deletes. Nothing in it decides any recovery.
 
-use std::ffi::{OsStr, OsString};
+use std::ffi::OsStr;
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::path::Path;
 
 use models::{Error, ErrorKind, PackageId, ResultExt};
@@ -60,29 +60,6 @@ pub(super) enum Purge {
     Inline,
     /// By the caller ([`VolumeStore::empty_trash`], [`crate::purge`]).
     Deferred,
-}
-
-/// The name in the trash after `pkg`'s highest one there: `<pkg>.1` if it
-/// has none. Only `pkg`'s operations, under its lock, make its names.
-fn next_name(dir: BorrowedFd<'_>, pkg: &PackageId) -> io::Result<OsString> {
-    let prefix = format!("{pkg}.");
-    let highest = sys::read_dir_names(dir)?
-        .iter()
-        .filter_map(|(name, _, _)| name.to_str()?.strip_prefix(&prefix)?.parse::<u64>().ok())
-        .max()
-        .unwrap_or(0);
-    Ok(OsString::from(format!("{prefix}{}", highest + 1)))
-}
-
-/// The trash of the volumes root open as `root`, open; made (and made
-/// durable) if absent.
-fn open_trash(root: BorrowedFd<'_>) -> io::Result<OwnedFd> {
-    match sys::mkdir_at(root, OsStr::new(TRASH_DIR), 0o700) {
-        Ok(()) => sys::fsync(root)?,
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(e),
-    }
-    sys::open_dir_at(root, OsStr::new(TRASH_DIR))
 }
 
 /// Deletes everything in the trash of the volumes root open as `root`
@@ -177,8 +154,9 @@ impl VolumeStore {
             // and the rename: made again, a few times at most.
             let mut tries = 0;
             loop {
-                let dir = open_trash(self.root_fd())?;
-                let to = next_name(dir.as_fd(), pkg)?;
+                // Only `pkg`'s operations, under its lock, make its names.
+                let dir = super::dir_made(self.root_fd(), OsStr::new(TRASH_DIR))?;
+                let to = super::next_numbered(dir.as_fd(), &format!("{pkg}."))?;
                 match sys::rename_at(self.root_fd(), name, dir.as_fd(), &to) {
                     Err(e) if e.kind() == io::ErrorKind::NotFound && tries < 3 => tries += 1,
                     r => return r,
