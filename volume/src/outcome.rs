@@ -90,8 +90,7 @@ pub struct RestoreOutcome {
     pub held: Option<HeldTree>,
 }
 
-/// What `VolumeStore::delete_outcome` (or `discard_volume_outcome`, or
-/// `purge_outcome`) did.
+/// What `VolumeStore::delete_outcome` (or `purge_outcome`) did.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct DeleteOutcome {
     /// Whether there was anything to delete.

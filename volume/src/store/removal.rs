@@ -209,46 +209,6 @@ impl VolumeStore {
         let pending = last.is_some();
         Ok((dropped || removed || pending, last.and_then(Disposal::held)))
     }
-
-    /// Deletes the live volume `<pkg>` only, keeping its backup, after
-    /// which a restore may still put the backup in (a hard uninstall's
-    /// `delete_tree` deletes every name instead, [`delete_tree_in`]).
-    /// The volume is renamed to `<pkg>.replaced` first
-    /// (garbage to recovery, which never touches the backup for it), then
-    /// deleted: O(1) per subvolume. Returns whether there was a volume.
-    /// A volume a mount still holds, in any namespace, is kept under
-    /// `<pkg>.held` instead, as by [`VolumeStore::delete`].
-    pub fn discard_volume(&self, pkg: &PackageId) -> Result<bool, Error> {
-        self.discard_volume_outcome(pkg).map(|o| o.deleted)
-    }
-
-    /// [`VolumeStore::discard_volume`], with the volume if a mount held it.
-    pub fn discard_volume_outcome(&self, pkg: &PackageId) -> Result<DeleteOutcome, Error> {
-        let none = DeleteOutcome {
-            deleted: false,
-            held: None,
-        };
-        let Some(names) = self.present(pkg)? else {
-            return Ok(none);
-        };
-        let held = {
-            let guard = self.hold_recovered(pkg, names)?;
-            let names = &guard.names;
-            if self.tree(pkg, &names.live)?.is_none() {
-                return Ok(none);
-            }
-            sys::rename_noreplace(self.root_fd(), &names.live, &names.replaced)
-                .and_then(|()| self.commit_root())
-                .map_err(|e| self.failed(pkg, "moving the volume aside", e))?;
-            self.purge_locked(pkg, names)?.and_then(Disposal::held)
-        };
-        self.purge_after();
-        tracing::info!(package = %pkg, "volume deleted, backup kept");
-        Ok(DeleteOutcome {
-            deleted: true,
-            held,
-        })
-    }
 }
 
 /// Removes the entry `name` of the directory open as `dir` and everything

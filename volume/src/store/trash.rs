@@ -20,7 +20,7 @@
 //! (start-core hands it to [`crate::purge`]'s background thread).
 //!
 //! The calls that empty it in the inline way are those that fill it in
-//! their own right (restore, delete, discard, purge) and recovery
+//! their own right (restore, delete, purge) and recovery
 //! (`recover`, `recover_all`); another operation whose recovery moves a
 //! crash's leftover there (a create after a crashed delete, say) leaves it
 //! for the next of those, the boot's included: garbage either way.
