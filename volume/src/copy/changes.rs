@@ -84,15 +84,4 @@ impl SourceChanges {
             .get(&st.dev)
             .is_none_or(|inodes| inodes.contains(&st.ino))
     }
-
-    /// How many inodes changed since, in the subvolumes read so far.
-    pub fn len(&self) -> usize {
-        let by_dev = self.by_dev.lock().unwrap_or_else(PoisonError::into_inner);
-        by_dev.values().map(HashSet::len).sum()
-    }
-
-    /// Whether none did.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
