@@ -80,7 +80,7 @@ test: deps fmt-check clippy guest-bins
 # fail, with each errno, once and for good (`make test` runs a sample).
 faults: deps
 	$(CARGO) build --workspace --bins --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS)
-	FAULTS_FULL=1 $(CARGO) test -p integration --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS) --test faults --test faults_core -- --test-threads=4 --nocapture
+	FAULTS_FULL=1 $(CARGO) test -p integration --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS) --test faults --test faults_call_sites -- --test-threads=4 --nocapture
 
 # The fuller power-cut sweep: every write state of every workload, more real
 # cuts and more recoveries inside the guest (`make test` samples them).

@@ -13,6 +13,7 @@
 //! filesystem), so one kill's leftovers never decide another's outcome.
 
 use std::collections::BTreeMap;
+use std::ffi::OsStr;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -191,9 +192,26 @@ impl Box_ {
         steps: &[Value],
         pause: Option<(&str, Duration)>,
     ) -> Result<Ended, Failure> {
+        self.run_with(steps, pause, &[])
+    }
+
+    /// Runs `steps` as one boot with `env` set in the runner's environment
+    /// (such as `volume::sys::fault`'s, read once, at the runner's first
+    /// system call through `volume::sys`).
+    pub fn run_env(&self, steps: &[Value], env: &[(&str, &OsStr)]) -> Result<Ended, Failure> {
+        self.run_with(steps, None, env)
+    }
+
+    fn run_with(
+        &self,
+        steps: &[Value],
+        pause: Option<(&str, Duration)>,
+        env: &[(&str, &OsStr)],
+    ) -> Result<Ended, Failure> {
         let mut cmd = Command::new(&self.bin);
         cmd.arg("run").arg(&self.data);
         cmd.args(steps.iter().map(Value::to_string));
+        cmd.envs(env.iter().copied());
         cmd.env_remove(startos_core::FAILPOINT_ENV)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
