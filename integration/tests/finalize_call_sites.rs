@@ -309,3 +309,48 @@ fn a_rollback_before_the_first_boots_cleanup_gives_the_data_back_whole() {
     common::assert_same(&before, &common::digest(&files), "the package's data");
     assert!(!b.main("app").join("data-2").exists());
 }
+
+/// Installs, then updates, of two packages at once (the runner's
+/// `parallel` step): the two run over the same span of time, and each
+/// package comes out whole, the update over its old data.
+#[test]
+fn different_packages_install_and_update_in_parallel() {
+    let fs = fs_or_skip!(LoopFs::btrfs(SIZE));
+    let b = new_box(&fs, "parallel");
+    let both = |v: &str| json!({"parallel": {"steps": [install("par-a", v), install("par-b", v)]}});
+    let spans = |r: &Run| -> Vec<(f64, f64)> {
+        let mut spans: Vec<(u64, f64, f64)> = r
+            .events
+            .iter()
+            .filter_map(|e| e.get("parallel"))
+            .map(|p| {
+                assert!(p["error"].is_null(), "{p}");
+                let f = |k: &str| p[k].as_f64().unwrap();
+                (p["index"].as_u64().unwrap(), f("start_ms"), f("end_ms"))
+            })
+            .collect();
+        spans.sort_by_key(|s| s.0);
+        spans.into_iter().map(|(_, s, e)| (s, e)).collect()
+    };
+    let r = run_ok(&b, &[boot(), both("1")]);
+    let s = spans(&r);
+    assert_eq!(s.len(), 2, "{:?}", r.events);
+    eprintln!("installs (ms from the boot's start): {s:?}");
+    assert!(
+        s[0].0 < s[1].1 && s[1].0 < s[0].1,
+        "installs must overlap: {s:?}"
+    );
+    let before = ["par-a", "par-b"].map(|p| {
+        assert_settled(&b, &r, p, "1", p);
+        call_sites_common::before(&b, p)
+    });
+    let r = run_ok(&b, &[boot(), both("2")]);
+    let s = spans(&r);
+    assert!(
+        s[0].0 < s[1].1 && s[1].0 < s[0].1,
+        "updates must overlap: {s:?}"
+    );
+    for (p, before) in ["par-a", "par-b"].iter().zip(&before) {
+        assert!(!assert_new(&b, &r, p, "2", before, p), "{p}: backup left");
+    }
+}
