@@ -21,16 +21,6 @@ use integration::call_sites::{Box_, Run};
 use integration::{LoopFs, fs_or_skip};
 use serde_json::{Value, json};
 
-/// The last line the old container wrote before it was stopped, as the
-/// run logged it.
-fn last_write_before_stop(run: &Run) -> String {
-    run.stderr
-        .lines()
-        .find_map(|l| l.split_once("container of app stopped; last write: "))
-        .map(|(_, w)| w.trim().trim_matches('"').to_owned())
-        .unwrap_or_else(|| panic!("no stop logged:\n{}", run.stderr))
-}
-
 /// A fresh install takes no backup; an update stops the old container,
 /// then snapshots: the backup's log ends with the last line the container
 /// wrote before its stop, nothing after it (killed once the new version
@@ -45,7 +35,9 @@ fn an_update_stops_then_snapshots_then_drops_the_backup() {
     assert_settled(&b, &r, "app", "1", "a fresh install");
     let steps = [boot(), arm("flow.commit.installed"), install("app", "2")];
     let k = killed(&b, &steps, "before the commit");
-    let last = last_write_before_stop(&k);
+    let last = last_writes_before_stop(&k, "app")
+        .pop()
+        .expect("a stop logged");
     let backup = b.volumes().join("app.install-backup/data/main/app.log");
     let held = std::fs::read_to_string(&backup).unwrap_or_else(|e| panic!("{backup:?}: {e}"));
     assert!(last.starts_with("app "), "{last}");

@@ -157,17 +157,37 @@ pub fn assert_running(run: &Run, id: &str, version: &str, when: &str) {
     assert!(!run.loads_failed(id), "{when}: {:?}", run.loads(id));
 }
 
-/// Back on `old` with the data it had, byte for byte (every write its
-/// service made kept: the log goes on from where it was).
+/// The last line `id`'s container wrote before each stop in `run`, as the
+/// run logged it.
+pub fn last_writes_before_stop(run: &Run, id: &str) -> Vec<String> {
+    let logged = format!("container of {id} stopped; last write: ");
+    run.stderr
+        .lines()
+        .filter_map(|l| l.split_once(logged.as_str()))
+        .map(|(_, w)| w.trim().trim_matches('"').to_owned())
+        .filter(|w| !w.is_empty())
+        .collect()
+}
+
+/// Back on `old` with the data it had, byte for byte: every write its
+/// service made kept, the log going on from where it was, the last line
+/// its container wrote before a stop in `run` (the update's) in it.
 #[track_caller]
 pub fn assert_old(b: &Box_, run: &Run, id: &str, old: &str, before: &Before, when: &str) {
     assert_settled(b, run, id, old, when);
     assert_same(&before.content, &content(b, id), when);
+    let now = log(b, id);
     assert!(
-        log(b, id).starts_with(&before.log),
+        now.starts_with(&before.log),
         "{when}: the log lost writes ({} bytes before)",
         before.log.len()
     );
+    for last in last_writes_before_stop(run, id) {
+        assert!(
+            now.lines().any(|l| l == last),
+            "{when}: the rollback lost {last:?}, written before the stop"
+        );
+    }
 }
 
 /// On `new`, with its init's data over the old data, which is all there.

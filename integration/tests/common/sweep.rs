@@ -1,4 +1,4 @@
-//! The harness of the I/O-error sweep (`faults.rs`, `faults_core.rs`);
+//! The harness of the I/O-error sweep (`faults.rs`, `faults_call_sites.rs`);
 //! see `faults.rs` for what it checks.
 #![allow(dead_code)]
 
