@@ -140,6 +140,8 @@ fn a_rollback_killed_at_each_step_comes_back_identical() {
         "restore.replaced-deleted",
         "restore.backup-dropped",
         "drop.renamed",
+        "trash.moved",
+        "trash.deleting",
         "flow.commit.installed",
         "flow.committed.installed",
     ] {
