@@ -259,7 +259,8 @@ impl InstallBackup {
     }
 
     /// Rolls the volume back to the backup and consumes it; a no-op
-    /// without one. One `RENAME_EXCHANGE`: the volume path holds the
+    /// without one, logged as a warning when there is a volume it leaves
+    /// as the failed install wrote it (not a fresh install). One `RENAME_EXCHANGE`: the volume path holds the
     /// complete old or the complete restored volume at every instant
     /// (upstream's path is empty between two renames), nested subvolumes
     /// included. A mount of the volume, in any mount namespace (a
@@ -530,7 +531,14 @@ mod backend {
     }
 
     pub(super) fn restore(root: &Path, pkg: &PackageId) -> Result<volume::RestoreOutcome, Error> {
-        store(root)?.restore_outcome(pkg)
+        let store = store(root)?;
+        let outcome = store.restore_outcome(pkg)?;
+        // Upstream's rollback goes on either way; a volume left as the
+        // failed install wrote it must not pass for a rolled-back one.
+        if !outcome.restored && store.info(pkg)?.volume.is_some() && !store.is_fresh(pkg)? {
+            tracing::warn!(package = %pkg, "no install backup to restore: the volume was not rolled back, it is as the failed install left it");
+        }
+        Ok(outcome)
     }
 
     pub(super) fn resolve_pending(root: &Path, pkg: &PackageId) -> Result<(), Error> {

@@ -208,6 +208,22 @@ async fn begin_puts_back_a_backup_that_is_the_only_copy() {
     assert_eq!(marker(&c.live()).as_deref(), Some("only copy"));
 }
 
+/// A package whose volume is gone but whose install backup is there (the
+/// only copy of its data) gets that copy back at its load, not an empty
+/// volume beside it that the next install's `begin` would drop it for.
+/// Upstream's `ensure_volume_root` makes it empty.
+#[tokio::test]
+async fn ensure_puts_back_a_backup_that_is_the_only_copy() {
+    let Some(c) = Case::new() else { return };
+    seed_subvolume(&c.backup(), "only copy");
+    ensure_volume_root_at(&c.root, "app").await.unwrap();
+    assert_eq!(marker(&c.live()).as_deref(), Some("only copy"));
+    assert!(!c.ib.exists().await);
+    c.ib.begin().await.unwrap();
+    c.ib.remove().await.unwrap();
+    assert_eq!(marker(&c.live()).as_deref(), Some("only copy"));
+}
+
 #[tokio::test]
 async fn begin_resolves_a_pending_restore_before_invalidating_the_backup() {
     let Some(c) = Case::new() else { return };

@@ -237,6 +237,12 @@ fn an_update_with_no_rollback_point_stops_unless_chosen_and_the_user_is_told() {
             Order::Upstream => {
                 assert!(!told(&run), "{:?}", run.notifications("app"));
                 assert!(matches!(outcome, Outcome::Mix(_)), "{outcome:?}");
+                // Upstream's undo goes on; the drop-in says it restored nothing.
+                assert!(
+                    run.stderr.contains("the volume was not rolled back"),
+                    "{}",
+                    run.stderr
+                );
             }
             Order::Reordered => {
                 assert!(told(&run), "{:?}", run.notifications("app"));

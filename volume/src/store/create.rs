@@ -47,6 +47,10 @@ impl VolumeStore {
     /// Makes sure `<pkg>` exists, creating it empty if missing: a subvolume
     /// on btrfs, a directory elsewhere (upstream's `ensure_volume_root`).
     /// An existing volume, subvolume or plain directory, is kept as it is.
+    /// A missing volume beside an install backup is not made empty: the
+    /// backup is the only copy of the data, and is put back as the volume
+    /// (as [`VolumeStore::begin_install`] does), since an empty volume
+    /// beside it would make the next install's `begin` drop it.
     /// Finishes whatever a crash left for the package first. One atomic
     /// step: after a crash `<pkg>` is absent or empty.
     ///
@@ -85,6 +89,13 @@ impl VolumeStore {
     fn ensure_locked(&self, pkg: &PackageId, names: &Names) -> Result<VolumeKind, Error> {
         if let Some(kind) = self.tree(pkg, &names.live)? {
             return Ok(kind);
+        }
+        if self.restore_locked(pkg, names)? {
+            self.purge_locked(pkg, names)?;
+            tracing::warn!(package = %pkg, "ensure: no volume, but an install backup, the only copy of the data; put it back as the volume");
+            if let Some(kind) = self.tree(pkg, &names.live)? {
+                return Ok(kind);
+            }
         }
         let kind = self.make_tree(pkg, &names.live)?;
         self.fsync_root().with_ctx(|_| {
