@@ -206,7 +206,7 @@ impl VolumeStore {
             .map_err(|e| ("opening the backup for", e))?;
         let carry = self
             .volume_quota(names, backup.as_fd())
-            .map_err(|e| ("reading the qgroups of the volume replaced by", e))?;
+            .map_err(|e| ("reading the volume's qgroups for", e))?;
         let inherit = QuotaCarry::inherit_of(carry.as_ref());
         let copy = sys::snapshot_tree_with(
             backup.as_fd(),
