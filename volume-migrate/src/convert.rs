@@ -161,6 +161,7 @@ impl Migrator {
             tracker,
             report,
             unclonable: false,
+            quota: Default::default(),
         };
         if self.carve_as_planned(&mut job, planned, resume)? {
             let report = job.report;

@@ -7,6 +7,7 @@
 //! writes under `<pkg>.migrate`, `<pkg>.migrate-parent` and
 //! `<pkg>.migrate-rest` until the exchange, which is one rename.
 
+use std::cell::OnceCell;
 use std::ffi::OsStr;
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
@@ -20,6 +21,7 @@ use volume::copy::{self, CopyEvent, CopyOptions};
 use volume::errors::is_enospc;
 use volume::failpoint::failpoint;
 use volume::layout::Names;
+use volume::quota::QuotaCarry;
 use volume::record::Identity;
 use volume::sys::{self, InodeFlags};
 
@@ -62,6 +64,9 @@ pub(crate) struct Job<'a, 's> {
     /// ([`copy::is_unclonable`]) and discarded its partial copy: nothing
     /// of the clone is left for a later run to resume.
     pub unclonable: bool,
+    /// The qgroup limit and groups of the subvolume `<pkg>` sits in, for
+    /// the new subvolume ([`Job::quota`]): read once per job.
+    pub quota: OnceCell<Option<QuotaCarry>>,
 }
 
 /// Why [`Job::carve_parent`] did not carve: the step that failed, and
@@ -152,6 +157,21 @@ impl ScanWatch<'_> {
 }
 
 impl Job<'_, '_> {
+    /// What the new subvolume carries of the qgroup of the subvolume the
+    /// plain directory sits in (its limit and groups: see
+    /// [`volume::quota`]), read at the job's first need: without quotas,
+    /// one search of the quota tree per job and nothing more.
+    fn quota(&self) -> Result<Option<&QuotaCarry>, Error> {
+        if self.quota.get().is_none() {
+            let carry = QuotaCarry::read(self.src.as_fd()).with_ctx(step(
+                self.pkg,
+                "reading the qgroups of the subvolume holding the volume",
+            ))?;
+            let _ = self.quota.set(carry);
+        }
+        Ok(self.quota.get().and_then(Option::as_ref))
+    }
+
     /// `<pkg>`'s path, for messages.
     fn live_path(&self) -> PathBuf {
         self.root.path().join(&self.names.live)
@@ -337,7 +357,14 @@ impl Job<'_, '_> {
                 }
             }
         }
-        sys::create_subvolume(root, &self.names.migrate).with_ctx(|_| {
+        // Created in the groups of the volume's subvolume, while empty:
+        // with full quotas, joining one later, sharing every extent,
+        // would mark the quotas inconsistent.
+        match QuotaCarry::inherit_of(self.quota()?) {
+            Some(inherit) => sys::create_subvolume_with(root, &self.names.migrate, &inherit),
+            None => sys::create_subvolume(root, &self.names.migrate),
+        }
+        .with_ctx(|_| {
             (
                 ErrorKind::MigrationFailed,
                 pkg.context(format!(
@@ -393,12 +420,23 @@ impl Job<'_, '_> {
         });
         self.tracker.phase(Phase::Carve);
         let snapshot = self.root.path().join(&names.migrate_parent);
-        sys::snapshot(plan.root.as_fd(), root, &names.migrate_parent).map_err(|error| {
-            CarveFailure {
-                what: format!("snapshotting its subvolume as {}", snapshot.display()),
-                error,
-                cleanup: Ok(()),
+        let what = format!("snapshotting its subvolume as {}", snapshot.display());
+        // The snapshot joins its source's groups (see `volume::quota`).
+        let inherit = self.quota().map_err(|e| CarveFailure {
+            what: what.clone(),
+            error: io::Error::other(e.source.to_string()),
+            cleanup: Ok(()),
+        })?;
+        match QuotaCarry::inherit_of(inherit) {
+            Some(i) => {
+                sys::create_snapshot_with(plan.root.as_fd(), root, &names.migrate_parent, false, &i)
             }
+            None => sys::snapshot(plan.root.as_fd(), root, &names.migrate_parent),
+        }
+        .map_err(|error| CarveFailure {
+            what,
+            error,
+            cleanup: Ok(()),
         })?;
         drop(plan.root);
         // Auto's snapshot holds every other package's tree, which no count
@@ -461,6 +499,15 @@ impl Job<'_, '_> {
     pub fn swap_in(&mut self, tmp: &OsStr, dst: OwnedFd) -> Result<(), Error> {
         let pkg = self.pkg;
         let root = self.root.fd();
+        // The limit and groups of the subvolume the directory sat in, on
+        // the new subvolume before the commit that precedes its exchange:
+        // no committed state shows the volume without them.
+        if let Some(carry) = self.quota()? {
+            carry.apply(dst.as_fd()).with_ctx(step(
+                pkg,
+                "giving the new subvolume the qgroup limit and groups of the old directory's",
+            ))?;
+        }
         // Sync: the copy must be durable before its name says "volume".
         self.tracker.phase(Phase::Sync);
         let committed = sys::commit(dst.as_fd());

@@ -39,7 +39,8 @@
 //! Then, for both:
 //!
 //! 2. **Sync**: commit the btrfs transaction, so the new subvolume is
-//!    durable.
+//!    durable; with quotas on, with the qgroup limit and groups of the
+//!    subvolume the directory sat in, given before it (`volume::quota`).
 //! 3. **Exchange**: swap it and `<pkg>` with one
 //!    `renameat2(RENAME_EXCHANGE)`, then rename the old directory to
 //!    `<pkg>.migrate-old`.

@@ -51,6 +51,9 @@ pub mod lock;
 #[cfg(target_os = "linux")]
 pub mod mounts;
 mod outcome;
+// A volume's qgroup limit and memberships, carried to what replaces it.
+#[cfg(target_os = "linux")]
+pub mod quota;
 // The small facts kept beside a package's trees.
 #[cfg(target_os = "linux")]
 pub mod record;

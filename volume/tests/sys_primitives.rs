@@ -316,3 +316,64 @@ fn commits() {
     );
     assert!(!sys::is_subvolume(proc.as_fd()).expect("is_subvolume"));
 }
+
+/// A subvolume, a snapshot and a recursive snapshot made with a qgroup
+/// inherit join exactly the groups it names, on both backends; the nested
+/// snapshots of a recursive one are made without. Simple quotas, so the
+/// kernel would otherwise add each to the groups of the subvolume it is
+/// created in (those of `holder` here); skipped before Linux 6.7.
+#[test]
+fn an_inherit_names_the_groups_a_new_subvolume_joins() {
+    let fs = fs_or_skip!(LoopFs::btrfs(SIZE));
+    let root = open(fs.mount_point());
+    if let Err(e) = sys::enable_quotas(root.as_fd(), sys::QuotaMode::Simple) {
+        return test_fs::skip_or_fail(&format!("simple quotas (Linux 6.7+): {e}"));
+    }
+    let group = |n: u64| 1 << sys::QGROUP_LEVEL_SHIFT | n;
+    let parents = |path: &Path| {
+        let fd = open(path);
+        let id = sys::subvolume_info(fd.as_fd()).expect("info").id;
+        sys::qgroup_parents(fd.as_fd(), id).expect("parents")
+    };
+    for n in [100, 200] {
+        test_fs::run(
+            std::process::Command::new("btrfs")
+                .args(["qgroup", "create", &format!("1/{n}")])
+                .arg(fs.mount_point()),
+        )
+        .expect("qgroup create");
+    }
+    let both = sys::QgroupInherit {
+        groups: vec![group(100), group(200)],
+    };
+    sys::create_subvolume_with(root.as_fd(), name("holder"), &both).expect("create");
+    assert_eq!(parents(&fs.path("holder")), both.groups);
+    let holder = open(&fs.path("holder"));
+    let one = sys::QgroupInherit {
+        groups: vec![group(200)],
+    };
+    sys::create_subvolume_with(holder.as_fd(), name("src"), &one).expect("create");
+    sys::create_subvolume(open(&fs.path("holder/src")).as_fd(), name("inner")).expect("inner");
+    let src = open(&fs.path("holder/src"));
+    sys::create_snapshot_with(src.as_fd(), holder.as_fd(), name("ro"), true, &one)
+        .expect("snapshot");
+    assert!(read_only(&fs.path("holder/ro")));
+    assert_eq!(parents(&fs.path("holder/ro")), one.groups);
+    // Empty, it keeps the kernel from adding the holder's groups.
+    let none = sys::QgroupInherit::default();
+    sys::create_snapshot_with(src.as_fd(), holder.as_fd(), name("bare"), false, &none)
+        .expect("snapshot");
+    assert_eq!(parents(&fs.path("holder/bare")), Vec::<u64>::new());
+    sys::snapshot_tree_with(src.as_fd(), holder.as_fd(), name("tree"), Some(&one))
+        .expect("snapshot tree");
+    assert_eq!(parents(&fs.path("holder/tree")), one.groups);
+    // Made without: the groups of the subvolume it sits in, the copy.
+    assert!(is_subvolume(&fs.path("holder/tree/inner")));
+    assert_eq!(parents(&fs.path("holder/tree/inner")), one.groups);
+    let missing = sys::QgroupInherit {
+        groups: vec![group(999)],
+    };
+    let err =
+        sys::create_subvolume_with(root.as_fd(), name("bad"), &missing).expect_err("no 1/999");
+    assert_eq!(err.raw_os_error(), Some(libc::ENOENT), "{err}");
+}

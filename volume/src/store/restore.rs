@@ -19,6 +19,7 @@ use super::{VolumeStore, nested_counterparts, with_cleanup};
 use crate::failpoint::failpoint;
 use crate::layout::Names;
 use crate::outcome::{DeleteOutcome, RestoreOutcome, VolumeKind};
+use crate::quota::QuotaCarry;
 use crate::record::{self, Identity};
 use crate::sys;
 
@@ -39,6 +40,10 @@ impl VolumeStore {
     /// deleted. So `<pkg>` is never missing: before the exchange it is the
     /// current volume, after it the restored one, whatever instant a crash
     /// or power cut hits. Nothing is written inside either volume.
+    ///
+    /// With quotas on, the copy is created in the volume's qgroup groups
+    /// and given its limit before the commit that precedes the exchange
+    /// ([`crate::quota`]): the volume under its name always has its limit.
     ///
     /// A mount of the volume, in any mount namespace (a dependent's bind
     /// mount of its `data_dir`), never makes it fail: such a mount goes on
@@ -193,16 +198,58 @@ impl VolumeStore {
 
     /// Makes the rollback copy of a snapshot backup: a writable snapshot,
     /// nested subvolumes included and the read-only ones made read-only
-    /// again, then its identity recorded and everything committed.
+    /// again, with quotas on the volume's qgroup limit and groups
+    /// ([`QuotaCarry`]), then its identity recorded and everything
+    /// committed.
     fn prepare_rollback_copy(&self, names: &Names) -> Result<(), (&'static str, io::Error)> {
         let backup = sys::open_dir_at(self.root_fd(), &names.backup)
             .map_err(|e| ("opening the backup for", e))?;
-        let copy = sys::snapshot_tree(backup.as_fd(), self.root_fd(), &names.rollback)
-            .map_err(|e| ("snapshotting the backup to", e))?;
+        let carry = self
+            .volume_quota(names, backup.as_fd())
+            .map_err(|e| ("reading the volume's qgroups for", e))?;
+        let inherit = QuotaCarry::inherit_of(carry.as_ref());
+        let copy = sys::snapshot_tree_with(
+            backup.as_fd(),
+            self.root_fd(),
+            &names.rollback,
+            inherit.as_ref(),
+        )
+        .map_err(|e| ("snapshotting the backup to", e))?;
         failpoint("restore.copied").map_err(|e| ("snapshotting the backup to", e))?;
         self.restore_read_only_flags(names, backup.as_fd(), copy.as_fd())
             .map_err(|e| ("making read-only again the nested subvolumes of", e))?;
+        // Before the commit below, so no committed state shows the volume
+        // under its name without its limit.
+        if let Some(carry) = &carry {
+            carry
+                .apply(copy.as_fd())
+                .map_err(|e| ("giving the volume's qgroup limit and groups to", e))?;
+        }
         self.record_rollback(names, copy.as_fd())
+    }
+
+    /// What the rollback copy carries of the volume's qgroup: the live
+    /// volume's limit and groups (an administrator's change since the
+    /// backup stays), or the backup's if the live volume is no subvolume.
+    /// `None`, after the one check, when quotas are off.
+    fn volume_quota(
+        &self,
+        names: &Names,
+        backup: BorrowedFd<'_>,
+    ) -> io::Result<Option<QuotaCarry>> {
+        let Some(status) = QuotaCarry::check(self.root_fd())? else {
+            return Ok(None);
+        };
+        let live = match sys::open_dir_at(self.root_fd(), &names.live) {
+            Ok(fd) if sys::is_subvolume(fd.as_fd())? => Some(fd),
+            Ok(_) => None,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => None,
+            Err(e) => return Err(e),
+        };
+        match &live {
+            Some(fd) => QuotaCarry::of(status, fd.as_fd()),
+            None => QuotaCarry::of(status, backup),
+        }
     }
 
     /// A reflink backup is already a private copy, used as is: its identity

@@ -16,6 +16,7 @@ use super::{VolumeStore, nested_counterparts, with_cleanup};
 use crate::failpoint::failpoint;
 use crate::layout::Names;
 use crate::outcome::{SnapshotOutcome, VolumeKind};
+use crate::quota::QuotaCarry;
 use crate::record;
 use crate::sys;
 
@@ -28,7 +29,9 @@ impl VolumeStore {
     /// complete and frozen, so a backup under its real name is never partial.
     /// Which nested subvolumes were read-only in the volume is recorded
     /// beside it (`<pkg>.install-backup.ro`), so a restore gives them back
-    /// read-only and the others writable.
+    /// read-only and the others writable. With quotas on, the backup's
+    /// qgroup joins the volume's groups as it is created (see
+    /// [`crate::quota`]); without, the one check costs one search.
     ///
     /// Fallbacks, each with a warning naming the package: not btrfs, no
     /// backup; a plain directory on btrfs, a reflink copy if its extent count
@@ -105,7 +108,15 @@ impl VolumeStore {
             Ok(fd) => fd,
             Err(e) => return ("opening", Err(e)),
         };
-        match self.read_only_in_one_step(live.as_fd(), names) {
+        // The backup joins the volume's qgroups: with full quotas, a
+        // snapshot of a group member that joins no group makes the
+        // kernel mark every number inconsistent.
+        let inherit = match QuotaCarry::read(live.as_fd()) {
+            Ok(carry) => QuotaCarry::inherit_of(carry.as_ref()),
+            Err(e) => return ("reading the qgroups of", Err(e)),
+        };
+        let inherit = inherit.as_ref();
+        match self.read_only_in_one_step(live.as_fd(), names, inherit) {
             Ok(true) => {
                 let publish = failpoint("snapshot.created")
                     .and_then(|()| failpoint("snapshot.frozen"))
@@ -118,10 +129,12 @@ impl VolumeStore {
             Ok(false) => {}
             Err(e) => return ("snapshotting", Err(e)),
         }
-        let tmp = match sys::snapshot_tree(live.as_fd(), self.root_fd(), &names.backup_tmp) {
-            Ok(fd) => fd,
-            Err(e) => return ("snapshotting", Err(e)),
-        };
+        let tmp =
+            match sys::snapshot_tree_with(live.as_fd(), self.root_fd(), &names.backup_tmp, inherit)
+            {
+                Ok(fd) => fd,
+                Err(e) => return ("snapshotting", Err(e)),
+            };
         if let Err(e) = failpoint("snapshot.created") {
             return ("snapshotting", Err(e));
         }
@@ -160,12 +173,21 @@ impl VolumeStore {
     /// subvolume by subvolume, then frozen): also when a subvolume appeared
     /// while the snapshot was taken, whose content the snapshot may lack,
     /// and then the one-step snapshot is deleted again. A crash leaves at
-    /// most the `.tmp`, which recovery deletes.
-    fn read_only_in_one_step(&self, live: BorrowedFd<'_>, names: &Names) -> io::Result<bool> {
+    /// most the `.tmp`, which recovery deletes. With quotas on, `inherit`
+    /// names the volume's groups.
+    fn read_only_in_one_step(
+        &self,
+        live: BorrowedFd<'_>,
+        names: &Names,
+        inherit: Option<&sys::QgroupInherit>,
+    ) -> io::Result<bool> {
         if !sys::nested_subvolumes(live)?.is_empty() {
             return Ok(false);
         }
-        sys::create_snapshot(live, self.root_fd(), &names.backup_tmp, true)?;
+        match inherit {
+            Some(i) => sys::create_snapshot_with(live, self.root_fd(), &names.backup_tmp, true, i),
+            None => sys::create_snapshot(live, self.root_fd(), &names.backup_tmp, true),
+        }?;
         if sys::nested_subvolumes(live)?.is_empty() {
             return Ok(true);
         }

@@ -11,6 +11,7 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 
+use super::qgroup::QgroupInherit;
 use super::subvolume_info::Nested;
 
 fn c_name(name: &OsStr) -> io::Result<CString> {
@@ -31,16 +32,52 @@ fn check(code: bu::btrfs_util_error) -> io::Result<()> {
     Err(io::Error::other(msg.to_string_lossy().into_owned()))
 }
 
-pub(super) fn create_subvolume(parent: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+/// A libbtrfsutil qgroup inheritance specifier, destroyed on drop.
+struct Inherit(*mut bu::btrfs_util_qgroup_inherit);
+
+impl Inherit {
+    /// libbtrfsutil's copy of `inherit`; a null specifier for `None`.
+    fn of(inherit: Option<&QgroupInherit>) -> io::Result<Inherit> {
+        let Some(inherit) = inherit else {
+            return Ok(Inherit(std::ptr::null_mut()));
+        };
+        let mut out = Inherit(std::ptr::null_mut());
+        // SAFETY: flags must be zero; the out-pointer is valid.
+        check(unsafe { bu::btrfs_util_create_qgroup_inherit(0, &mut out.0) })?;
+        for group in &inherit.groups {
+            // SAFETY: out.0 came from btrfs_util_create_qgroup_inherit; the
+            // call may reallocate it and writes the new pointer back.
+            check(unsafe { bu::btrfs_util_qgroup_inherit_add_group(&mut out.0, *group) })?;
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for Inherit {
+    fn drop(&mut self) {
+        if !self.0.is_null() {
+            // SAFETY: made by btrfs_util_create_qgroup_inherit, freed once.
+            unsafe { bu::btrfs_util_destroy_qgroup_inherit(self.0) };
+        }
+    }
+}
+
+pub(super) fn create_subvolume(
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    inherit: Option<&QgroupInherit>,
+) -> io::Result<()> {
     let c = c_name(name)?;
-    // SAFETY: valid fd and NUL-terminated name; null async/qgroup pointers are allowed.
+    let inherit = Inherit::of(inherit)?;
+    // SAFETY: valid fd and NUL-terminated name; a null async pointer is
+    // allowed, and the qgroup one is null or a live specifier.
     check(unsafe {
         bu::btrfs_util_create_subvolume_fd(
             parent.as_raw_fd(),
             c.as_ptr(),
             0,
             std::ptr::null_mut(),
-            std::ptr::null_mut(),
+            inherit.0,
         )
     })
 }
@@ -52,9 +89,12 @@ fn snapshot_with_flags(
     parent: BorrowedFd<'_>,
     name: &OsStr,
     flags: i32,
+    inherit: Option<&QgroupInherit>,
 ) -> io::Result<()> {
     let c = c_name(name)?;
-    // SAFETY: valid fds and NUL-terminated name; null async/qgroup pointers are allowed.
+    let inherit = Inherit::of(inherit)?;
+    // SAFETY: valid fds and NUL-terminated name; a null async pointer is
+    // allowed, and the qgroup one is null or a live specifier.
     check(unsafe {
         bu::btrfs_util_create_snapshot_fd2(
             source.as_raw_fd(),
@@ -62,7 +102,7 @@ fn snapshot_with_flags(
             c.as_ptr(),
             flags,
             std::ptr::null_mut(),
-            std::ptr::null_mut(),
+            inherit.0,
         )
     })
 }
@@ -72,25 +112,28 @@ pub(super) fn create_snapshot(
     parent: BorrowedFd<'_>,
     name: &OsStr,
     read_only: bool,
+    inherit: Option<&QgroupInherit>,
 ) -> io::Result<()> {
     let flags = if read_only {
         bu::BTRFS_UTIL_CREATE_SNAPSHOT_READ_ONLY as i32
     } else {
         0
     };
-    snapshot_with_flags(source, parent, name, flags)
+    snapshot_with_flags(source, parent, name, flags, inherit)
 }
 
 pub(super) fn snapshot_recursive(
     source: BorrowedFd<'_>,
     parent: BorrowedFd<'_>,
     name: &OsStr,
+    inherit: Option<&QgroupInherit>,
 ) -> io::Result<()> {
     snapshot_with_flags(
         source,
         parent,
         name,
         bu::BTRFS_UTIL_CREATE_SNAPSHOT_RECURSIVE as i32,
+        inherit,
     )
 }
 

@@ -25,7 +25,8 @@
 //! `subvolume_info` what all of these take about one subvolume (its root's
 //! inode number, GET_SUBVOL_INFO, where a nested one sits), `search` the
 //! b-tree search engine, `item` on-disk item layouts, `space` metadata
-//! space accounting, `ioprio` the thread's I/O priority, `proc` what
+//! space accounting, `qgroup` quota groups (limits, memberships, the
+//! inherit a snapshot is made with), `ioprio` the thread's I/O priority, `proc` what
 //! `/proc` tells of descriptors, mounts and locks, `fault` the injected
 //! failures of the I/O-error sweep: every call that enters the kernel
 //! passes through `fault::check` first.
@@ -40,6 +41,7 @@ mod ioctl;
 mod ioprio;
 pub mod item;
 mod proc;
+mod qgroup;
 mod search;
 mod space;
 mod subvolume;
@@ -67,13 +69,18 @@ pub use fs::{
 pub use inode::{dir_parent, inode_item, inodes_written_since, open_subvolume};
 pub use ioprio::IdleIo;
 pub use proc::fd_path;
+pub use qgroup::{
+    LIMIT_MAX_EXCL, LIMIT_MAX_RFER, LIMIT_RSV_EXCL, LIMIT_RSV_RFER, QGROUP_LEVEL_SHIFT,
+    QgroupInherit, QgroupLimit, QgroupUsage, QuotaMode, QuotaStatus, assign_qgroup, enable_quotas,
+    qgroup_level, qgroup_limit, qgroup_parents, qgroup_usage, quota_status, set_qgroup_limit,
+};
 pub use search::{Batch, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, search};
 pub use space::{MetadataSpace, metadata_space};
 pub use subvolume::{
-    COMMIT_START_PATIENCE, commit, commit_metadata, create_snapshot, create_subvolume,
-    delete_subvolume, forced_commit_starts, is_read_only, is_subvolume, make_tree_read_only,
-    make_tree_writable, nested_paths, nested_subvolumes, set_read_only, snapshot, snapshot_tree,
-    start_commit, subvolume_root_of,
+    COMMIT_START_PATIENCE, commit, commit_metadata, create_snapshot, create_snapshot_with,
+    create_subvolume, create_subvolume_with, delete_subvolume, forced_commit_starts, is_read_only,
+    is_subvolume, make_tree_read_only, make_tree_writable, nested_paths, nested_subvolumes,
+    set_read_only, snapshot, snapshot_tree, snapshot_tree_with, start_commit, subvolume_root_of,
 };
 pub use subvolume_info::{Nested, SUBVOLUME_ROOT_INO, SubvolumeInfo, subvolume_info};
 

@@ -32,6 +32,7 @@ use super::fs::{open_dir_at, stat};
 use super::inode::{open_subvolume, open_tree_dir};
 use super::ioctl::{BTRFS_IOCTL_MAGIC, ensure_btrfs, malformed};
 use super::item::{ROOT_REF_KEY, RootRef};
+use super::qgroup::QgroupInherit;
 use super::search::{ItemKey, KeyRange, Searcher};
 use super::subvolume_info::{Nested, SUBVOLUME_ROOT_INO};
 
@@ -42,14 +43,17 @@ const SUBVOL_NAME_MAX: usize = 4039;
 const NAME_LEN: usize = 255;
 /// `BTRFS_SUBVOL_RDONLY`, in the v2 args' flags and in SUBVOL_GETFLAGS.
 const SUBVOL_RDONLY: u64 = 1 << 1;
+/// `BTRFS_SUBVOL_QGROUP_INHERIT`: the args carry a qgroup inherit.
+const SUBVOL_QGROUP_INHERIT: u64 = 1 << 2;
 /// `BTRFS_ROOT_TREE_OBJECTID`: the tree of trees.
 const ROOT_TREE: u64 = 1;
 /// `BTRFS_INO_LOOKUP_PATH_MAX`.
 const INO_LOOKUP_PATH_MAX: usize = 4080;
 
 /// `struct btrfs_ioctl_vol_args_v2`: `fd`, `transid`, `flags`, the
-/// qgroup-inherit union (unused here, left zero), then the union of `name`
-/// (NUL-terminated) and `subvolid` (unused here).
+/// qgroup-inherit union (`size` and `qgroup_inherit`, a pointer, in its
+/// first two words, set with BTRFS_SUBVOL_QGROUP_INHERIT; zero otherwise),
+/// then the union of `name` (NUL-terminated) and `subvolid` (unused here).
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct VolArgsV2 {
@@ -112,21 +116,44 @@ impl VolArgsV2 {
         args.name[..bytes.len()].copy_from_slice(bytes);
         Ok(args)
     }
+
+    /// Points the args at `words`, a laid-out `struct
+    /// btrfs_qgroup_inherit` ([`QgroupInherit::to_words`]), which must
+    /// outlive the ioctl.
+    fn inheriting(&mut self, words: &[u64]) {
+        self.flags |= SUBVOL_QGROUP_INHERIT;
+        self.unused[0] = (words.len() * 8) as u64;
+        self.unused[1] = words.as_ptr() as u64;
+    }
 }
 
 /// Issues one of the `_IOW` volume-args ioctls on `fd`.
 fn vol_ioctl<const OPCODE: Opcode>(fd: BorrowedFd<'_>, args: VolArgsV2) -> io::Result<()> {
-    super::fault::check("btrfs volume ioctl")?;
+    // Named apart in the trace when it carries a qgroup inherit.
+    super::fault::check(match args.flags & SUBVOL_QGROUP_INHERIT {
+        0 => "btrfs volume ioctl",
+        _ => "btrfs volume ioctl with qgroup inherit",
+    })?;
     // SAFETY: every OPCODE passed is an _IOW btrfs ioctl taking a `struct
     // btrfs_ioctl_vol_args_v2`, which VolArgsV2 matches in size and layout
-    // (checked above); the kernel only reads it.
+    // (checked above); the kernel only reads it, and the inherit its
+    // pointer may name, which the caller keeps alive across the call.
     unsafe { rustix::ioctl::ioctl(fd, Setter::<OPCODE, VolArgsV2>::new(args)) }?;
     Ok(())
 }
 
-pub(super) fn create_subvolume(parent: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+pub(super) fn create_subvolume(
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    inherit: Option<&QgroupInherit>,
+) -> io::Result<()> {
     ensure_btrfs(parent)?;
-    vol_ioctl::<SUBVOL_CREATE_V2>(parent, VolArgsV2::named(name)?)
+    let mut args = VolArgsV2::named(name)?;
+    let words = inherit.map(QgroupInherit::to_words).transpose()?;
+    if let Some(words) = &words {
+        args.inheriting(words);
+    }
+    vol_ioctl::<SUBVOL_CREATE_V2>(parent, args)
 }
 
 pub(super) fn create_snapshot(
@@ -134,6 +161,7 @@ pub(super) fn create_snapshot(
     parent: BorrowedFd<'_>,
     name: &OsStr,
     read_only: bool,
+    inherit: Option<&QgroupInherit>,
 ) -> io::Result<()> {
     use std::os::fd::AsRawFd;
     ensure_btrfs(parent)?;
@@ -142,6 +170,10 @@ pub(super) fn create_snapshot(
     args.fd = i64::from(source.as_raw_fd());
     if read_only {
         args.flags = SUBVOL_RDONLY;
+    }
+    let words = inherit.map(QgroupInherit::to_words).transpose()?;
+    if let Some(words) = &words {
+        args.inheriting(words);
     }
     vol_ioctl::<SNAP_CREATE_V2>(parent, args)
 }
@@ -160,6 +192,7 @@ pub(super) fn snapshot_recursive(
     source: BorrowedFd<'_>,
     parent: BorrowedFd<'_>,
     name: &OsStr,
+    inherit: Option<&QgroupInherit>,
 ) -> io::Result<()> {
     // The snapshot ioctl takes whatever subvolume holds its fd: refuse a
     // source that is not a subvolume root before anything is created.
@@ -167,7 +200,7 @@ pub(super) fn snapshot_recursive(
     if st.ino != SUBVOLUME_ROOT_INO || !st.is_dir() {
         return Err(Errno::INVAL.into());
     }
-    create_snapshot(source, parent, name, false)?;
+    create_snapshot(source, parent, name, false, inherit)?;
     // Listed once the top is taken, as libbtrfsutil does: a subvolume
     // nested since then has no placeholder in the copy, and its rmdir
     // below fails rather than the copy silently lacking it.
@@ -190,7 +223,7 @@ pub(super) fn snapshot_recursive(
         with_own_stuck_flags_lifted(holder.as_fd(), || {
             super::fault::check("unlinkat")?;
             rustix::fs::unlinkat(holder.as_fd(), &n.name, AtFlags::REMOVEDIR)?;
-            create_snapshot(src.as_fd(), holder.as_fd(), &n.name, false)
+            create_snapshot(src.as_fd(), holder.as_fd(), &n.name, false, None)
         })?;
         let placed = open_dir_at(holder.as_fd(), &n.name)?;
         copies.insert(n.id, subvolume_id(placed.as_fd())?);

@@ -207,6 +207,8 @@ pub struct Searcher {
     /// The oldest transaction whose tree blocks are read (see
     /// [`Searcher::written_since`]); 0, every block.
     min_transid: u64,
+    /// The name its ioctls carry in the fault trace.
+    call: &'static str,
 }
 
 impl Default for Searcher {
@@ -225,7 +227,15 @@ impl Searcher {
             mem: vec![0u64; ARGS_WORDS + buf_size / 8],
             buf_size,
             min_transid: 0,
+            call: "ioctl TREE_SEARCH_V2",
         }
+    }
+
+    /// The same searcher, its ioctls named `call` in the fault trace
+    /// ([`super::fault`]), so a trace tells one tree's searches apart.
+    pub(crate) fn named(mut self, call: &'static str) -> Self {
+        self.call = call;
+        self
     }
 
     /// Reads only the tree blocks written in transaction `transid` or
@@ -313,7 +323,7 @@ impl Searcher {
             ..SearchKey::default()
         };
         args.buf_size = buf_size;
-        super::fault::check("ioctl TREE_SEARCH_V2")?;
+        super::fault::check(self.call)?;
         // SAFETY: `mem` holds the header and the `buf_size` bytes it
         // announces.
         unsafe {

@@ -21,6 +21,7 @@ use super::inode::{open_subvolume, open_tree_dir};
 use super::ioctl::{BTRFS_IOCTL_MAGIC, ensure_btrfs};
 #[cfg(not(feature = "btrfsutil"))]
 use super::native as backend;
+use super::qgroup::QgroupInherit;
 use super::subvolume_info::{Nested, SUBVOLUME_ROOT_INO, subvolume_info};
 
 /// Whether `fd` is the root directory of a btrfs subvolume.
@@ -39,7 +40,18 @@ pub fn is_subvolume(fd: BorrowedFd<'_>) -> io::Result<bool> {
 /// either nothing or an empty subvolume exists under `name`. `name` is one
 /// path component (no `/`, no NUL, at most 255 bytes); ENOTTY off btrfs.
 pub fn create_subvolume(parent: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
-    backend::create_subvolume(parent, name)
+    backend::create_subvolume(parent, name, None)
+}
+
+/// [`create_subvolume`], the new subvolume's qgroup made a member of the
+/// groups `inherit` names in the same transaction (with quotas off the
+/// kernel ignores it). ENOENT if a group named does not exist.
+pub fn create_subvolume_with(
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    inherit: &QgroupInherit,
+) -> io::Result<()> {
+    backend::create_subvolume(parent, name, Some(inherit))
 }
 
 /// Snapshots the subvolume open as `source` (its root directory) to a new
@@ -55,7 +67,24 @@ pub fn create_snapshot(
     name: &OsStr,
     read_only: bool,
 ) -> io::Result<()> {
-    backend::create_snapshot(source, parent, name, read_only)
+    backend::create_snapshot(source, parent, name, read_only, None)
+}
+
+/// [`create_snapshot`] with a qgroup inherit: the snapshot's qgroup joins
+/// exactly the groups `inherit` names, atomically with its creation. With
+/// full quotas the kernel keeps its numbers consistent only when the
+/// source is a member of exactly one group, that group is the one named,
+/// and it holds all its bytes alone (`qgroup_snapshot_quick_inherit`);
+/// otherwise it marks the quotas inconsistent, as it does for any
+/// snapshot of a group member made without an inherit.
+pub fn create_snapshot_with(
+    source: BorrowedFd<'_>,
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    read_only: bool,
+    inherit: &QgroupInherit,
+) -> io::Result<()> {
+    backend::create_snapshot(source, parent, name, read_only, Some(inherit))
 }
 
 /// [`create_snapshot`], writable.
@@ -80,7 +109,18 @@ pub fn snapshot_tree(
     parent: BorrowedFd<'_>,
     name: &OsStr,
 ) -> io::Result<OwnedFd> {
-    backend::snapshot_recursive(source, parent, name)?;
+    snapshot_tree_with(source, parent, name, None)
+}
+
+/// [`snapshot_tree`], the top snapshot created with `inherit` (see
+/// [`create_snapshot_with`]); the nested ones without.
+pub fn snapshot_tree_with(
+    source: BorrowedFd<'_>,
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    inherit: Option<&QgroupInherit>,
+) -> io::Result<OwnedFd> {
+    backend::snapshot_recursive(source, parent, name, inherit)?;
     let copy = open_dir_at(parent, name)?;
     let sources = nested_subvolumes(source)?;
     if sources.is_empty() {
