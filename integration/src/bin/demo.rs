@@ -161,8 +161,8 @@ fn volume_digest(b: &Box_) -> Result<TreeDigest> {
     Ok(tree_digest(&b.volumes().join(PKG))?.without(log))
 }
 
-/// 3. An update, then one whose init fails, of a running service through
-/// start-core's own `ServiceMap::install` and `Service::load` (the
+/// Section 3: an update, then one whose init fails, of a running service
+/// through start-core's own `ServiceMap::install` and `Service::load` (the
 /// fixture's `call-sites` runner, a fresh box each order): the reordered
 /// call sites, then upstream's unedited ones.
 fn updates() -> Result<()> {
