@@ -89,12 +89,13 @@ powercut: deps guest-bins
 	POWERCUT_FULL=1 $(CARGO) test -p integration --features $(TEST_FEATURES) $(CARGO_TEST_FLAGS) --test powercut -- --test-threads=3 --nocapture
 
 bench: deps
-	$(CARGO) build --release --features $(CLI_FEATURES) -p volume --bin startos-volume -p volume-migrate --bin volume-migrate -p integration --bin startos-core-service -p upstream-call-sites --bin call-sites && $(CARGO) run --release -p integration --bin bench -- $(BENCH_ARGS)
+	$(CARGO) build --release --features $(CLI_FEATURES) -p volume --bin startos-volume -p volume-migrate --bin volume-migrate -p upstream-call-sites --bin call-sites && $(CARGO) run --release -p integration --bin bench -- $(BENCH_ARGS)
 
-# The demo's update flow runs services as `startos-core-service` processes,
-# found beside the demo binary.
+# The demo's updates run through start-core's own call sites: the fixture's
+# `call-sites` runner, found beside the demo binary, built with its kill
+# points (the demo pauses it at the old container's stop).
 demo: deps
-	$(CARGO) build --release -p integration --bin startos-core-service && $(CARGO) run --release -p integration --bin demo
+	$(CARGO) build --release -p upstream-call-sites --bin call-sites --features startos-core/failpoints && $(CARGO) run --release -p integration --bin demo
 
 # What upstream's pipeline builds: start-core for macOS (start-cli), the
 # crates for the musl targets of its static binaries. Checks each target whose
@@ -151,9 +152,10 @@ dist: deps
 
 # What the power-cut guest runs: static binaries only, as an OS image takes
 # them, nothing of the host's copied in: startos-volume from `make dist`, and
-# the workload (library calls the tools do not offer) for the same target.
+# for the same target the workload (library calls the tools do not offer) and
+# the fixture's call-sites runner (the finalize workload's start-core).
 guest-bins: dist
-	$(CARGO) build --release --target $(DIST_REQUIRED) -p integration --bin powercut-workload
+	$(CARGO) build --release --target $(DIST_REQUIRED) -p integration --bin powercut-workload -p upstream-call-sites --bin call-sites
 
 # Upstream's volume code (integration::upstream) against ours, scenario by
 # scenario, in one table. The crash scenarios kill the binary's own child

@@ -316,3 +316,10 @@ pub fn install(id: &str, version: &str, fail: Option<&str>) -> Value {
 pub fn arm(failpoint: &str) -> Value {
     json!({"arm": {"failpoint": failpoint}})
 }
+
+/// The step that prints when the run reached it, named `name`
+/// ([`Run::first_ms`] of `"mark"` gives it back), to time the steps
+/// between two marks.
+pub fn mark(name: &str) -> Value {
+    json!({"mark": {"name": name}})
+}

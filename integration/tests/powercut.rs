@@ -61,6 +61,11 @@ fn kit() -> Option<&'static GuestKit> {
                 Path::new(env!("CARGO_TARGET_TMPDIR")),
                 "powercut-workload",
             ),
+            // The finalize workload's: start-core's call sites.
+            integration::dist::static_workspace_bin(
+                Path::new(env!("CARGO_TARGET_TMPDIR")),
+                "call-sites",
+            ),
         ];
         if let Some(missing) = bins.iter().find(|b| !b.is_file()) {
             return Err(format!(
@@ -158,10 +163,41 @@ impl Pkg {
     }
 }
 
-fn read_pkg(root: &Path) -> Result<Pkg, String> {
+/// A tree of the finalize workload as its checks compare it: what the
+/// fixture's stand-ins make at run time is not decided by the flow, so it is
+/// left out: the log the package's container appends to while it runs (its
+/// content and time; the file itself is kept, made by the first boot before
+/// the base image), the times of the files the new version's init writes
+/// (`data-<version>`, `version`) and of the directory they are made in.
+fn normal(mut tree: Tree) -> Tree {
+    let main = b"data/main/";
+    for (rel, e) in tree.digest.entries_mut() {
+        let Some(name) = rel.strip_prefix(&main[..]) else {
+            if rel.as_slice() == &main[..main.len() - 1] {
+                e.mtime = None;
+            }
+            continue;
+        };
+        if name == format!("{PKG}.log").as_bytes() {
+            e.kind = integration::Kind::File {
+                size: 0,
+                sha256: "the container's log".to_owned(),
+            };
+            e.mtime = None;
+        } else if name == b"version" || name.starts_with(b"data-") {
+            e.mtime = None;
+        }
+    }
+    tree
+}
+
+/// The package under the volumes root `root`, its trees as `kind`'s checks
+/// compare them.
+fn read_pkg(kind: Kind, root: &Path) -> Result<Pkg, String> {
     let at = |suffix: &str| root.join(format!("{PKG}{suffix}"));
     let tree = |p: PathBuf| -> Result<Option<Tree>, String> {
         match fs::symlink_metadata(&p) {
+            Ok(_) if kind == Kind::Finalize => read_tree(&p).map(normal).map(Some),
             Ok(_) => read_tree(&p).map(Some),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(format!("{}: {e}", p.display())),
@@ -209,8 +245,10 @@ enum Kind {
     Volume,
     /// A conversion; recovered by start-core's boot maintenance.
     Convert,
-    /// An update through start-core's finalization, its state in a file on
-    /// the same disk; recovered by start-core's reconcile.
+    /// An update through start-core's own call sites (the fixture's
+    /// `call-sites` runner, the reordered install task), its state store on
+    /// the same disk; recovered by the runner's boot (boot maintenance,
+    /// then `Service::load`).
     Finalize,
 }
 
@@ -228,6 +266,15 @@ struct Workload {
     /// The disk before the guest ran.
     base: PathBuf,
     dir: tempfile::TempDir,
+}
+
+/// The volumes root of `w`'s disk mounted as `fs`: the runner's for the
+/// finalize workload.
+fn volumes(w: &Workload, fs: &LoopFs) -> PathBuf {
+    match w.kind {
+        Kind::Finalize => fs.path(powercut::finalize::VOLUMES),
+        _ => fs.path("volumes"),
+    }
 }
 
 fn btrfs_prop_ro(path: &Path) {
@@ -312,7 +359,7 @@ fn workload(name: &'static str) -> Workload {
             if name == "restore" {
                 diverge(&v);
             }
-            let before = read_pkg(&root).expect("reading the package");
+            let before = read_pkg(Kind::Volume, &root).expect("reading the package");
             let backup = before.backup.clone();
             let new = match name {
                 "restore" => Pkg {
@@ -391,56 +438,48 @@ fn workload(name: &'static str) -> Workload {
             )
         }
         "finalize" => {
+            // The runner's data directory is the disk: its state store, its
+            // s9pk archive and its volumes root. The old version installed by
+            // an earlier system, its volume made with nested subvolumes, then
+            // one boot: its container makes its log in the volume.
+            let data = fs.path("");
+            powercut::finalize::seed(&data, PKG).expect("seeding the old version");
+            let root = data.join(powercut::finalize::VOLUMES);
+            let store = VolumeStore::open(&root).expect("opening the runner's store");
             let v = volume_with_nested(&store, &root);
-            let t0 = rd(&v);
-            // The tree the migration leaves, found by running it once and
-            // rolling it back.
-            store.snapshot(&pkg_id()).expect("snapshot");
-            powercut::finalize::migrate(&v).expect("migrating");
-            let t1 = rd(&v);
-            store.restore(&pkg_id()).expect("restore");
-            assert_eq!(rd(&v), t0, "the restore of the probe migration");
-            fs::create_dir(fs.path("state")).expect("state dir");
-            runtime()
-                .block_on(async {
-                    let db = startos_core::FileDb::open(fs.path("state/db.json"))?;
-                    startos_core::Db::mutate(&*db, |m| {
-                        m.insert(
-                            pkg_id(),
-                            startos_core::PackageDataEntry {
-                                state_info: startos_core::StateInfo::Installed,
-                                version: Some(powercut::finalize::OLD_VERSION.to_owned()),
-                                s9pk: powercut::finalize::s9pk(
-                                    &pkg_id(),
-                                    powercut::finalize::OLD_VERSION,
-                                ),
-                            },
-                        );
-                        Ok(())
-                    })
-                    .await
-                })
-                .expect("writing the state");
+            drop(store);
+            powercut::finalize::run(
+                &data,
+                &[
+                    integration::call_sites::boot(),
+                    serde_json::json!({"wait": {"ms": 200}}),
+                ],
+            )
+            .expect("booting the old version");
+            assert!(
+                v.join(format!("data/main/{PKG}.log")).is_file(),
+                "the old version's container made no log"
+            );
+            // On the disk before the image is saved: the runner's mount
+            // namespaces may still hold the filesystem when it is unmounted
+            // here, and the last of them flushes it later.
+            run(Command::new("btrfs")
+                .args(["filesystem", "sync"])
+                .arg(&data))
+            .expect("syncing the prepared image");
+            let t0 = normal(rd(&v));
             let old = Pkg {
                 live: Some(t0.clone()),
                 backup: None,
                 ro_record: false,
             };
-            let new = Pkg {
-                live: Some(t1),
-                ..old.clone()
-            };
+            // The new tree: found by a probe of the update, on a copy of
+            // the base image (below).
             (
                 Kind::Finalize,
-                vec![
-                    "powercut-workload",
-                    "finalize",
-                    root_cmd,
-                    "/mnt/state/db.json",
-                    PKG,
-                ],
+                vec!["powercut-workload", "finalize", "/mnt", PKG],
+                old.clone(),
                 old,
-                new,
                 t0.read_only.clone(),
             )
         }
@@ -451,6 +490,10 @@ fn workload(name: &'static str) -> Workload {
     let base = dir.path().join("base.img");
     powercut::sparse_copy(fs.image_path(), &base).expect("saving the base image");
     drop(fs);
+    let new = match kind {
+        Kind::Finalize => probe_update(&base, dir.path()),
+        _ => new,
+    };
     Workload {
         name,
         kind,
@@ -462,6 +505,20 @@ fn workload(name: &'static str) -> Workload {
         base,
         dir,
     }
+}
+
+/// The package as the finalize workload's update leaves it: the update run
+/// on the host on a copy of the base image.
+fn probe_update(base: &Path, dir: &Path) -> Pkg {
+    let img = dir.join("probe.img");
+    powercut::sparse_copy(base, &img).expect("copying the base image");
+    let fs = LoopFs::from_image(FsKind::Btrfs, &img, "").expect("mounting the probe");
+    powercut::finalize::update(&fs.path(""), PKG).expect("the probe update");
+    let p = read_pkg(Kind::Finalize, &fs.path(powercut::finalize::VOLUMES)).expect("reading");
+    fs.close().expect("unmounting the probe");
+    let _ = fs::remove_file(&img);
+    assert!(p.backup.is_none(), "the probe update left its backup");
+    p
 }
 
 /// A plain-directory package with hardlinks, xattrs, a sparse file and,
@@ -519,6 +576,38 @@ enum Side {
     /// Neither, with the backup holding the old tree (an update's
     /// migration under way, which its recovery rolls back).
     Mid,
+    /// (The finalize workload.) The old tree with the new version's init
+    /// writes missing or empty, and after recovery the new version
+    /// installed on it: the window start-core's call sites leave open, in
+    /// either order, as found (see [`open_window`]).
+    Torn,
+}
+
+/// The window the finalize workload finds open on start-core's own call
+/// sites, asserted as it is so that closing it shows: nothing makes the
+/// new version's init writes durable before `Service::install` commits
+/// `Installed` (the state store's fsync commits only its own file), and
+/// the backup's removal then commits their names without their data. A
+/// cut from the commit of `Installed` on boots the new version on the old
+/// data, its init's files missing or empty (with the backup beside it
+/// until its removal is durable). The product crate's former finalizer closed it by
+/// committing the volume after init; the reorder's five edits leave it.
+fn open_window(w: &Workload, live: &Option<Tree>) -> bool {
+    let without_init = |t: &Tree| {
+        t.digest
+            .clone()
+            .without(format!(
+                "data/main/data-{}",
+                powercut::finalize::NEW_VERSION
+            ))
+            .without("data/main/version")
+    };
+    w.kind == Kind::Finalize
+        && *live != w.new.live
+        && match (live, &w.old.live) {
+            (Some(l), Some(o)) => without_init(l) == without_init(o) && l.read_only == o.read_only,
+            _ => false,
+        }
 }
 
 /// The outcome of one checked state.
@@ -543,60 +632,69 @@ fn side(w: &Workload, live: &Option<Tree>) -> Option<Side> {
 /// What the volume is as a cut left it: old, new, or (an update's
 /// migration only) neither with the old tree in the backup.
 fn before_side(w: &Workload, p: &Pkg) -> Option<Side> {
-    side(w, &p.live).or_else(|| {
-        let old = w.old.live.as_ref()?;
-        (w.kind == Kind::Finalize && p.backup.as_ref().map(|b| &b.digest) == Some(&old.digest))
-            .then_some(Side::Mid)
-    })
+    side(w, &p.live)
+        .or_else(|| {
+            let old = w.old.live.as_ref()?;
+            (w.kind == Kind::Finalize && p.backup.as_ref().map(|b| &b.digest) == Some(&old.digest))
+                .then_some(Side::Mid)
+        })
+        .or_else(|| open_window(w, &p.live).then_some(Side::Torn))
 }
 
-/// The package's entry in the state file beside the volumes root: old or
-/// new by its version, which must be installed.
+/// The runner's data directory of the volumes root `root`.
+fn data_dir(root: &Path) -> PathBuf {
+    root.ancestors()
+        .nth(Path::new(powercut::finalize::VOLUMES).components().count())
+        .unwrap_or(root)
+        .to_owned()
+}
+
+/// The package's state in the runner's state store (the fixture's
+/// `db.rs`) beside the volumes root: old or new by its version, which must
+/// be installed.
 fn state_side(root: &Path) -> Result<Side, String> {
-    let path = db_path(root);
-    let map = runtime().block_on(async {
-        let db = startos_core::FileDb::open(&path).map_err(|e| e.to_string())?;
-        Ok::<_, String>(startos_core::Db::peek(&*db).await)
-    })?;
-    let entry = map
-        .get(&pkg_id())
-        .ok_or_else(|| format!("no entry for {PKG} in {}", path.display()))?;
-    match (&entry.state_info, entry.version.as_deref()) {
-        (startos_core::StateInfo::Installed, Some(powercut::finalize::OLD_VERSION)) => {
-            Ok(Side::Old)
-        }
-        (startos_core::StateInfo::Installed, Some(powercut::finalize::NEW_VERSION)) => {
-            Ok(Side::New)
-        }
-        other => Err(format!("the state says {other:?}")),
+    let data = data_dir(root);
+    let state = powercut::finalize::state(&data, PKG)?
+        .ok_or_else(|| format!("no state for {PKG} under {}", data.display()))?;
+    match state["Installed"]["installed"].as_str() {
+        Some(powercut::finalize::OLD_VERSION) => Ok(Side::Old),
+        Some(powercut::finalize::NEW_VERSION) => Ok(Side::New),
+        _ => Err(format!("the state says {state}")),
     }
 }
 
-fn db_path(root: &Path) -> PathBuf {
-    root.parent().unwrap_or(root).join("state/db.json")
-}
-
-fn reconcile(root: &Path) -> Result<Vec<String>, String> {
-    let path = db_path(root);
-    runtime().block_on(async {
-        let db = startos_core::FileDb::open(&path).map_err(|e| e.to_string())?;
-        let r = startos_core::reconcile(&*db, root)
-            .await
-            .map_err(|e| format!("reconcile: {e}"))?;
-        if !r.needs_attention.is_empty() {
+/// The box's next boot (the runner's `boot` step, the reordered
+/// `Service::load`): what it did, as the state it changed and what it told
+/// the user; an error for a load that failed or left the package down.
+fn recover(root: &Path) -> Result<Vec<String>, String> {
+    let data = data_dir(root);
+    let before = powercut::finalize::state(&data, PKG)?;
+    let run = powercut::finalize::recover(&data).map_err(|e| format!("the boot: {e}"))?;
+    let after = powercut::finalize::state(&data, PKG)?;
+    let mut acts = Vec::new();
+    if before != after {
+        acts.push(format!("state {before:?} -> {after:?}"));
+    }
+    acts.extend(
+        run.notifications(PKG)
+            .into_iter()
+            .map(|n| format!("told: {n}")),
+    );
+    for (disposition, outcome) in run.loads(PKG) {
+        if let Err(e) = outcome {
             return Err(format!(
-                "reconcile needs attention: {:?}",
-                r.needs_attention
+                "the boot's {disposition} load of {PKG} failed: {e}"
             ));
         }
-        let mut acts: Vec<String> = r
-            .volume_recoveries
-            .into_iter()
-            .flat_map(|r| r.actions)
-            .collect();
-        acts.extend(r.actions.into_iter().map(|(p, a)| format!("{p}: {a}")));
-        Ok(acts)
-    })
+    }
+    if run.running.get(PKG) != run.installed(PKG).as_ref() {
+        return Err(format!(
+            "after the boot, {PKG} runs {:?}, installed {:?}",
+            run.running.get(PKG),
+            run.installed(PKG)
+        ));
+    }
+    Ok(acts)
 }
 
 fn pkg_side(w: &Workload, p: &Pkg) -> Result<Side, String> {
@@ -657,7 +755,7 @@ fn boot_recovery(w: &Workload, root: &Path) -> Result<Vec<String>, String> {
             }
             Ok(acts)
         }
-        Kind::Finalize => reconcile(root),
+        Kind::Finalize => recover(root),
         Kind::Convert => {
             let ids = [PKG.to_owned()];
             runtime().block_on(async {
@@ -690,9 +788,30 @@ fn boot_recovery(w: &Workload, root: &Path) -> Result<Vec<String>, String> {
 /// After a recovery: the package is exactly old or new, no temporary name
 /// is left, nothing beside it changed, and a second recovery does nothing.
 fn settled(w: &Workload, fs: &LoopFs, what: &str) -> Result<(Side, Pkg), String> {
-    let root = fs.path("volumes");
-    let p = read_pkg(&root)?;
-    let s = pkg_side(w, &p).map_err(|e| format!("after {what}: {e}"))?;
+    let root = volumes(w, fs);
+    let p = read_pkg(w.kind, &root)?;
+    let s = match pkg_side(w, &p) {
+        Ok(s) => s,
+        // The open window: the new version installed on the old tree, the
+        // backup (the old tree) beside it until its removal is durable.
+        Err(_)
+            if open_window(w, &p.live)
+                && state_side(&root) == Ok(Side::New)
+                && p.backup
+                    .as_ref()
+                    .is_none_or(|b| Some(&b.digest) == w.old.live.as_ref().map(|o| &o.digest)) =>
+        {
+            Side::Torn
+        }
+        Err(e) => {
+            return Err(match w.kind {
+                Kind::Finalize => {
+                    format!("after {what}, the state {:?}: {e}", state_side(&root))
+                }
+                _ => format!("after {what}: {e}"),
+            });
+        }
+    };
     agrees(w, &root, s, what)?;
     clean(w, fs, &p, what)?;
     Ok((s, p))
@@ -704,6 +823,7 @@ fn agrees(w: &Workload, root: &Path, s: Side, what: &str) -> Result<(), String> 
         return Ok(());
     }
     let state = state_side(root).map_err(|e| format!("after {what}: {e}"))?;
+    let s = if s == Side::Torn { Side::New } else { s };
     if state != s {
         return Err(format!(
             "after {what}: the state says the {state:?} version, the volume is the {s:?} tree"
@@ -715,7 +835,7 @@ fn agrees(w: &Workload, root: &Path, s: Side, what: &str) -> Result<(), String> 
 /// No temporary name is left, nothing beside the package changed, and a
 /// second recovery does nothing to `p`, the package as it is.
 fn clean(w: &Workload, fs: &LoopFs, p: &Pkg, what: &str) -> Result<(), String> {
-    let root = fs.path("volumes");
+    let root = volumes(w, fs);
     let left = leftovers(&root)?;
     if !left.is_empty() {
         return Err(format!("after {what}: temporary names left: {left:?}"));
@@ -723,7 +843,7 @@ fn clean(w: &Workload, fs: &LoopFs, p: &Pkg, what: &str) -> Result<(), String> {
     check_others(w, fs).map_err(|e| format!("after {what}: {e}"))?;
     let again =
         boot_recovery(w, &root).map_err(|e| format!("second recovery after {what}: {e}"))?;
-    let p2 = read_pkg(&root)?;
+    let p2 = read_pkg(w.kind, &root)?;
     if !again.is_empty() || &p2 != p {
         return Err(format!(
             "a second recovery after {what} changed something: {again:?}\n{}",
@@ -744,10 +864,8 @@ fn next_operation(
     let id = pkg_id();
     match w.kind {
         Kind::Finalize => {
-            // Boot (reconcile), then the user retries the update.
-            reconcile(root)?;
-            runtime()
-                .block_on(powercut::finalize::update(root, &db_path(root), &id))
+            // The next boot, then the user retries the update.
+            powercut::finalize::boot_and_update(&data_dir(root), PKG)
                 .map_err(|e| format!("the update's retry: {e}"))?;
             agrees(w, root, Side::New, "the update's retry")?;
             Ok(("update again", w.new.clone()))
@@ -843,8 +961,8 @@ fn check_state(w: &Workload, which: usize, image: &Path) -> Result<Outcome, Stri
     let outcome = (|| {
         let fs = LoopFs::from_image(FsKind::Btrfs, image, "")
             .map_err(|e| format!("the state does not mount: {e}"))?;
-        let root = fs.path("volumes");
-        let cut = read_pkg(&root)?;
+        let root = volumes(w, &fs);
+        let cut = read_pkg(w.kind, &root)?;
         let before = before_side(w, &cut).ok_or_else(|| {
             format!(
                 "as the cut left it, the volume is neither the old tree nor the new one.\n\
@@ -870,9 +988,9 @@ fn check_state(w: &Workload, which: usize, image: &Path) -> Result<Outcome, Stri
     // The next user operation, from the same state.
     let fs = LoopFs::from_image(FsKind::Btrfs, &second, "")
         .map_err(|e| format!("the state's copy does not mount: {e}"))?;
-    let root = fs.path("volumes");
+    let root = volumes(w, &fs);
     let (op, expected) = next_operation(w, which, &root, &recovered)?;
-    let p = read_pkg(&root)?;
+    let p = read_pkg(w.kind, &root)?;
     if p != expected {
         return Err(format!(
             "the next operation ({op}) from the cut state left:\n{}",
@@ -893,8 +1011,10 @@ struct Tally {
     before_old: usize,
     before_new: usize,
     before_mid: usize,
+    before_torn: usize,
     after_old: usize,
     after_new: usize,
+    after_torn: usize,
 }
 
 impl Tally {
@@ -904,10 +1024,12 @@ impl Tally {
             Side::Old => self.before_old += 1,
             Side::New => self.before_new += 1,
             Side::Mid => self.before_mid += 1,
+            Side::Torn => self.before_torn += 1,
         }
         match o.after {
             Side::Old => self.after_old += 1,
             Side::New | Side::Mid => self.after_new += 1,
+            Side::Torn => self.after_torn += 1,
         }
     }
 
@@ -916,9 +1038,19 @@ impl Tally {
             0 => String::new(),
             n => format!(", {n} mid-migration (backup old)"),
         };
+        let torn = |n: usize| match n {
+            0 => String::new(),
+            n => format!(", {n} new installed on the old tree (open window)"),
+        };
         format!(
-            "| {workload} | {what} | {} | {} old, {} new{mid} | {} old, {} new |",
-            self.states, self.before_old, self.before_new, self.after_old, self.after_new
+            "| {workload} | {what} | {} | {} old, {} new{mid}{} | {} old, {} new{} |",
+            self.states,
+            self.before_old,
+            self.before_new,
+            torn(self.before_torn),
+            self.after_old,
+            self.after_new,
+            torn(self.after_torn)
         )
     }
 }
@@ -1061,12 +1193,7 @@ fn guest_recoveries(kit: &GuestKit, w: &Workload, sweep: &Sweep, cuts: &[Cut]) -
     let command: Vec<&str> = match w.kind {
         Kind::Volume => vec!["startos-volume", "--root", "/mnt/volumes", "recover"],
         Kind::Convert => vec!["powercut-workload", "boot", "/mnt/volumes", PKG],
-        Kind::Finalize => vec![
-            "powercut-workload",
-            "reconcile",
-            "/mnt/volumes",
-            "/mnt/state/db.json",
-        ],
+        Kind::Finalize => vec!["powercut-workload", "recover", "/mnt"],
     };
     for &cut in cuts {
         let img = w.dir.path().join("guest-recover.img");
@@ -1075,7 +1202,7 @@ fn guest_recoveries(kit: &GuestKit, w: &Workload, sweep: &Sweep, cuts: &[Cut]) -
             let copy = w.dir.path().join("guest-recover-peek.img");
             powercut::sparse_copy(&img, &copy).expect("copy");
             let fs = LoopFs::from_image(FsKind::Btrfs, &copy, "").expect("mounting the state");
-            let p = read_pkg(&fs.path("volumes")).expect("reading");
+            let p = read_pkg(w.kind, &volumes(w, &fs)).expect("reading");
             before_side(w, &p).unwrap_or_else(|| panic!("{}: state {} is neither", w.name, cut.end))
         };
         let r = guest::run(kit, &img, &Disk::Direct, &command, None, GUEST_TIMEOUT)
@@ -1097,9 +1224,15 @@ fn guest_recoveries(kit: &GuestKit, w: &Workload, sweep: &Sweep, cuts: &[Cut]) -
     tally
 }
 
-/// The whole sweep of one workload.
-fn sweep_workload(name: &'static str, every_write: bool, real: usize, in_guest: usize) {
-    let Some(kit) = kit() else { return };
+/// The whole sweep of one workload; returns how many of its flush states
+/// recovered into the open window ([`open_window`]), `None` if skipped.
+fn sweep_workload(
+    name: &'static str,
+    every_write: bool,
+    real: usize,
+    in_guest: usize,
+) -> Option<usize> {
+    let kit = kit()?;
     let started = Instant::now();
     let w = workload(name);
     let (sweep, r) = logged_run(kit, &w);
@@ -1107,6 +1240,7 @@ fn sweep_workload(name: &'static str, every_write: bool, real: usize, in_guest: 
     let barriers = sweep.barrier_cuts();
     let t = check_cuts(&w, &sweep, &barriers, "before each flush");
     rows.push(t.row(name, "before each flush (replayed)"));
+    let open = t.after_torn;
     if every_write || full() {
         let all = sweep.every_cut();
         let t = check_cuts(&w, &sweep, &all, "before each write");
@@ -1134,6 +1268,7 @@ fn sweep_workload(name: &'static str, every_write: bool, real: usize, in_guest: 
         rows.push(t.row(name, "recovered in the guest (6.1)"));
     }
     report(&w, &rows, started.elapsed());
+    Some(open)
 }
 
 #[test]
@@ -1168,7 +1303,13 @@ fn convert_parent() {
 
 #[test]
 fn finalize() {
-    sweep_workload("finalize", false, 2, 1);
+    let open = sweep_workload("finalize", false, 2, 1);
+    // Asserted as found: once the call sites commit the volume before
+    // `Installed`, this fails, and `open_window` goes.
+    assert!(
+        open.is_none_or(|n| n > 0),
+        "finalize: no state recovered into the open window: it is closed; make the checks strict"
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -1179,7 +1320,7 @@ fn peek<T>(w: &Workload, sweep: &Sweep, cut: Cut, f: impl FnOnce(&Path) -> T) ->
     let img = w.dir.path().join("peek.img");
     sweep.rebuild(cut, &img).expect("rebuilding a state");
     let fs = LoopFs::from_image(FsKind::Btrfs, &img, "").expect("mounting a state");
-    f(&fs.path("volumes"))
+    f(&volumes(w, &fs))
 }
 
 /// The first state, in log order to the write, where `pred` holds: found
@@ -1246,35 +1387,36 @@ fn regression_restore_record_durable_with_the_copys_times() {
     );
 }
 
-/// Found by this harness: the finalizer recorded an update `installed`
-/// (which lets the backup go) while the new version's migration was not yet
-/// durable, so a cut just after the record kept it and lost the
-/// migration's last writes (here the times it set after its fsyncs), with
-/// no backup left by reconcile. The finalizer now commits the volume after
-/// init; this rebuilds the first state in which `installed` is durable and
-/// checks the volume is the migrated tree there.
+/// Found by this harness on the product crate's former finalizer (which then committed
+/// the volume after init, closing it), and found again on start-core's own
+/// call sites, in either order: the state store records the update
+/// `Installed` while the new version's init writes are not durable, so the
+/// first state in which `Installed` is durable boots the new version on
+/// the old tree ([`open_window`]). Asserted as found: once the call sites
+/// commit the volume before `Installed`, this fails, and the check goes
+/// back to the volume being the new tree there.
 #[test]
-fn regression_update_recorded_installed_only_once_migrated() {
+fn regression_update_recorded_installed_before_its_init_is_durable() {
     let Some(kit) = kit() else { return };
     let w = workload("finalize");
     let (sweep, _) = logged_run(kit, &w);
     let cut = first_state(&w, &sweep, &|root| state_side(root) == Ok(Side::New));
     peek(&w, &sweep, cut, |root| {
-        let p = read_pkg(root).unwrap_or_else(|e| panic!("{e}"));
+        let p = read_pkg(w.kind, root).unwrap_or_else(|e| panic!("{e}"));
         assert!(
-            p.live == w.new.live,
-            "the state before entry {} records the update installed, but the volume is not \
-             the migrated tree:\n{}",
+            p.live != w.new.live && open_window(&w, &p.live),
+            "the state before entry {} records the update installed, and the volume is {}: \
+             the window is closed, make this check that it is the new tree",
             cut.end,
-            w.new.diff(&Pkg {
-                backup: None,
-                ro_record: false,
-                ..p
-            })
+            if p.live == w.new.live {
+                "the new tree".to_owned()
+            } else {
+                format!("neither:\n{}", w.new.diff(&p))
+            }
         );
     });
     eprintln!(
-        "regression finalize: installed is first durable before entry {} of {}; the migration is there",
+        "regression finalize: installed is first durable before entry {} of {}; the new version's init writes are not there (the open window)",
         cut.end,
         sweep.log.entries.len()
     );

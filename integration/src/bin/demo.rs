@@ -13,11 +13,14 @@
 //!    fragmented database: upstream's services all wait for every
 //!    conversion and every old tree's removal; ours start one by one as
 //!    each volume is ready;
-//! 3. ours alone: an update of a running service through
-//!    [`startos_core::Finalizer::install`] (stop, snapshot, install,
-//!    notification, backup dropped in the background), then one that fails
-//!    and comes back byte for byte. `make demo` builds the
-//!    `startos-core-service` binary first.
+//! 3. an update of a running service, then one whose init fails, through
+//!    start-core's own `ServiceMap::install` and `Service::load` (the
+//!    `call-sites` runner of `fixtures/upstream-call-sites`): the reordered
+//!    call sites (stop, snapshot, install, then drop or restore) bring the
+//!    failed one back byte for byte with every write the old container
+//!    made; upstream's unedited ones snapshot it while it runs and lose
+//!    what it wrote until its stop. `make demo` builds the runner first
+//!    (with its kill points: the demo pauses it at the stop).
 //!
 //! Needs root; exits 1 with one line on stderr on any error.
 
@@ -25,25 +28,24 @@
 #[allow(dead_code)]
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::process::ExitCode;
+use std::time::Duration;
 
-use integration::services::ProcessServices;
-use integration::{make_fragmented_file, sha256_file, tree_digest};
-use startos_core::{
-    Cancel, Db, Event, FileDb, Finalizer, InstallRequest, Notification, Phase, Services, StateInfo,
-};
-use volume::PackageId;
+use integration::call_sites::{Box_, Ended, Order, Run, boot, install, mark};
+use integration::{LoopFs, TreeDigest, make_fragmented_file, sha256_file, tree_digest};
+use serde_json::{Value, json};
 
-use crate::common::{Result, Scratch, fmt_count, fmt_duration, install_and_drop, volume_err};
+use crate::common::{Result, fmt_count, fmt_duration};
 
-/// The running service's volume holds a database of this size and extent
-/// count beside what the service writes.
+/// The package of section 3.
+const PKG: &str = "monerod";
+/// Its volume holds a database of this size and extent count beside the
+/// log its container writes.
 const FILE_BYTES: u64 = 256 << 20;
 const IMAGE_BYTES: u64 = 1 << 30;
 const TARGET_EXTENTS: u64 = 50_000;
+/// How long the old version runs before each update.
+const RUN_MS: u64 = 300;
 fn run() -> Result<()> {
     println!("today's upstream (its protocol restated in integration::upstream) beside ours");
     println!();
@@ -101,226 +103,187 @@ fn run() -> Result<()> {
     );
     println!();
 
-    // 3. Ours alone: an update of a running service, then a failed one.
-    let vol = Scratch::new(IMAGE_BYTES)?;
-    make_fragmented_file(&vol.file, FILE_BYTES, TARGET_EXTENTS, 1)?;
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?
-        .block_on(update_flow(&vol))?;
-    vol.close()
+    // 3. Updates through start-core's own call sites, both orders.
+    updates()
 }
 
-/// What the failing update is checked against: read-only snapshots of the
-/// volume taken right after the old service stopped (what it left) and right
-/// before the old version starts again after the rollback (what it gets
-/// back). Each is one `btrfs subvolume snapshot -r`, a few milliseconds.
-struct Capture {
-    old_version: String,
-    before: PathBuf,
-    after: PathBuf,
-    took_before: bool,
+/// How long the old container writes on once the runner reached its stop
+/// (the runner paused there, as a slow stop would leave it): what upstream's
+/// order snapshots before, and the reorder after.
+const STOP_PAUSE: Duration = Duration::from_millis(300);
+
+/// A step of the runner: pauses the boot this long (the services run).
+fn wait(ms: u64) -> Value {
+    json!({"wait": {"ms": ms}})
 }
 
-/// [`ProcessServices`], taking the [`Capture`] snapshots when one is armed.
-struct Recorder {
-    inner: ProcessServices,
-    live: PathBuf,
-    capture: Mutex<Option<Capture>>,
+/// `Box_::completed`, failing on any step that failed.
+fn all_ok(b: &Box_, steps: &[Value]) -> Result<Run> {
+    let run = b.completed(steps)?;
+    if !run.ok() {
+        return Err(format!("call-sites: {:?}\n{}", run.steps, run.stderr).into());
+    }
+    Ok(run)
 }
 
-fn snapshot_ro(src: &Path, dst: &Path) -> std::result::Result<(), volume::Error> {
-    integration::run(
-        Command::new("btrfs")
-            .args(["-q", "subvolume", "snapshot", "-r"])
-            .arg(src)
-            .arg(dst),
-    )
-    .map(drop)
-    .map_err(|e| volume::Error::new(e, volume::ErrorKind::Filesystem))
+/// The first `kind` event of the package after the mark `mark`, in
+/// milliseconds after the mark.
+fn after_mark(run: &Run, mark: &str, kind: &str) -> Option<f64> {
+    let at = run.first_ms("mark").get(mark).copied()?;
+    let then = run
+        .events
+        .iter()
+        .filter_map(|e| e.get(kind))
+        .filter(|e| e["id"] == PKG)
+        .filter_map(|e| e["ms"].as_f64())
+        .find(|&ms| ms >= at)?;
+    Some(then - at)
 }
 
-impl Recorder {
-    fn capture(&self) -> std::sync::MutexGuard<'_, Option<Capture>> {
-        self.capture.lock().unwrap_or_else(|p| p.into_inner())
-    }
+fn ms(ms: f64) -> String {
+    fmt_duration(Duration::from_secs_f64(ms.max(0.0) / 1000.0))
 }
 
-impl Services for Recorder {
-    async fn stop(&self, pkg: &PackageId) -> std::result::Result<(), volume::Error> {
-        self.inner.stop(pkg).await?;
-        let mut c = self.capture();
-        if let Some(c) = c.as_mut().filter(|c| !c.took_before) {
-            snapshot_ro(&self.live, &c.before)?;
-            c.took_before = true;
-        }
-        Ok(())
-    }
-
-    async fn uninit(
-        &self,
-        pkg: &PackageId,
-        version: &str,
-        target: Option<&str>,
-    ) -> std::result::Result<(), volume::Error> {
-        self.inner.uninit(pkg, version, target).await
-    }
-
-    async fn install(
-        &self,
-        pkg: &PackageId,
-        version: &str,
-        s9pk: &str,
-    ) -> std::result::Result<(), volume::Error> {
-        self.inner.install(pkg, version, s9pk).await
-    }
-
-    async fn init(
-        &self,
-        pkg: &PackageId,
-        version: &str,
-        from: Option<&str>,
-    ) -> std::result::Result<(), volume::Error> {
-        self.inner.init(pkg, version, from).await
-    }
-
-    async fn start(
-        &self,
-        pkg: &PackageId,
-        version: &str,
-    ) -> std::result::Result<(), volume::Error> {
-        let armed = self.capture().take_if(|c| c.old_version == version);
-        if let Some(c) = armed {
-            snapshot_ro(&self.live, &c.after)?;
-        }
-        self.inner.start(pkg, version).await
-    }
+/// The last line the old container wrote before it was stopped, as the run
+/// logged it.
+fn last_write_before_stop(run: &Run) -> Result<String> {
+    run.stderr
+        .lines()
+        .find_map(|l| l.split_once(&format!("container of {PKG} stopped; last write: ")))
+        .map(|(_, w)| w.trim().trim_matches('"').to_owned())
+        .ok_or_else(|| format!("no stop logged:\n{}", run.stderr).into())
 }
 
-fn request(pkg: &PackageId, version: &str) -> InstallRequest {
-    InstallRequest {
-        package: pkg.clone(),
-        version: version.to_owned(),
-        s9pk: format!("/media/startos/data/package-data/archive/{pkg}-{version}.s9pk"),
-    }
+/// The volume as the checks compare it: every entry but the container's log,
+/// which the restarted old version appends to.
+fn volume_digest(b: &Box_) -> Result<TreeDigest> {
+    let log = format!("data/main/{PKG}.log");
+    Ok(tree_digest(&b.volumes().join(PKG))?.without(log))
 }
 
-/// The update flow on the demo's volume: see the module documentation.
-async fn update_flow(vol: &Scratch) -> Result<()> {
-    const RUN: Duration = Duration::from_millis(300);
-    let pkg = vol.package().clone();
-    let program = ProcessServices::locate_program().map_err(volume_err)?;
-    let recorder = Recorder {
-        inner: ProcessServices::new(vol.root(), vol.path("run"), program).map_err(volume_err)?,
-        live: vol.live().to_owned(),
-        capture: Mutex::new(None),
+/// Section 3: an update, then one whose init fails, of a running service
+/// through start-core's own `ServiceMap::install` and `Service::load` (the
+/// fixture's `call-sites` runner, a fresh box each order): the reordered
+/// call sites, then upstream's unedited ones.
+fn updates() -> Result<()> {
+    let bin = integration::workspace_bin("call-sites")
+        .map_err(|e| format!("{e} (`make demo` builds it)"))?;
+    println!(
+        "3. updates of {PKG} through start-core's own ServiceMap::install and Service::load\n   \
+         (fixtures/upstream-call-sites), its container appending to a log in the volume until stopped"
+    );
+    for (order, label) in [
+        (Order::Reordered, "ours (the reordered call sites)"),
+        (Order::Upstream, "upstream's (its call sites unedited)"),
+    ] {
+        let fs = LoopFs::btrfs(IMAGE_BYTES)?;
+        let b = Box_ {
+            bin: bin.clone(),
+            data: fs.path("data"),
+        };
+        std::fs::create_dir(&b.data)?;
+        println!("  {label}:");
+        update_flow(&b, order)?;
+        fs.close()?;
+    }
+    Ok(())
+}
+
+/// The update flow in one box: see [`updates`].
+fn update_flow(b: &Box_, order: Order) -> Result<()> {
+    // 1.0 installed, then its volume given a fragmented database.
+    all_ok(b, &[order.step(), boot(), install(PKG, "1.0", None)])?;
+    make_fragmented_file(&b.main(PKG).join("data.mdb"), FILE_BYTES, TARGET_EXTENTS, 1)?;
+
+    // A successful update, 1.0 running for a moment first.
+    let run = all_ok(
+        b,
+        &[
+            order.step(),
+            boot(),
+            wait(RUN_MS),
+            mark("update"),
+            install(PKG, "2.0", None),
+            mark("done"),
+        ],
+    )?;
+    let marks = run.first_ms("mark");
+    let took = marks
+        .get("done")
+        .zip(marks.get("update"))
+        .map(|(d, u)| d - u);
+    let ready = after_mark(&run, "update", "volumes_ready");
+    let (Some(took), Some(ready)) = (took, ready) else {
+        return Err(format!("no marks or no load in the update's run: {:?}", run.events).into());
     };
-    let db = FileDb::open(vol.path("state.json")).map_err(volume_err)?;
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Notification>();
-    let fin = Finalizer::new(db, Arc::new(recorder), Arc::new(tx), vol.root());
-    println!("3. ours: updates of {pkg}, its service writing random 4 KiB blocks until stopped");
-
-    // 1.0: installed over the existing volume, and running.
-    install_and_drop(&fin, &request(&pkg, "1.0")).await?;
-    rx.recv().await.ok_or("no notification for 1.0")?;
-    tokio::time::sleep(RUN).await;
-
-    // A successful update.
-    let f = fin
-        .install(&request(&pkg, "2.0"), &Cancel::new())
-        .await
-        .map_err(volume_err)?;
-    let installed = rx.recv().await.ok_or("no notification for 2.0")?;
-    if installed.event
-        != (Event::Installed {
-            version: "2.0".into(),
-        })
-    {
-        return Err(format!("unexpected notification {:?}", installed.event).into());
+    if run.installed(PKG).as_deref() != Some("2.0") || b.names(PKG) != [PKG] {
+        return Err(format!(
+            "after the update to 2.0: {:?}, names {:?}",
+            run.db,
+            b.names(PKG)
+        )
+        .into());
     }
-    let t = Instant::now();
-    let dropped = f
-        .backup_drop
-        .await
-        .map_err(|e| format!("backup drop task: {e}"))?
-        .map_err(volume_err)?;
-    let drop_took = t.elapsed();
-    if !dropped || vol.backup().exists() {
-        return Err("the backup of the update to 2.0 was not dropped".into());
-    }
-    let tm = &f.timings;
     println!(
-        "  update 1.0 -> 2.0 succeeds: stop {}, snapshot {}, uninit+install+init+start {}",
-        fmt_duration(tm.stop),
-        fmt_duration(tm.snapshot),
-        fmt_duration(tm.service),
+        "    update 1.0 -> 2.0 succeeds: the install task {}, 2.0's volume ready for its container after {}; backup dropped",
+        ms(took),
+        ms(ready),
     );
-    println!(
-        "    notification {} after install done, {} of overhead in all",
-        fmt_duration(tm.install_done_to_notify),
-        fmt_duration(tm.overhead()),
-    );
-    println!(
-        "    backup dropped in the background in {}",
-        fmt_duration(drop_took)
-    );
-    tokio::time::sleep(RUN).await;
 
-    // An update that fails in its install phase.
-    let captures = vol.path("captures");
-    std::fs::create_dir(&captures)?;
-    *fin.services().capture() = Some(Capture {
-        old_version: "2.0".into(),
-        before: captures.join("before"),
-        after: captures.join("after"),
-        took_before: false,
-    });
-    fin.services().inner.fail_at(&pkg, Phase::Install);
-    let t0 = Instant::now();
-    let err = match fin.install(&request(&pkg, "3.0"), &Cancel::new()).await {
-        Ok(_) => return Err("the update to 3.0 should have failed".into()),
-        Err(e) => e,
+    // An update whose init fails after writing into the volume, the runner
+    // paused at the old container's stop.
+    let before = volume_digest(b)?;
+    let steps = [
+        order.step(),
+        boot(),
+        wait(RUN_MS),
+        install(PKG, "3.0", Some("init")),
+    ];
+    let Ended::Completed(run) = b.run_paused(&steps, Some(("flow.stopping", STOP_PAUSE)))? else {
+        return Err("the failing update was killed".into());
     };
-    let n = rx.recv().await.ok_or("no notification for 3.0")?;
-    let Event::Failed {
-        phase,
-        message,
-        rolled_back_to,
-        ..
-    } = &n.event
-    else {
-        return Err(format!("unexpected notification {:?} ({err})", n.event).into());
-    };
-    println!(
-        "  update 2.0 -> 3.0 fails in {phase}: failure notification after {}:",
-        fmt_duration(n.at.duration_since(t0)),
-    );
-    println!("    \"{message}\"");
-    let before = tree_digest(&captures.join("before"))?;
-    let after = tree_digest(&captures.join("after"))?;
+    let failed = run
+        .notifications(PKG)
+        .into_iter()
+        .find(|n| n.contains("service.install.failed"))
+        .ok_or_else(|| format!("no failure notification: {:?}", run.events))?;
+    println!("    update 2.0 -> 3.0 fails in its init, rolled back; notification:");
+    println!("      \"{failed}\"");
+    let after = volume_digest(b)?;
     let diff = before.diff(&after);
     if !diff.is_empty() {
         return Err(format!("the rolled-back volume differs: {}", diff.join("; ")).into());
     }
-    let data = Path::new("data/main/data.mdb");
-    let sha = sha256_file(&captures.join("after").join(data))?;
-    let state = fin.db().peek().await.get(&pkg).cloned();
-    let running_again = rolled_back_to.as_deref() == Some("2.0")
-        && fin.services().inner.is_running(&pkg)
-        && state.is_some_and(|e| {
-            e.state_info == StateInfo::Installed && e.version.as_deref() == Some("2.0")
-        });
-    if !running_again {
-        return Err("2.0 is not installed and running again after the rollback".into());
-    }
+    let sha = sha256_file(&b.main(PKG).join("data.mdb"))?;
     println!(
-        "    volume byte-identical to what 2.0 left when stopped ({} entries, data.mdb sha256 {}..)",
+        "      volume byte-identical to what 2.0 left ({} entries, data.mdb sha256 {}..), its log aside",
         before.len(),
         &sha[..12],
     );
-    println!("    2.0 installed and running again");
-    fin.services().stop(&pkg).await.map_err(volume_err)?;
+    let last = last_write_before_stop(&run)?;
+    let log = std::fs::read_to_string(b.main(PKG).join(format!("{PKG}.log")))?;
+    let kept = log.lines().any(|l| l == last);
+    match (order, kept) {
+        (Order::Reordered, true) => println!(
+            "      the log keeps 2.0's last write before its stop (\"{last}\"): stopped, then snapshotted"
+        ),
+        (Order::Upstream, false) => println!(
+            "      the log lost 2.0's writes up to its stop (\"{last}\"): snapshotted while it ran"
+        ),
+        (order, kept) => {
+            return Err(format!(
+                "{order:?}: the last write {last:?} kept: {kept} (the runner must be built \
+                 with its kill points, as `make demo` does, to pause at the stop)"
+            )
+            .into());
+        }
+    }
+    if run.installed(PKG).as_deref() != Some("2.0")
+        || run.running.get(PKG).map(String::as_str) != Some("2.0")
+    {
+        return Err(format!("2.0 is not installed and running again: {:?}", run.db).into());
+    }
+    println!("      2.0 installed and running again");
     Ok(())
 }
 

@@ -7,10 +7,11 @@
 //!     volume_migrate::Migrator::convert with that method, then remove_old
 //! powercut-workload boot ROOT PKG
 //!     startos_core::volume::boot_volume_maintenance_at for PKG, cleanup included
-//! powercut-workload finalize ROOT DB PKG
-//!     integration::powercut::finalize::update: PKG's update, state in the file DB
-//! powercut-workload reconcile ROOT DB
-//!     startos_core::reconcile, the boot path of the state and the volumes
+//! powercut-workload finalize DATA PKG
+//!     integration::powercut::finalize::update: PKG's update through the
+//!     call-sites runner (beside this binary) on its data directory DATA
+//! powercut-workload recover DATA
+//!     integration::powercut::finalize::recover: the runner's boot
 //! ```
 //!
 //! Exit 0 on success; on failure one line on stderr and exit 1.
@@ -69,28 +70,18 @@ fn run(args: &[String]) -> Result<String, String> {
             let pkg = package(pkg)?;
             runtime()?.block_on(boot(root, &pkg))
         }
-        ["finalize", root, db, pkg] => {
-            let pkg = package(pkg)?;
-            let dropped = runtime()?
-                .block_on(integration::powercut::finalize::update(
-                    Path::new(root),
-                    Path::new(db),
-                    &pkg,
-                ))
-                .map_err(|e| e.to_string())?;
-            Ok(format!("updated {pkg}; backup dropped: {dropped}"))
+        ["finalize", data, pkg] => {
+            package(pkg)?;
+            integration::powercut::finalize::update(Path::new(data), pkg)?;
+            Ok(format!("updated {pkg}"))
         }
-        ["reconcile", root, db] => {
-            let report = runtime()?.block_on(async {
-                let db = startos_core::FileDb::open(*db)?;
-                startos_core::reconcile(&*db, Path::new(root)).await
-            });
-            let report = report.map_err(|e| e.to_string())?;
-            Ok(format!("reconciled: {:?}", report.actions))
+        ["recover", data] => {
+            let run = integration::powercut::finalize::recover(Path::new(data))?;
+            Ok(format!("booted: {:?}", run.db))
         }
         _ => Err(format!(
             "usage: powercut-workload convert ROOT PKG clone|snapshot-parent|auto \
-             | boot ROOT PKG | finalize ROOT DB PKG | reconcile ROOT DB (got {words:?})"
+             | boot ROOT PKG | finalize DATA PKG | recover DATA (got {words:?})"
         )),
     }
 }

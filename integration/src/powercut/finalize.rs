@@ -1,27 +1,30 @@
-//! The update-finalization workload: a package whose service is stopped is
-//! updated through `startos_core::Finalizer`, with a state file on the same
-//! disk, by services that do nothing but the new version's data migration.
+//! The update-finalization workload, through start-core's own call sites:
+//! the `call-sites` runner of `fixtures/upstream-call-sites` updates a
+//! package on the disk under test with the reordered `ServiceMap::install`
+//! (stop, snapshot, install, then drop or restore), the runner's data
+//! directory being the disk's mount point: its state store (the fixture's
+//! `db.rs`, one JSON file a package under `main/db/`), the s9pk archive and
+//! the volumes root (`package-data/volumes`) all on that disk. Recovery is
+//! the next boot of the box: the runner's `boot` step (boot maintenance,
+//! then each package's `Service::load`).
 //!
-//! The migration is deterministic (fixed contents and times), so the tree
-//! it leaves can be compared with the one a later retry leaves.
+//! The new version's init (the fixture's stand-in) writes `data-<version>`
+//! and `version` in the package's `main` volume; its container appends to
+//! `<pkg>.log` there while it runs.
 
-use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-use models::{Error, ErrorKind, PackageId, ResultExt};
-use startos_core::{Cancel, FileDb, Finalizer, InstallRequest, Services};
+use serde_json::{Value, json};
+
+use crate::call_sites::{Box_, Order, Run, boot, install};
 
 /// The version installed before the update.
 pub const OLD_VERSION: &str = "1.0.0";
 /// The version the update installs.
 pub const NEW_VERSION: &str = "2.0.0";
-
-/// The archive name of `version` (only recorded in the state).
-pub fn s9pk(pkg: &PackageId, version: &str) -> String {
-    format!("/media/startos/data/package-data/archive/{pkg}-{version}.s9pk")
-}
+/// The volumes root under the runner's data directory.
+pub const VOLUMES: &str = "package-data/volumes";
 
 /// Sets `path`'s times without following a symlink: access `sec`, modify
 /// `sec` and `nsec` (a nonzero `nsec` shows a copy keeps nanoseconds).
@@ -45,90 +48,80 @@ pub fn set_mtime(path: &Path, sec: i64, nsec: i64) -> io::Result<()> {
     .map_err(io::Error::from)
 }
 
-/// The new version's data migration of the volume at `volume`: a new file,
-/// a rewritten one, a removed one, every time it touches set to a fixed
-/// value, each file fsynced as a database would.
-pub fn migrate(volume: &Path) -> io::Result<()> {
-    let main = volume.join("data/main");
-    let write = |p: PathBuf, data: &[u8]| -> io::Result<()> {
-        let f = fs::File::create(&p)?;
-        io::Write::write_all(&mut &f, data)?;
-        f.sync_all()?;
-        set_mtime(&p, 1_750_000_000, 500)
+/// The runner beside this binary (in the guest, `/bin/call-sites`), else
+/// the workspace's.
+pub fn runner() -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+    let beside = exe.with_file_name("call-sites");
+    if beside.is_file() {
+        return Ok(beside);
+    }
+    crate::workspace_bin("call-sites")
+}
+
+/// Runs `steps` as one boot of the box whose data directory is `data`;
+/// every step must succeed.
+pub fn run(data: &Path, steps: &[Value]) -> Result<Run, String> {
+    let b = Box_ {
+        bin: runner()?,
+        data: data.to_owned(),
     };
-    write(main.join("schema"), b"2\n")?;
-    write(main.join("config.toml"), b"[server]\nport = 8443\n")?;
-    match fs::remove_file(volume.join("data/other/notes")) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
+    let run = b.completed(steps)?;
+    if !run.ok() {
+        return Err(format!(
+            "call-sites {steps:?}: {:?}\n{}",
+            run.steps, run.stderr
+        ));
     }
-    for d in ["data/main", "data/other"] {
-        set_mtime(&volume.join(d), 1_750_000_100, 500)?;
-    }
-    fs::File::open(&main)?.sync_all()?;
-    fs::File::open(volume.join("data/other"))?.sync_all()
+    Ok(run)
 }
 
-/// Services of packages that are already stopped: stop, uninit, install and
-/// start do nothing; init from [`OLD_VERSION`] to [`NEW_VERSION`] runs
-/// [`migrate`] on the volume under `volumes_root`.
-pub struct StoppedServices {
-    /// The volumes root.
-    pub volumes_root: PathBuf,
+/// The package `pkg`, installed at [`OLD_VERSION`] by an earlier system: its
+/// state and s9pk written (the runner's `seed` step), nothing started.
+pub fn seed(data: &Path, pkg: &str) -> Result<Run, String> {
+    run(
+        data,
+        &[json!({"seed": {"id": pkg, "version": OLD_VERSION}})],
+    )
 }
 
-impl Services for StoppedServices {
-    async fn stop(&self, _: &PackageId) -> Result<(), Error> {
-        Ok(())
-    }
+/// The update of `pkg` to [`NEW_VERSION`] through the reordered install
+/// task, with no boot before it (the service is not running).
+pub fn update(data: &Path, pkg: &str) -> Result<Run, String> {
+    run(
+        data,
+        &[Order::Reordered.step(), install(pkg, NEW_VERSION, None)],
+    )
+}
 
-    async fn uninit(&self, _: &PackageId, _: &str, _: Option<&str>) -> Result<(), Error> {
-        Ok(())
-    }
+/// The box's next boot, through the reordered `Service::load`: what a
+/// power cut is recovered by.
+pub fn recover(data: &Path) -> Result<Run, String> {
+    run(data, &[Order::Reordered.step(), boot()])
+}
 
-    async fn install(&self, _: &PackageId, _: &str, _: &str) -> Result<(), Error> {
-        Ok(())
-    }
-
-    async fn init(&self, pkg: &PackageId, version: &str, from: Option<&str>) -> Result<(), Error> {
-        if version == NEW_VERSION && from == Some(OLD_VERSION) {
-            let volume = self.volumes_root.join(pkg.as_str());
-            migrate(&volume).with_ctx(|_| {
-                (
-                    ErrorKind::Filesystem,
-                    pkg.context("migrating the volume to the new version"),
-                )
-            })?;
-        }
-        Ok(())
-    }
-
-    async fn start(&self, _: &PackageId, _: &str) -> Result<(), Error> {
-        Ok(())
+/// `pkg`'s state in the runner's state store on `data` (the fixture's
+/// `PackageState` as its `db.rs` writes it), `None` if it lists none.
+pub fn state(data: &Path, pkg: &str) -> Result<Option<Value>, String> {
+    let path = data.join("main/db").join(format!("{pkg}.json"));
+    match std::fs::read(&path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| format!("{}: {e}", path.display())),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("{}: {e}", path.display())),
     }
 }
 
-/// Updates `pkg` under `volumes_root` to [`NEW_VERSION`], its state in the
-/// file `db`, and waits for the backup drop that follows the notification.
-/// Returns whether a backup was dropped.
-pub async fn update(volumes_root: &Path, db: &Path, pkg: &PackageId) -> Result<bool, Error> {
-    let db = FileDb::open(db)?;
-    let services = Arc::new(StoppedServices {
-        volumes_root: volumes_root.to_owned(),
-    });
-    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
-    let fin = Finalizer::new(db, services, Arc::new(tx), volumes_root);
-    let req = InstallRequest {
-        package: pkg.clone(),
-        version: NEW_VERSION.to_owned(),
-        s9pk: s9pk(pkg, NEW_VERSION),
-    };
-    let done = fin.install(&req, &Cancel::new()).await?;
-    done.backup_drop.await.map_err(|e| {
-        Error::new(
-            color_eyre::eyre::eyre!("the backup drop task: {e}"),
-            ErrorKind::Unknown,
-        )
-    })?
+/// The box's next boot, then the user's retry of the update to
+/// [`NEW_VERSION`]: the next operation after a cut.
+pub fn boot_and_update(data: &Path, pkg: &str) -> Result<Run, String> {
+    run(
+        data,
+        &[
+            Order::Reordered.step(),
+            boot(),
+            install(pkg, NEW_VERSION, None),
+        ],
+    )
 }

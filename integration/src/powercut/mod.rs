@@ -11,8 +11,8 @@
 //! - [`Sweep`]: one logged run and the states it yields, checked to replay
 //!   to the guest's final disk byte for byte;
 //! - [`btrfs_check`]: `btrfs check --readonly` of a state;
-//! - [`finalize`]: the update-finalization workload, with services that are
-//!   already stopped and a deterministic data migration.
+//! - [`finalize`]: the update-finalization workload, through start-core's
+//!   own call sites (the fixture's `call-sites` runner, in the guest too).
 //!
 //! What a state must then hold (old or new tree, after recovery one
 //! complete tree and no temporary name) is the tests' business

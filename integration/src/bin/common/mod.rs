@@ -23,32 +23,9 @@ const PACKAGE: &str = "monerod";
 const VOLUME: &str = "main";
 const FILE: &str = "data.mdb";
 
-/// `volume`'s (and `startos-core`'s, the same type) error as one line: it
-/// keeps its kind and context chain.
+/// `volume`'s error as one line: it keeps its kind and context chain.
 pub fn volume_err(e: volume::Error) -> Box<dyn Error> {
     e.to_string().into()
-}
-
-/// Installs `req` through `fin` and waits for the backup drop it leaves
-/// running in the background, so the next step starts from a quiet volume.
-pub async fn install_and_drop<D, S, N>(
-    fin: &startos_core::Finalizer<D, S, N>,
-    req: &startos_core::InstallRequest,
-) -> Result<()>
-where
-    D: startos_core::Db,
-    S: startos_core::Services,
-    N: startos_core::Notifier,
-{
-    let f = fin
-        .install(req, &startos_core::Cancel::new())
-        .await
-        .map_err(volume_err)?;
-    f.backup_drop
-        .await
-        .map_err(|e| format!("backup drop task: {e}"))?
-        .map_err(volume_err)?;
-    Ok(())
 }
 
 /// Package `monerod` with volume `main`, created by [`VolumeStore::create`]
@@ -108,12 +85,6 @@ impl Scratch {
     /// `<root>/<pkg>`, the live volume.
     pub fn live(&self) -> &Path {
         &self.live
-    }
-
-    /// `<root>/<pkg>.install-backup`, where upstream's `cp` and our snapshot
-    /// put the install backup.
-    pub fn backup(&self) -> &Path {
-        &self.backup
     }
 
     /// Commits everything on the filesystem and waits until the btrfs
