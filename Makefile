@@ -66,7 +66,7 @@ clippy: deps
 # parallel; 4 keeps the 2-core machines busy while tests wait on I/O.
 # The crash tests SIGKILL the process at named steps: `failpoints` compiles those
 # steps in (a production build has none).
-# The tests also run binaries of other packages (startos-core-service, the CLIs),
+# The tests also run binaries of other packages (call-sites, the CLIs),
 # which `cargo test` only builds for a package that has integration tests of its
 # own: build every binary first, with the same features so nothing is rebuilt.
 # The subvolume primitives run once more on the libbtrfsutil backend: the

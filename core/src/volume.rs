@@ -445,15 +445,6 @@ pub async fn boot_volume_maintenance_at<'a, P: Display + 'a>(
     })
 }
 
-/// Removes what a first-boot conversion left of `pkg` beside or in its
-/// volume: the rest its cut set aside, where a restore of a backup taken
-/// before the cleanup brought it back, and its old tree. Returns whether
-/// there was anything. Holds the package's lock while it works; a crash
-/// part-way leaves only less of the same garbage for the next call.
-pub(crate) fn release_rest(root: &Path, pkg: &PackageId) -> Result<bool, Error> {
-    backend::release_rest(root, pkg)
-}
-
 /// Converts one package's plain-directory volume into a subvolume
 /// (upstream calls it for a package migrated from 0.3.x before installing
 /// it), and removes the old directory. A no-op for a subvolume or off
@@ -587,11 +578,6 @@ mod backend {
                 )
             })?
             .remove_all_old(&mut |_: &volume_migrate::Progress| {})
-    }
-
-    pub(super) fn release_rest(root: &Path, pkg: &PackageId) -> Result<bool, Error> {
-        volume_migrate::Migrator::open(root)?
-            .remove_old(pkg, &mut |_: &volume_migrate::Progress| {})
     }
 
     /// The blocking part of boot maintenance; sends progress on `tx`. Returns

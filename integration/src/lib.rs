@@ -39,7 +39,6 @@ pub mod r#gen;
 pub mod node;
 pub mod powercut;
 pub mod rss;
-pub mod services;
 pub mod upstream;
 
 // By name, not by glob: what the harness's tests, bench and comparison may

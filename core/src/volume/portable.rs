@@ -65,10 +65,6 @@ pub(super) fn cleanup(_: &Path) -> Result<Vec<PackageId>, Error> {
     Ok(Vec::new())
 }
 
-pub(super) fn release_rest(_: &Path, _: &PackageId) -> Result<bool, Error> {
-    Ok(false)
-}
-
 #[allow(clippy::type_complexity)]
 pub(super) fn boot(
     _: &Path,
