@@ -24,7 +24,9 @@
 //! - [`call_sites`]: the fixture's `call-sites` runner driven from outside:
 //!   boxes, flows and kill-point sweeps in both orders, and (`boot_loads`) a
 //!   box's first boot, each package's `Service::load` volume calls timed;
-//! - [`rss`]: a child process's peak memory, for memory bounds.
+//! - [`rss`]: a child process's peak memory, for memory bounds;
+//! - [`lmdb`]: real LMDB environments written like the seed's Monero node's,
+//!   and a check that reads every key back.
 //!
 //! Everything here needs Linux; most of it needs root.
 
@@ -34,6 +36,7 @@ pub mod deep;
 pub mod dist;
 pub mod fmt;
 pub mod identity;
+pub mod lmdb;
 // `gen` is a reserved word in Rust 2024: the module is `r#gen`.
 pub mod r#gen;
 pub mod node;

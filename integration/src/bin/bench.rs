@@ -38,6 +38,9 @@
 //! `purge` times a restore and a delete of a volume of 100k and 1M cached
 //! small files: the call a user waits on, and the purge after it
 //! ([`purge`]).
+//! `lmdb` runs the snapshot and usage sections' rows on the seed's database
+//! for real, an LMDB environment written by LMDB, every key checked after
+//! each restore ([`lmdb`]).
 //! `--only` picks sections; each prints its own table and target lines.
 //!
 //! The benchmark reports; it does not assert. It exits 0 whatever the figures,
@@ -54,6 +57,8 @@ mod common;
 mod finalize;
 #[path = "bench/fixture.rs"]
 mod fixture;
+#[path = "bench/lmdb.rs"]
+mod lmdb;
 #[path = "bench/memory.rs"]
 mod memory;
 #[path = "bench/migrate.rs"]
@@ -116,6 +121,9 @@ enum Section {
     /// Restore and delete of a volume of many cached files: the call, and
     /// the purge after it.
     Purge,
+    /// The snapshot and usage rows on a real LMDB environment, every key
+    /// checked after each restore.
+    Lmdb,
 }
 
 #[derive(Parser)]
@@ -166,6 +174,13 @@ struct Args {
     /// File counts of the purge section's volume, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "100000,1000000")]
     purge_files: Vec<u64>,
+    /// Size of the lmdb section's environment (its data.mdb).
+    #[arg(long, value_parser = parse_size, default_value = "1331M")]
+    lmdb_size: u64,
+    /// Build the lmdb section's environment again, replacing the cached one
+    /// in target/bench-cache.
+    #[arg(long)]
+    lmdb_fresh: bool,
     /// Print the results as JSON on stdout (progress still goes to stderr).
     #[arg(long)]
     json: bool,
@@ -633,6 +648,8 @@ struct Report {
     #[serde(skip_serializing_if = "Option::is_none")]
     loads: Option<Vec<(u64, boot_loads::Fixture)>>,
     purge: Option<purge::Report>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lmdb: Option<lmdb::Report>,
     total_seconds: f64,
 }
 
@@ -680,6 +697,7 @@ fn run(args: &Args) -> Result<Report> {
     let purge = wants(Section::Purge)
         .then(|| purge::run(&args.purge_files))
         .transpose()?;
+    let lmdb = wants(Section::Lmdb).then(|| lmdb::run(args)).transpose()?;
     let boot = wants(Section::Boot)
         .then(|| boot::run(&shapes))
         .transpose()?;
@@ -697,6 +715,7 @@ fn run(args: &Args) -> Result<Report> {
         commits,
         loads,
         purge,
+        lmdb,
         total_seconds: start.elapsed().as_secs_f64(),
     })
 }
@@ -735,6 +754,10 @@ fn print_text(report: &Report) {
     if let Some(r) = &report.purge {
         gap();
         purge::print(r);
+    }
+    if let Some(r) = &report.lmdb {
+        gap();
+        lmdb::print(r);
     }
     if let Some(r) = &report.boot {
         gap();

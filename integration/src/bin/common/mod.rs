@@ -47,9 +47,17 @@ impl Scratch {
     /// Makes a sparse btrfs image of `image_bytes`, mounts it and creates the
     /// package volume.
     pub fn new(image_bytes: u64) -> Result<Scratch> {
-        let fs = LoopFs::btrfs(image_bytes)?;
+        Scratch::on(LoopFs::btrfs(image_bytes)?)
+    }
+
+    /// The package volume on `fs`, a mounted btrfs: created (with the
+    /// volumes root) if absent, else the one there (an image a benchmark
+    /// kept, see `bench --only lmdb`).
+    pub fn on(fs: LoopFs) -> Result<Scratch> {
         let root = fs.path("volumes");
-        std::fs::create_dir(&root)?;
+        if !root.is_dir() {
+            std::fs::create_dir(&root)?;
+        }
         let store = VolumeStore::open(&root).map_err(volume_err)?;
         let pkg: PackageId = PACKAGE.parse()?;
         let vol: VolumeId = VOLUME.parse()?;
@@ -75,6 +83,11 @@ impl Scratch {
     /// a service's run directory).
     pub fn path(&self, relative: &str) -> PathBuf {
         self.fs.path(relative)
+    }
+
+    /// The loop device the filesystem is on.
+    pub fn device(&self) -> &Path {
+        self.fs.device()
     }
 
     /// The package, `monerod`.
@@ -174,11 +187,18 @@ impl Scratch {
         Ok(())
     }
 
+    /// The filesystem, the store closed: for unmounting it and keeping its
+    /// image.
+    pub fn into_fs(self) -> LoopFs {
+        // The store holds the root open: close it before unmounting.
+        let Scratch { fs, store, .. } = self;
+        drop(store);
+        fs
+    }
+
     /// Unmounts and removes the filesystem, reporting any problem.
     pub fn close(self) -> Result<()> {
-        // The store holds the root open: close it before unmounting.
-        drop(self.store);
-        Ok(self.fs.close()?)
+        Ok(self.into_fs().close()?)
     }
 }
 
