@@ -12,7 +12,7 @@ CARGO ?= cargo
 # cloud kernel itself with `apt-get download` into the cargo target dir); GNU
 # time for the peak memory of a command (integration/tests/memory.rs, the bench).
 APT_PACKAGES := btrfs-progs libbtrfsutil-dev libclang-dev btrfs-compsize e2fsprogs attr acl \
-	qemu-system-x86 busybox-static time
+	qemu-system-x86 busybox-static time musl-tools
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
 # Extra arguments for the bench binary, e.g. `make bench BENCH_ARGS="--extents 500000"`,

@@ -311,6 +311,29 @@ pub async fn ensure_volume_root_at(
     blocking(move || backend::ensure(&root, &pkg)).await
 }
 
+/// Makes everything written so far in the package's volume durable: on
+/// btrfs one commit after its dirty data is written out, elsewhere
+/// `syncfs`. For start-core between a new version's init and the commit
+/// of `Installed`: the state store's fsync makes only its own file
+/// durable, so without this a power cut can keep `Installed` and lose the
+/// init's writes it vouches for, and the next boot runs the new version
+/// on the old version's data. Takes no lock and changes nothing; a crash
+/// in the middle leaves the volume as it was. Nothing to do without a
+/// volume.
+pub async fn sync_volume_root(pkg_id: &(impl Display + ?Sized)) -> Result<(), Error> {
+    sync_volume_root_at(volumes_root(), pkg_id).await
+}
+
+/// [`sync_volume_root`] under `volumes_root`.
+pub async fn sync_volume_root_at(
+    volumes_root: impl Into<PathBuf>,
+    pkg_id: &(impl Display + ?Sized),
+) -> Result<(), Error> {
+    let root = volumes_root.into();
+    let pkg = parse_package(&pkg_id.to_string())?;
+    blocking(move || backend::sync(&root, &pkg)).await
+}
+
 /// Deletes whatever is at `path` (upstream's `util::btrfs::delete_tree`,
 /// which its uninstall cleanup calls on a package's volume root): a
 /// package's volume root under upstream's volumes root goes with every
@@ -540,6 +563,10 @@ mod backend {
         let store = store(root)?;
         store.mark_fresh(pkg, false)?;
         store.drop_backup(pkg).map(drop)
+    }
+
+    pub(super) fn sync(root: &Path, pkg: &PackageId) -> Result<(), Error> {
+        store(root)?.sync_volume(pkg)
     }
 
     pub(super) fn ensure(root: &Path, pkg: &PackageId) -> Result<(), Error> {

@@ -576,22 +576,21 @@ enum Side {
     /// Neither, with the backup holding the old tree (an update's
     /// migration under way, which its recovery rolls back).
     Mid,
-    /// (The finalize workload.) The old tree with the new version's init
-    /// writes missing or empty, and after recovery the new version
-    /// installed on it: the window start-core's call sites leave open, in
-    /// either order, as found (see [`open_window`]).
+    /// (The finalize workload, as a cut left it.) The old tree with the
+    /// new version's init writes missing or empty: an init under way,
+    /// which recovery must roll back (see [`open_window`]).
     Torn,
 }
 
-/// The window the finalize workload finds open on start-core's own call
-/// sites, asserted as it is so that closing it shows: nothing makes the
-/// new version's init writes durable before `Service::install` commits
+/// The window the finalize workload found open on start-core's own call
+/// sites, in either order, until the reorder's edit 6: nothing made the
+/// new version's init writes durable before `Service::install` committed
 /// `Installed` (the state store's fsync commits only its own file), and
-/// the backup's removal then commits their names without their data. A
-/// cut from the commit of `Installed` on boots the new version on the old
-/// data, its init's files missing or empty (with the backup beside it
-/// until its removal is durable). The product crate's former finalizer closed it by
-/// committing the volume after init; the reorder's five edits leave it.
+/// the backup's removal then committed their names without their data. A
+/// cut from the commit of `Installed` on booted the new version on the old
+/// data, its init's files missing or empty. Edit 6 commits the volume
+/// first: a state this matches is now only ever an init under way, and
+/// recovery must never settle into it ([`settled`] refuses it).
 fn open_window(w: &Workload, live: &Option<Tree>) -> bool {
     let without_init = |t: &Tree| {
         t.digest
@@ -702,6 +701,16 @@ fn pkg_side(w: &Workload, p: &Pkg) -> Result<Side, String> {
         Ok(Side::Old)
     } else if *p == w.new {
         Ok(Side::New)
+    } else if w.kind == Kind::Finalize
+        && p.live == w.new.live
+        && p.backup.as_ref().map(|b| &b.digest) == w.old.live.as_ref().map(|o| &o.digest)
+    {
+        // Cut after the commit of `Installed`, before the backup's removal
+        // was durable: the new version on its new data, the old tree's
+        // backup kept beside it until the next install's `begin` drops it
+        // (a load of an `Installed` package never drops a backup: in
+        // upstream's order it can be the rollback a crash cut short).
+        Ok(Side::New)
     } else {
         Err(format!(
             "the package is neither the old one nor the new one.\nagainst old:\n{}against new:\n{}",
@@ -792,17 +801,6 @@ fn settled(w: &Workload, fs: &LoopFs, what: &str) -> Result<(Side, Pkg), String>
     let p = read_pkg(w.kind, &root)?;
     let s = match pkg_side(w, &p) {
         Ok(s) => s,
-        // The open window: the new version installed on the old tree, the
-        // backup (the old tree) beside it until its removal is durable.
-        Err(_)
-            if open_window(w, &p.live)
-                && state_side(&root) == Ok(Side::New)
-                && p.backup
-                    .as_ref()
-                    .is_none_or(|b| Some(&b.digest) == w.old.live.as_ref().map(|o| &o.digest)) =>
-        {
-            Side::Torn
-        }
         Err(e) => {
             return Err(match w.kind {
                 Kind::Finalize => {
@@ -823,7 +821,6 @@ fn agrees(w: &Workload, root: &Path, s: Side, what: &str) -> Result<(), String> 
         return Ok(());
     }
     let state = state_side(root).map_err(|e| format!("after {what}: {e}"))?;
-    let s = if s == Side::Torn { Side::New } else { s };
     if state != s {
         return Err(format!(
             "after {what}: the state says the {state:?} version, the volume is the {s:?} tree"
@@ -1040,7 +1037,7 @@ impl Tally {
         };
         let torn = |n: usize| match n {
             0 => String::new(),
-            n => format!(", {n} new installed on the old tree (open window)"),
+            n => format!(", {n} with the init's writes not all durable"),
         };
         format!(
             "| {workload} | {what} | {} | {} old, {} new{mid}{} | {} old, {} new{} |",
@@ -1304,11 +1301,10 @@ fn convert_parent() {
 #[test]
 fn finalize() {
     let open = sweep_workload("finalize", false, 2, 1);
-    // Asserted as found: once the call sites commit the volume before
-    // `Installed`, this fails, and `open_window` goes.
+    // `settled` refuses the window already; this says so in its own words.
     assert!(
-        open.is_none_or(|n| n > 0),
-        "finalize: no state recovered into the open window: it is closed; make the checks strict"
+        open.is_none_or(|n| n == 0),
+        "finalize: {open:?} states recovered into the new version on the old tree"
     );
 }
 
@@ -1389,14 +1385,13 @@ fn regression_restore_record_durable_with_the_copys_times() {
 
 /// Found by this harness on the product crate's former finalizer (which then committed
 /// the volume after init, closing it), and found again on start-core's own
-/// call sites, in either order: the state store records the update
-/// `Installed` while the new version's init writes are not durable, so the
-/// first state in which `Installed` is durable boots the new version on
-/// the old tree ([`open_window`]). Asserted as found: once the call sites
-/// commit the volume before `Installed`, this fails, and the check goes
-/// back to the volume being the new tree there.
+/// call sites, in either order: the state store recorded the update
+/// `Installed` while the new version's init writes were not durable, so the
+/// first state in which `Installed` was durable booted the new version on
+/// the old tree ([`open_window`]). The reorder's edit 6 commits the volume
+/// first: there, the volume is the new tree.
 #[test]
-fn regression_update_recorded_installed_before_its_init_is_durable() {
+fn regression_update_recorded_installed_only_once_its_init_is_durable() {
     let Some(kit) = kit() else { return };
     let w = workload("finalize");
     let (sweep, _) = logged_run(kit, &w);
@@ -1404,9 +1399,8 @@ fn regression_update_recorded_installed_before_its_init_is_durable() {
     peek(&w, &sweep, cut, |root| {
         let p = read_pkg(w.kind, root).unwrap_or_else(|e| panic!("{e}"));
         assert!(
-            p.live != w.new.live && open_window(&w, &p.live),
-            "the state before entry {} records the update installed, and the volume is {}: \
-             the window is closed, make this check that it is the new tree",
+            p.live == w.new.live,
+            "the state before entry {} records the update installed, and the volume is {}",
             cut.end,
             if p.live == w.new.live {
                 "the new tree".to_owned()
@@ -1416,7 +1410,7 @@ fn regression_update_recorded_installed_before_its_init_is_durable() {
         );
     });
     eprintln!(
-        "regression finalize: installed is first durable before entry {} of {}; the new version's init writes are not there (the open window)",
+        "regression finalize: installed is first durable before entry {} of {}; the new version's init writes are there",
         cut.end,
         sweep.log.entries.len()
     );

@@ -126,7 +126,7 @@ fn the_page_quotes_each_edit_of_the_reorder_and_counts_it_apart() {
     let page = read("docs/upstream.md");
     let reordered = read(&format!("{FIXTURE}/service/reordered.rs"));
     let mut total = 0;
-    for n in 1..=5 {
+    for n in 1..=6 {
         let regions = marked_regions(&reordered, &format!("reorder {n}"));
         assert!(!regions.is_empty(), "edit {n} is marked");
         let mut lines = 0;

@@ -45,6 +45,10 @@ pub(super) fn remove(_: &Path, _: &PackageId) -> Result<(), Error> {
     Ok(())
 }
 
+pub(super) fn sync(_: &Path, _: &PackageId) -> Result<(), Error> {
+    Ok(())
+}
+
 pub(super) fn ensure(root: &Path, pkg: &PackageId) -> Result<(), Error> {
     let path = root.join(pkg.as_str());
     std::fs::create_dir_all(&path).map_err(io(&path))
