@@ -5,8 +5,9 @@
 //! [`::volume_migrate::Migrator`]), wired in by the lines
 //! `docs/upstream.md` quotes. The order of install finalization (stop,
 //! snapshot, install, then drop or restore) is not a second start-core
-//! kept here: it is five marked edits to start-core's own
-//! `ServiceMap::install` and `Service::load`, which the fixture
+//! kept here: it is six marked edits to start-core's own
+//! `ServiceMap::install`, `Service::load` and `Service::install`, which
+//! the fixture
 //! (`fixtures/upstream-call-sites`) builds and runs beside upstream's
 //! unedited call sites, and which the tests kill at every step.
 //!

@@ -549,7 +549,10 @@ mod backend {
         let outcome = store.restore_outcome(pkg)?;
         // Upstream's rollback goes on either way; a volume left as the
         // failed install wrote it must not pass for a rolled-back one.
-        if !outcome.restored && store.info(pkg)?.volume.is_some() && !store.is_fresh(pkg)? {
+        // Only a warning: a failure to look must not turn the restore's
+        // outcome into an error.
+        let has_volume = store.info(pkg).is_ok_and(|i| i.volume.is_some());
+        if !outcome.restored && has_volume && !store.is_fresh(pkg).unwrap_or(true) {
             tracing::warn!(package = %pkg, "no install backup to restore: the volume was not rolled back, it is as the failed install left it");
         }
         Ok(outcome)

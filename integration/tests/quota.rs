@@ -490,3 +490,134 @@ fn full_qgroups_stay_consistent_where_the_kernel_can_tell() {
         "two groups: the kernel asks for a rescan"
     );
 }
+
+/// `tool --root ROOT ARGS` with the K-th call through `volume::sys`
+/// failing with EIO: its exit status, its stderr, and the call that
+/// failed (threads can reorder calls between runs, so the K-th is not
+/// always the traced one).
+fn run_failing(tool: &str, root: &Path, args: &[&str], k: usize) -> (bool, String, String) {
+    let log = root.with_extension(format!("fault-{tool}-{k}"));
+    let _ = fs::remove_file(&log);
+    let out = Command::new(bin(tool))
+        .arg("--root")
+        .arg(root)
+        .args(args)
+        .env(fault::FAULT_ENV, format!("{k}:eio"))
+        .env(fault::FAULT_LOG_ENV, &log)
+        .output()
+        .expect("running the tool");
+    let failed = fs::read_to_string(&log).unwrap_or_default();
+    let _ = fs::remove_file(&log);
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+        failed.trim().to_owned(),
+    )
+}
+
+/// Whether the call `name` reads or sets qgroups (not the snapshot or
+/// subvolume creation that passes an inherit: that is the operation
+/// itself).
+fn is_quota_call(name: &str) -> bool {
+    name.contains("quota tree") || name.contains("QGROUP")
+}
+
+/// The numbers of the calls of `calls` that read or set qgroups.
+fn quota_call_numbers(calls: &[String]) -> Vec<usize> {
+    calls
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| is_quota_call(c))
+        .map(|(i, _)| i + 1)
+        .collect()
+}
+
+/// Quotas are secondary to the data they count: each call a backup and
+/// a restore make to read or carry qgroups, failed in turn with EIO,
+/// leaves the operation done (the backup taken; the volume restored,
+/// every byte) and says in a warning that the limit and groups were not
+/// carried. On the commit before this, each of those failures failed
+/// the backup or the restore, and with it start-core's update or
+/// rollback.
+#[test]
+fn a_failing_qgroup_call_never_fails_a_backup_or_a_restore() {
+    let Some((_fs, root)) = quota_box(QuotaMode::Full) else {
+        return;
+    };
+    let store = VolumeStore::open(&root).expect("open");
+    let app = pkg("app");
+    store.create(&app, &[vol("main")]).expect("create");
+    let file = root.join("app/data/main/f");
+    let backup = root.join("app.install-backup");
+    let prepare = |op: &str| {
+        let _ = store.drop_backup(&app);
+        fs::write(&file, b"before").expect("write");
+        if op == "restore" {
+            store.snapshot(&app).expect("snapshot");
+            fs::write(&file, b"after").expect("write");
+        }
+    };
+    for op in ["snapshot", "restore"] {
+        prepare(op);
+        let points = quota_call_numbers(&trace("startos-volume", &root, &[op, "app"]));
+        assert!(!points.is_empty(), "{op}: no quota call traced");
+        let mut hit = 0;
+        for k in points {
+            prepare(op);
+            let (ok, stderr, failed) = run_failing("startos-volume", &root, &[op, "app"], k);
+            if !is_quota_call(&failed) {
+                continue;
+            }
+            hit += 1;
+            assert!(ok, "{op} with call {failed} failing: {stderr}");
+            assert!(stderr.contains("not carried"), "{op}, call {k}: {stderr}");
+            match op {
+                "snapshot" => assert!(backup.exists(), "{op}, call {k}: no backup"),
+                _ => assert_eq!(fs::read(&file).expect("read"), b"before", "call {k}"),
+            }
+        }
+        assert!(hit > 0, "{op}: no qgroup call failed");
+    }
+}
+
+/// The same for a conversion, by each method: each qgroup call failed in
+/// turn, every package still converted with its data.
+#[test]
+fn a_failing_qgroup_call_never_fails_a_conversion() {
+    let Some((_fs, root)) = quota_box(QuotaMode::Full) else {
+        return;
+    };
+    let store = VolumeStore::open(&root).expect("open");
+    let prepare = || {
+        let _ = store.delete(&pkg("app"));
+        fs::create_dir_all(root.join("app/data/main")).expect("mkdir");
+        fs::write(root.join("app/data/main/f"), b"data").expect("write");
+    };
+    for method in ["clone", "snapshot-parent"] {
+        prepare();
+        let args = ["--method", method];
+        let points = quota_call_numbers(&trace("volume-migrate", &root, &args));
+        assert!(!points.is_empty(), "{method}: no quota call traced");
+        let mut hit = 0;
+        for k in points {
+            prepare();
+            let (ok, stderr, failed) = run_failing("volume-migrate", &root, &args, k);
+            if !is_quota_call(&failed) {
+                continue;
+            }
+            hit += 1;
+            assert!(ok, "{method} with call {failed} failing: {stderr}");
+            assert!(
+                stderr.contains("not carried"),
+                "{method}, call {k}: {stderr}"
+            );
+            assert!(sys::is_subvolume(open(&root.join("app")).as_fd()).expect("stat"));
+            assert_eq!(
+                fs::read(root.join("app/data/main/f")).expect("read"),
+                b"data",
+                "{method}, call {k}"
+            );
+        }
+        assert!(hit > 0, "{method}: no qgroup call failed");
+    }
+}

@@ -163,10 +163,10 @@ impl Job<'_, '_> {
     /// one search of the quota tree per job and nothing more.
     fn quota(&self) -> Result<Option<&QuotaCarry>, Error> {
         if self.quota.get().is_none() {
-            let carry = QuotaCarry::read(self.src.as_fd()).with_ctx(step(
-                self.pkg,
-                "reading the qgroups of the subvolume holding the volume",
-            ))?;
+            let carry = volume::quota::or_warn(
+                format_args!("converting {}", self.live_path().display()),
+                QuotaCarry::read(self.src.as_fd()),
+            );
             let _ = self.quota.set(carry);
         }
         Ok(self.quota.get().and_then(Option::as_ref))
@@ -502,11 +502,8 @@ impl Job<'_, '_> {
         // The limit and groups of the subvolume the directory sat in, on
         // the new subvolume before the commit that precedes its exchange:
         // no committed state shows the volume without them.
-        if let Some(carry) = self.quota()? {
-            carry.apply(dst.as_fd()).with_ctx(step(
-                pkg,
-                "giving the new subvolume the qgroup limit and groups of the old directory's",
-            ))?;
+        if let Some(Err(e)) = self.quota()?.map(|c| c.apply(dst.as_fd())) {
+            tracing::warn!(package = %pkg, "converting: qgroup limit and groups not carried to the new subvolume: {e}");
         }
         // Sync: the copy must be durable before its name says "volume".
         self.tracker.phase(Phase::Sync);

@@ -51,6 +51,19 @@ pub struct QuotaCarry {
     pub groups: Vec<u64>,
 }
 
+/// Quotas are secondary to the data they count: an error reading or
+/// carrying them (a quota tree that cannot be read, a qgroup that
+/// vanished) is logged, naming `what`, and the operation goes on as on a
+/// filesystem without quotas, so a restore, a backup or a conversion never
+/// fails for a qgroup. What is lost is the limit or the memberships of
+/// that one tree, which the warning says.
+pub fn or_warn<T>(what: impl std::fmt::Display, r: io::Result<Option<T>>) -> Option<T> {
+    r.unwrap_or_else(|e| {
+        tracing::warn!("{what}: qgroup limit and groups not carried: {e}");
+        None
+    })
+}
+
 /// Whether `e` says the quota tree is gone: quotas were turned off.
 fn quotas_gone(e: &io::Error) -> bool {
     e.raw_os_error() == Some(libc::ENOENT)

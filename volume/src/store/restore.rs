@@ -19,7 +19,7 @@ use super::{VolumeStore, nested_counterparts, with_cleanup};
 use crate::failpoint::failpoint;
 use crate::layout::Names;
 use crate::outcome::{DeleteOutcome, RestoreOutcome, VolumeKind};
-use crate::quota::QuotaCarry;
+use crate::quota::{self, QuotaCarry};
 use crate::record::{self, Identity};
 use crate::sys;
 
@@ -204,9 +204,10 @@ impl VolumeStore {
     fn prepare_rollback_copy(&self, names: &Names) -> Result<(), (&'static str, io::Error)> {
         let backup = sys::open_dir_at(self.root_fd(), &names.backup)
             .map_err(|e| ("opening the backup for", e))?;
-        let carry = self
-            .volume_quota(names, backup.as_fd())
-            .map_err(|e| ("reading the volume's qgroups for", e))?;
+        let carry = quota::or_warn(
+            format_args!("restoring {}", self.root.path().join(&names.live).display()),
+            self.volume_quota(names, backup.as_fd()),
+        );
         let inherit = QuotaCarry::inherit_of(carry.as_ref());
         let copy = sys::snapshot_tree_with(
             backup.as_fd(),
@@ -220,10 +221,11 @@ impl VolumeStore {
             .map_err(|e| ("making read-only again the nested subvolumes of", e))?;
         // Before the commit below, so no committed state shows the volume
         // under its name without its limit.
-        if let Some(carry) = &carry {
-            carry
-                .apply(copy.as_fd())
-                .map_err(|e| ("giving the volume's qgroup limit and groups to", e))?;
+        if let Some(Err(e)) = carry.as_ref().map(|c| c.apply(copy.as_fd())) {
+            tracing::warn!(
+                "restoring {}: qgroup limit and groups not carried: {e}",
+                self.root.path().join(&names.live).display()
+            );
         }
         self.record_rollback(names, copy.as_fd())
     }

@@ -16,7 +16,7 @@ use super::{VolumeStore, nested_counterparts, with_cleanup};
 use crate::failpoint::failpoint;
 use crate::layout::Names;
 use crate::outcome::{SnapshotOutcome, VolumeKind};
-use crate::quota::QuotaCarry;
+use crate::quota::{self, QuotaCarry};
 use crate::record;
 use crate::sys;
 
@@ -111,10 +111,14 @@ impl VolumeStore {
         // The backup joins the volume's qgroups: with full quotas, a
         // snapshot of a group member that joins no group makes the
         // kernel mark every number inconsistent.
-        let inherit = match QuotaCarry::read(live.as_fd()) {
-            Ok(carry) => QuotaCarry::inherit_of(carry.as_ref()),
-            Err(e) => return ("reading the qgroups of", Err(e)),
-        };
+        let carry = quota::or_warn(
+            format_args!(
+                "backing up {}",
+                self.root.path().join(&names.live).display()
+            ),
+            QuotaCarry::read(live.as_fd()),
+        );
+        let inherit = QuotaCarry::inherit_of(carry.as_ref());
         let inherit = inherit.as_ref();
         match self.read_only_in_one_step(live.as_fd(), names, inherit) {
             Ok(true) => {
