@@ -78,13 +78,20 @@ fn an_update_killed_at_each_step_comes_back_whole() {
             }
         },
     );
-    // The old version's stop, the snapshot's own steps and the commits on
-    // either side of the new version's install are all on the path.
+    // Every kill point of the stand-ins an update passes (each state
+    // commit on both sides, the download, the old container's stop, the
+    // new one's start, a half-written init) and the snapshot's own steps.
     for fp in [
+        "flow.commit.updating",
+        "flow.committed.updating",
+        "flow.downloaded",
+        "flow.stopping",
         "flow.stopped",
         "snapshot.created",
         "snapshot.frozen",
+        "flow.started",
         "flow.init.partial",
+        "flow.commit.installed",
         "flow.committed.installed",
     ] {
         assert!(reached.iter().any(|r| r == fp), "{fp} not reached");
@@ -256,12 +263,23 @@ fn an_uninstall_killed_at_each_step_is_finished_or_undone() {
             }
         }
         eprintln!("{label} uninstall: kill points reached: {reached:?}");
-        assert!(
-            reached.iter().any(|r| r == "flow.stopped"),
-            "{label}: {reached:?}"
-        );
+        // Every step either uninstall passes: the container's stop on
+        // both sides, and for a hard one each step of the volume's
+        // removal (its backup dropped, the rename, the trash).
+        let mut expected = vec!["flow.stopping", "flow.stopped"];
         if !soft {
-            assert!(reached.iter().any(|r| r == "delete.renamed"), "{reached:?}");
+            expected.extend([
+                "delete.backup-dropped",
+                "delete.renamed",
+                "trash.moved",
+                "trash.deleting",
+            ]);
+        }
+        for fp in expected {
+            assert!(
+                reached.iter().any(|r| r == fp),
+                "{label}: {fp} not reached: {reached:?}"
+            );
         }
     }
 }

@@ -169,9 +169,23 @@ pub fn last_writes_before_stop(run: &Run, id: &str) -> Vec<String> {
         .collect()
 }
 
+/// The pids of `id`'s containers that `run` started for a version other
+/// than `version`, as the run logged them.
+pub fn other_versions_pids(run: &Run, id: &str, version: &str) -> Vec<String> {
+    let logged = format!("container of {id} ");
+    run.stderr
+        .lines()
+        .filter_map(|l| l.split_once(logged.as_str()))
+        .filter_map(|(_, rest)| rest.split_once(" started: pid "))
+        .filter(|(v, _)| *v != version)
+        .map(|(_, pid)| pid.trim().to_owned())
+        .collect()
+}
+
 /// Back on `old` with the data it had, byte for byte: every write its
 /// service made kept, the log going on from where it was, the last line
-/// its container wrote before a stop in `run` (the update's) in it.
+/// its container wrote before a stop in `run` (the update's) in it, and
+/// none of what a container of another version started in `run` wrote.
 #[track_caller]
 pub fn assert_old(b: &Box_, run: &Run, id: &str, old: &str, before: &Before, when: &str) {
     assert_settled(b, run, id, old, when);
@@ -186,6 +200,13 @@ pub fn assert_old(b: &Box_, run: &Run, id: &str, old: &str, before: &Before, whe
         assert!(
             now.lines().any(|l| l == last),
             "{when}: the rollback lost {last:?}, written before the stop"
+        );
+    }
+    for pid in other_versions_pids(run, id, old) {
+        let theirs = format!("{id} {pid} ");
+        assert!(
+            !now.lines().any(|l| l.starts_with(&theirs)),
+            "{when}: the log keeps what the container of another version (pid {pid}) wrote"
         );
     }
 }
