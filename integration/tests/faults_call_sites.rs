@@ -181,6 +181,14 @@ fn finalization() {
                 "{when}: the failure is told for the package: {told:?}"
             );
         }
+        // Every error the system call's failure surfaced as names the
+        // package it happened to.
+        for line in out.stderr.lines().filter(|l| l.contains("(os error")) {
+            assert!(
+                line.contains(p.as_str()),
+                "{when}: an error not naming {p}: {line}"
+            );
+        }
         let run = run(&b, &[boot()]);
         match run.installed(&p).as_deref() {
             Some("1") => {
