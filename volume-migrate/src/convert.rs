@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use models::{Error, ErrorKind, PackageId, ResultExt};
 use volume::copy;
+use volume::failpoint::failpoint;
 use volume::layout::Names;
 use volume::sys;
 
@@ -27,6 +28,7 @@ use crate::parent_plan::ParentPlan;
 use crate::report::{Outcome, PackageReport, Planned};
 use crate::rest::RestRecord;
 use crate::scan::scan;
+use crate::split;
 use crate::state::{Kind, State, settle_exchanged};
 use crate::track::Tracker;
 use crate::{Estimate, Method, Phase, ProgressSink};
@@ -92,7 +94,7 @@ impl Migrator {
         sink: &mut dyn ProgressSink,
     ) -> Result<PackageReport, Error> {
         let planned = self
-            .schedule_for(std::slice::from_ref(pkg), opts, false)?
+            .schedule_for(std::slice::from_ref(pkg), opts, false, false)?
             .pop()
             .unwrap_or_else(|| Planned::undecided(pkg.clone(), false, false));
         self.convert_planned(&planned, opts, sink)
@@ -239,7 +241,7 @@ impl Migrator {
         if !(job.unclonable && resume && job.opts.method == Method::Auto) {
             return Ok(false);
         }
-        let fresh = self.schedule_for(std::slice::from_ref(job.pkg), job.opts, false)?;
+        let fresh = self.schedule_for(std::slice::from_ref(job.pkg), job.opts, false, false)?;
         let Some(planned) = fresh
             .into_iter()
             .find(|p| p.decision == Some(Decision::SnapshotParent))
@@ -387,7 +389,14 @@ impl Migrator {
             copy::remove_tree_at(self.root_fd(), &names.migrate, &mut |_| Ok(()))
                 .with_ctx(step(pkg, "removing a partial copy"))?;
         }
-        match job.carve_parent(plan) {
+        let plan = self.from_share(pkg, plan, planned);
+        let carved = job.carve_parent(plan);
+        // Whatever became of this package, the shares it was the last
+        // member of serve no one now.
+        if let Err(e) = split::drop_shares(self.root_fd(), &planned.drop_shares) {
+            tracing::warn!(package = %pkg, error = %e, "deleting the shared cuts it was the last member of");
+        }
+        match carved {
             Ok(carved) => {
                 job.swap_in(&names.migrate_parent, carved)?;
                 Ok(true)
@@ -402,6 +411,35 @@ impl Migrator {
                 Ok(false)
             }
         }
+    }
+
+    /// `plan` with the snapshot to take from the last of `planned`'s shares
+    /// (the `split` module), each made now if not yet, under this
+    /// package's lock; unchanged (the parent) if it has none. A share that
+    /// cannot be made fails nothing: the parent is snapshotted instead,
+    /// which keeps every identity and only sheds more.
+    fn from_share(&self, pkg: &PackageId, mut plan: ParentPlan, planned: &Planned) -> ParentPlan {
+        if planned.shares.is_empty() {
+            return plan;
+        }
+        let volumes = plan.keep.parent().unwrap_or(Path::new("")).to_owned();
+        let made = split::source(
+            self.root_fd(),
+            plan.root.as_fd(),
+            &volumes,
+            &planned.shares,
+            &mut || {
+                self.count_removed();
+                failpoint("migrate.share-removed")
+            },
+        );
+        match made {
+            Ok(fd) => plan.root = fd,
+            Err(e) => {
+                tracing::warn!(package = %pkg, error = %e, "making its shared cut failed: snapshotting the parent instead");
+            }
+        }
+        plan
     }
 
     /// What the cut needs, where the plan decided on a snapshot of the

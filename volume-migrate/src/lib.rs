@@ -115,6 +115,8 @@ mod scan;
 #[cfg(target_os = "linux")]
 mod shed;
 #[cfg(target_os = "linux")]
+mod split;
+#[cfg(target_os = "linux")]
 mod state;
 #[cfg(target_os = "linux")]
 mod track;
@@ -130,6 +132,8 @@ pub use options::{
 };
 #[cfg(target_os = "linux")]
 pub use report::{Outcome, PackageReport, Planned, ReportError};
+#[cfg(target_os = "linux")]
+pub use split::{HEAVY_US, SPLIT_DIR, Share};
 
 use std::time::Duration;
 

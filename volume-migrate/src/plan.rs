@@ -6,6 +6,7 @@
 //! the page cache has its extents): a crash while planning leaves nothing
 //! behind.
 
+use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::AtomicBool;
@@ -21,6 +22,7 @@ use crate::migrate::Migrator;
 use crate::options::MigrateOptions;
 use crate::report::Planned;
 use crate::scan::{self, scan};
+use crate::split;
 use crate::state::{Kind, State};
 use crate::{Estimate, Method};
 
@@ -53,7 +55,7 @@ impl Migrator {
 
     /// [`Migrator::plan`] for a run with `opts` (its method).
     pub fn plan_with(&self, opts: &MigrateOptions) -> Result<Vec<Planned>, Error> {
-        let mut planned = self.schedule_for(&self.packages()?, opts, true)?;
+        let mut planned = self.schedule_for(&self.packages()?, opts, true, false)?;
         for p in &mut planned {
             if p.decision.is_some() {
                 self.estimate(p)?;
@@ -109,16 +111,19 @@ impl Migrator {
         packages: &[PackageId],
         opts: &MigrateOptions,
     ) -> Result<Vec<Planned>, Error> {
-        self.schedule_for(packages, opts, true)
+        self.schedule_for(packages, opts, true, !opts.dry_run)
     }
 
     /// [`Migrator::schedule`]; `bytes`: also count the file bytes of every
-    /// plain directory the decision did not count whole.
+    /// plain directory the decision did not count whole; `fresh`: a run
+    /// follows, so the shares an earlier run left are deleted first if any
+    /// are planned (not for a dry run, which changes nothing).
     pub(crate) fn schedule_for(
         &self,
         packages: &[PackageId],
         opts: &MigrateOptions,
         bytes: bool,
+        fresh: bool,
     ) -> Result<Vec<Planned>, Error> {
         if !self.root.is_btrfs() {
             return Ok(Vec::new());
@@ -159,17 +164,100 @@ impl Migrator {
             p.decision = Some(d.decision);
             p.cut = d.cut;
         }
+        let ranks = match &parent {
+            Some(Ok(_)) => self.lay_out(&mut planned, fresh)?,
+            _ => HashMap::new(),
+        };
         planned.extend(refused);
-        // The snapshots first, each in milliseconds, so that no service
-        // waits for a clone; then the clones, by name.
+        // The snapshots first, in the order of their shares (the `split`
+        // module: the dominant one first, a share's members together),
+        // so that no service waits for a clone; then the clones, by name.
         planned.sort_by_key(|p| {
             (
                 p.decision != Some(Decision::SnapshotParent),
+                ranks.get(&p.package).copied().unwrap_or(usize::MAX),
                 p.package.clone(),
             )
         });
         planned.extend(leftovers);
         Ok(planned)
+    }
+
+    /// Where each package to be snapshotted takes its snapshot from (the
+    /// `split` module), with what that costs; returns each one's rank in
+    /// the order. Weighs each package first, up to [`split::HEAVY_US`] of
+    /// cutting. With `fresh`, deletes the shares an earlier run left, if
+    /// any shares are planned.
+    fn lay_out(
+        &self,
+        planned: &mut [Planned],
+        fresh: bool,
+    ) -> Result<HashMap<PackageId, usize>, Error> {
+        let snaps: Vec<&Planned> = planned
+            .iter()
+            .filter(|p| p.decision == Some(Decision::SnapshotParent))
+            .collect();
+        if snaps.len() < split::SPLIT_MIN {
+            return Ok(HashMap::new());
+        }
+        let rest = snaps.iter().find_map(|p| p.cut).unwrap_or_default();
+        let weighed: Vec<(PackageId, Cost)> = snaps
+            .iter()
+            .map(|p| (p.package.clone(), self.weigh(&p.package)))
+            .collect();
+        let mut ranks = HashMap::new();
+        for (rank, (pkg, placed)) in split::layout(&weighed, rest).into_iter().enumerate() {
+            if let Some(p) = planned.iter_mut().find(|p| p.package == pkg) {
+                p.shed = Some(placed.cost);
+                p.shares = placed.shares;
+                p.drop_shares = placed.drop;
+            }
+            ranks.insert(pkg, rank);
+        }
+        if fresh && planned.iter().any(|p| !p.shares.is_empty()) {
+            split::wipe(self.root_fd()).with_ctx(|_| {
+                (
+                    ErrorKind::Filesystem,
+                    format!(
+                        "deleting the shared cuts an earlier run left in {}",
+                        self.root.path().display()
+                    ),
+                )
+            })?;
+        }
+        Ok(ranks)
+    }
+
+    /// What cutting the tree of the plain directory `pkg` out of a snapshot
+    /// costs, counted up to [`split::HEAVY_US`] (then a lower bound). A
+    /// tree that cannot be counted weighs as heavy: the conversion reports
+    /// its own errors.
+    fn weigh(&self, pkg: &PackageId) -> Cost {
+        let stop = AtomicBool::new(false);
+        let counted = sys::open_dir_at(self.root_fd(), OsStr::new(pkg.as_str())).and_then(|dir| {
+            scan::scan_within(
+                dir.as_fd(),
+                scan::Limits {
+                    stop: &stop,
+                    max_work: split::HEAVY_US,
+                    weights: crate::cost::CUT,
+                    skip: None,
+                    one_device: true,
+                    in_place: false,
+                },
+            )
+        });
+        match counted {
+            Ok(c) => Cost::cut_of(&c.est, 0, c.complete),
+            Err(e) => {
+                tracing::info!(package = %pkg, error = %e, "weighing the volume failed: taken as heavy");
+                Cost {
+                    micros: split::HEAVY_US,
+                    at_least: true,
+                    ..Cost::default()
+                }
+            }
+        }
     }
 
     /// The subvolume holding the volumes root, or why no package can be
@@ -318,15 +406,22 @@ pub(crate) fn read_mount_tables(pkg: &PackageId) -> Result<volume::mounts::Mount
     })
 }
 
-/// What each snapshot of a dry run's plan sheds in the background: the rest
-/// outside the packages, which the schedule counted, and every other
-/// package.
+/// What each snapshot of a dry run's plan sheds in the background: for one
+/// of the parent, the rest outside the packages, which the schedule
+/// counted, and every other package; for one of a share, what the schedule
+/// weighed of its share's other members and the shares it makes.
 fn shed_costs(planned: &mut [Planned]) {
     let all = planned
         .iter()
         .filter_map(|p| p.estimate)
         .fold(Estimate::default(), |acc, e| acc.plus(&e));
     for p in planned {
+        // A share's member sheds its share's other members, which the
+        // schedule weighed: that is its cost.
+        if !p.shares.is_empty() {
+            p.cut = p.shed;
+            continue;
+        }
         if let (Some(cut), Some(own)) = (p.cut, p.estimate) {
             let others = Estimate {
                 entries: all.entries - own.entries,

@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use crate::cost::Cost;
 use crate::decide::{CloneReason, Decision};
+use crate::split::Share;
 use crate::{Estimate, Method};
 
 /// What happened to one package.
@@ -153,6 +154,18 @@ pub struct Planned {
     /// [`crate::Migrator::plan`]): a run fails it with this reason, and
     /// converts the others.
     pub refused: Option<String>,
+    /// For a snapshot: what it costs in the background with the other
+    /// packages it carries, by [`crate::cost`]: what its snapshot sheds
+    /// (every other package and the rest, for one of the parent; the other
+    /// members, for one of a share) and the cuts of the shares it makes
+    /// (the `split` module). At least this where a count stopped.
+    pub shed: Option<Cost>,
+    /// The shares its volume's snapshot is taken of, from the top down
+    /// (the `split` module); empty: the parent itself.
+    pub shares: Vec<Share>,
+    /// The shares its conversion deletes once done: it is their last
+    /// member in the schedule's order.
+    pub drop_shares: Vec<String>,
 }
 
 impl Planned {
@@ -168,6 +181,9 @@ impl Planned {
             resume,
             old_pending,
             refused: None,
+            shed: None,
+            shares: Vec::new(),
+            drop_shares: Vec::new(),
         }
     }
 

@@ -1,0 +1,134 @@
+//! The default conversion's background work at many packages (issue 31):
+//! every package converted by a snapshot keeps every file's identity, and
+//! the entries removed in all (shared cuts, rests, old trees) stay within a
+//! few times the box, not once per package.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use integration::identity::{Identity, Kept, identities};
+use integration::{LoopFs, fs_or_skip};
+use volume_migrate::{Decision, MigrateOptions, Migrator, Outcome, Progress, SPLIT_DIR};
+
+/// Packages in the box.
+const PACKAGES: usize = 48;
+/// Files per package (in two directories, so entries are 22 a package).
+const FILES: usize = 20;
+/// The entries removed in all, at most this many times the box's entries.
+/// A split in halves sheds each entry about once per level (log2(47) is
+/// under 6), the dominant package's snapshot and the old trees once more
+/// each; one snapshot of the parent per package shed it 47 times.
+const AT_MOST_BOXES: u64 = 10;
+
+/// A box of [`PACKAGES`] plain package directories beside a little rest
+/// outside them; returns the packages' entries in all.
+fn build(fs: &LoopFs, root: &Path) -> u64 {
+    fs::write(fs.path("outside"), b"not a package").unwrap();
+    let mut entries = 0;
+    for i in 0..PACKAGES {
+        let pkg = root.join(format!("pkg{i:02}"));
+        // One package larger than the others: the dominant one.
+        let files = if i == 7 { FILES * 5 } else { FILES };
+        for d in ["data", "assets"] {
+            fs::create_dir_all(pkg.join(d)).unwrap();
+            entries += 1;
+        }
+        for f in 0..files {
+            let dir = if f % 2 == 0 { "data" } else { "assets" };
+            fs::write(pkg.join(dir).join(format!("f{f}")), format!("{i} {f}")).unwrap();
+            entries += 1;
+        }
+    }
+    entries
+}
+
+type Before = BTreeMap<String, (BTreeMap<PathBuf, Identity>, BTreeMap<PathBuf, Vec<u8>>)>;
+
+fn contents(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    for d in ["data", "assets"] {
+        for e in fs::read_dir(dir.join(d)).unwrap() {
+            let e = e.unwrap();
+            let rel = Path::new(d).join(e.file_name());
+            out.insert(rel, fs::read(e.path()).unwrap());
+        }
+    }
+    out
+}
+
+#[test]
+fn many_packages_shed_a_few_boxes_and_keep_every_identity() {
+    let fs = fs_or_skip!(LoopFs::btrfs(1 << 30));
+    let root = fs.path("volumes");
+    fs::create_dir_all(&root).unwrap();
+    let box_entries = build(&fs, &root);
+    let before: Before = (0..PACKAGES)
+        .map(|i| {
+            let p = format!("pkg{i:02}");
+            let dir = root.join(&p);
+            (p, (identities(&dir).unwrap(), contents(&dir)))
+        })
+        .collect();
+
+    let m = Migrator::open(&root).unwrap();
+    let opts = MigrateOptions {
+        defer_cut: true,
+        remove_old: true,
+        ..MigrateOptions::default()
+    };
+    let reports = m
+        .run(&opts, &mut |_: &Progress| {}, &mut |_| {})
+        .expect("the run");
+    assert_eq!(reports.len(), PACKAGES);
+    for r in &reports {
+        assert_eq!(
+            r.outcome,
+            Outcome::Converted,
+            "{}: {:?}",
+            r.package,
+            r.error
+        );
+        assert_eq!(r.decision, Some(Decision::SnapshotParent), "{}", r.package);
+        assert!(r.old_removed, "{}", r.package);
+    }
+
+    for (p, (ids, data)) in &before {
+        let dir = root.join(p);
+        let kept = Kept::of(ids, &identities(&dir).unwrap());
+        assert_eq!(
+            kept.shares().0,
+            1.0,
+            "{p}: every entry keeps its inode and birth time"
+        );
+        assert_eq!(&contents(&dir), data, "{p}: contents");
+        let mut top: Vec<_> = fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        top.sort();
+        assert_eq!(top, ["assets", "data"], "{p}: nothing else left at its top");
+    }
+    let mut names: Vec<_> = fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| !n.starts_with("pkg"))
+        .collect();
+    names.sort();
+    assert!(
+        !names.iter().any(|n| n == SPLIT_DIR),
+        "the shares are gone: {names:?}"
+    );
+
+    let removed = m.entries_removed();
+    eprintln!(
+        "{PACKAGES} packages, {box_entries} entries: {removed} removed ({:.1} boxes)",
+        removed as f64 / box_entries as f64
+    );
+    assert!(
+        removed <= AT_MOST_BOXES * box_entries,
+        "{removed} entries removed for a box of {box_entries}: over {AT_MOST_BOXES} boxes"
+    );
+}
