@@ -26,6 +26,10 @@ use crate::split;
 use crate::state::{Kind, State};
 use crate::{Estimate, Method};
 
+/// Threads that weigh the packages to be snapshotted (the `split`
+/// module's count), each a share of them.
+const WEIGHING_THREADS: usize = 4;
+
 /// The packages of a schedule, sorted by what there is to do, before
 /// anything is decided.
 #[derive(Default)]
@@ -201,10 +205,26 @@ impl Migrator {
             return Ok(HashMap::new());
         }
         let rest = snaps.iter().find_map(|p| p.cut).unwrap_or_default();
-        let weighed: Vec<(PackageId, Cost)> = snaps
-            .iter()
-            .map(|p| (p.package.clone(), self.weigh(&p.package)))
-            .collect();
+        // A cold count is a chain of synchronous reads: a few threads
+        // overlap them (as the scan's slices do).
+        let names: Vec<&PackageId> = snaps.iter().map(|p| &p.package).collect();
+        let chunk = names.len().div_ceil(WEIGHING_THREADS);
+        let weighed: Vec<(PackageId, Cost)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = names
+                .chunks(chunk)
+                .map(|part| {
+                    scope.spawn(move || {
+                        part.iter()
+                            .map(|p| ((*p).clone(), self.weigh(p)))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                .collect()
+        });
         let mut ranks = HashMap::new();
         for (rank, (pkg, placed)) in split::layout(&weighed, rest).into_iter().enumerate() {
             if let Some(p) = planned.iter_mut().find(|p| p.package == pkg) {

@@ -57,6 +57,7 @@ use volume::sys;
 
 use crate::carve;
 use crate::cost::Cost;
+use crate::shed::COMMIT_EVERY;
 
 /// The directory of the volumes root that holds the shares.
 pub const SPLIT_DIR: &str = ".migrate-split";
@@ -239,7 +240,8 @@ fn minus(a: Cost, b: Cost) -> Cost {
 /// `parent` is the parent subvolume's root, `volumes` the volumes root's
 /// path in it. `on_removed` is called after each entry a cut removes. An
 /// error leaves at most a `<id>.tmp` share half cut, which the next making
-/// of that share or the cleanup deletes.
+/// of that share or the cleanup deletes (it is deleted at once where it
+/// can be).
 pub(crate) fn source(
     root: BorrowedFd<'_>,
     parent: BorrowedFd<'_>,
@@ -267,10 +269,21 @@ pub(crate) fn source(
             .iter()
             .map(|p| OsStr::new(p.as_str()))
             .collect();
-        carve::cut_to(fd.as_fd(), volumes, &|n| keep.contains(n), &mut |_| {
+        // Metadata committed every so many entries, as the cleanup does
+        // (the `shed` module): what the cut copied is freed as it goes.
+        let cut = carve::cut_to(fd.as_fd(), volumes, &|n| keep.contains(n), &mut |n| {
+            if n % COMMIT_EVERY == 0 {
+                sys::commit_metadata(fd.as_fd())?;
+            }
             on_removed()
-        })?;
-        sys::rename_noreplace(dir.as_fd(), &tmp, &name)?;
+        })
+        .and_then(|()| sys::rename_noreplace(dir.as_fd(), &tmp, &name));
+        if let Err(e) = cut {
+            // Half cut: of no use, and holding what it copied.
+            drop(fd);
+            let _ = copy::remove_tree_at(dir.as_fd(), &tmp, &mut |_| Ok(()));
+            return Err(e);
+        }
         src = fd;
     }
     Ok(src)
