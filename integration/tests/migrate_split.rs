@@ -15,13 +15,14 @@ use volume_migrate::{Decision, MigrateOptions, Migrator, Outcome, Progress, SPLI
 
 /// Packages in the box.
 const PACKAGES: usize = 48;
-/// Files per package (in two directories, so entries are 22 a package).
-const FILES: usize = 20;
+/// Files per package (in two directories, so entries are 62 a package).
+const FILES: usize = 60;
 /// The entries removed in all, at most this many times the box's entries.
 /// A split in halves sheds each entry about once per level (log2(47) is
-/// under 6), the dominant package's snapshot and the old trees once more
+/// under 6), a member of a share too light to split again its few
+/// siblings, the dominant package's snapshot and the old trees once more
 /// each; one snapshot of the parent per package shed it 47 times.
-const AT_MOST_BOXES: u64 = 10;
+const AT_MOST_BOXES: u64 = 12;
 
 /// A box of [`PACKAGES`] plain package directories beside a little rest
 /// outside them; returns the packages' entries in all.
@@ -31,7 +32,7 @@ fn build(fs: &LoopFs, root: &Path) -> u64 {
     for i in 0..PACKAGES {
         let pkg = root.join(format!("pkg{i:02}"));
         // One package larger than the others: the dominant one.
-        let files = if i == 7 { FILES * 5 } else { FILES };
+        let files = if i == 7 { FILES * 3 } else { FILES };
         for d in ["data", "assets"] {
             fs::create_dir_all(pkg.join(d)).unwrap();
             entries += 1;

@@ -389,7 +389,7 @@ impl Migrator {
             copy::remove_tree_at(self.root_fd(), &names.migrate, &mut |_| Ok(()))
                 .with_ctx(step(pkg, "removing a partial copy"))?;
         }
-        let plan = self.from_share(pkg, plan, planned);
+        let plan = self.take_from_share(pkg, plan, planned);
         let carved = job.carve_parent(plan);
         // Whatever became of this package, the shares it was the last
         // member of serve no one now.
@@ -418,7 +418,12 @@ impl Migrator {
     /// package's lock; unchanged (the parent) if it has none. A share that
     /// cannot be made fails nothing: the parent is snapshotted instead,
     /// which keeps every identity and only sheds more.
-    fn from_share(&self, pkg: &PackageId, mut plan: ParentPlan, planned: &Planned) -> ParentPlan {
+    fn take_from_share(
+        &self,
+        pkg: &PackageId,
+        mut plan: ParentPlan,
+        planned: &Planned,
+    ) -> ParentPlan {
         if planned.shares.is_empty() {
             return plan;
         }

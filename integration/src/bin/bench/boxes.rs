@@ -204,8 +204,18 @@ fn decisions(root: &Path, ids: &BTreeSet<PackageId>) -> Result<(Vec<(String, usi
     Ok((out, shares.len()))
 }
 
+/// What upstream's way measured, with the box's entries and the
+/// schedule's decisions (a dry run's, on its box before it ran).
+struct UpstreamRun {
+    entries: u64,
+    took: f64,
+    removal: f64,
+    decisions: Vec<(String, usize)>,
+    shares: usize,
+}
+
 /// Upstream's way: its whole maintenance, and its inline removals.
-fn upstream(shape: &Shape) -> Result<(u64, f64, f64, Vec<(String, usize)>, usize)> {
+fn upstream(shape: &Shape) -> Result<UpstreamRun> {
     let (fs, root, entries) = fresh(shape)?;
     let ids = ids(shape)?;
     let (decisions, shares) = decisions(&root, &ids)?;
@@ -224,11 +234,27 @@ fn upstream(shape: &Shape) -> Result<(u64, f64, f64, Vec<(String, usize)>, usize
         .map(|c| c.removal_time.as_secs_f64())
         .sum();
     fs.close()?;
-    Ok((entries, took, removal, decisions, shares))
+    Ok(UpstreamRun {
+        entries,
+        took,
+        removal,
+        decisions,
+        shares,
+    })
+}
+
+/// What our way measured.
+struct OursRun {
+    /// Each package's readiness event.
+    ready: Vec<(String, Duration)>,
+    /// From the start to the cleanup's end.
+    total: f64,
+    /// Packages that kept every identity, of all.
+    kept: (usize, usize),
 }
 
 /// Ours: readiness events, the whole work, identities kept.
-fn ours(shape: &Shape) -> Result<(Vec<(String, Duration)>, f64, (usize, usize))> {
+fn ours(shape: &Shape) -> Result<OursRun> {
     let (fs, root, _) = fresh(shape)?;
     let ids = ids(shape)?;
     let before: Vec<_> = shape
@@ -261,7 +287,11 @@ fn ours(shape: &Shape) -> Result<(Vec<(String, Duration)>, f64, (usize, usize))>
         }
     }
     fs.close()?;
-    Ok((progress.ready, total, (kept, before.len())))
+    Ok(OursRun {
+        ready: progress.ready,
+        total,
+        kept: (kept, before.len()),
+    })
 }
 
 /// Ours through the call sites' readiness step: each package's load's
@@ -294,9 +324,13 @@ fn loads(shape: &Shape) -> Result<Vec<(String, f64)>> {
 fn case(shape: &Shape) -> Result<BoxCase> {
     let n = shape.packages().len();
     eprintln!("boxes: {n} packages: upstream's boot conversion");
-    let (entries, up, removal, decisions, shares) = upstream(shape)?;
+    let up = upstream(shape)?;
     eprintln!("boxes: {n} packages: ours");
-    let (ready, ours_total, identity_kept) = ours(shape)?;
+    let OursRun {
+        ready,
+        total: ours_total,
+        kept: identity_kept,
+    } = ours(shape)?;
     eprintln!("boxes: {n} packages: ours through the call sites");
     let loads = loads(shape)?;
     let dominant = shape.dominant();
@@ -314,9 +348,9 @@ fn case(shape: &Shape) -> Result<BoxCase> {
         .unwrap_or_default();
     Ok(BoxCase {
         packages: n,
-        entries,
-        upstream: up,
-        upstream_removal: removal,
+        entries: up.entries,
+        upstream: up.took,
+        upstream_removal: up.removal,
         dominant_ready: at(&dominant).unwrap_or(f64::INFINITY),
         last_ready: ready
             .iter()
@@ -325,8 +359,8 @@ fn case(shape: &Shape) -> Result<BoxCase> {
         last_load,
         ours_total,
         identity_kept,
-        decisions,
-        shares,
+        decisions: up.decisions,
+        shares: up.shares,
     })
 }
 
