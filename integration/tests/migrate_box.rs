@@ -344,7 +344,7 @@ const RUN_STEPS: &[&str] = &[
     "migrate.exchanged@1",
     "migrate.old-renamed@1",
     "migrate.share-removed@1",
-    "migrate.share-removed@100",
+    "migrate.share-removed@3",
     "migrate.parent-snapshot@4",
     "migrate.durable@5",
     "migrate.rest-recorded@6",
