@@ -133,3 +133,46 @@ fn many_packages_shed_a_few_boxes_and_keep_every_identity() {
         "{removed} entries removed for a box of {box_entries}: over {AT_MOST_BOXES} boxes"
     );
 }
+
+/// A share whose cut fails (EIO at its second entry removed) fails no
+/// package: its member is snapshotted from the parent instead, the share is
+/// made again for the next member, and every package keeps every identity,
+/// nothing left over (the CLI, failpoints armed).
+#[test]
+fn a_share_that_cannot_be_cut_fails_no_package() {
+    let fs = fs_or_skip!(LoopFs::btrfs(1 << 30));
+    let root = fs.path("volumes");
+    fs::create_dir_all(&root).unwrap();
+    build(&fs, &root);
+    let before: Before = (0..PACKAGES)
+        .map(|i| {
+            let p = format!("pkg{i:02}");
+            let dir = root.join(&p);
+            (p, (identities(&dir).unwrap(), contents(&dir)))
+        })
+        .collect();
+    let out = std::process::Command::new(common::volume_migrate_bin())
+        .arg("--root")
+        .arg(&root)
+        .arg("--json")
+        .env(volume::FAILPOINT_ENV, "migrate.share-removed@2=eio")
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("running volume-migrate");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("snapshotting the parent instead"), "{text}");
+    for (p, (ids, data)) in &before {
+        let dir = root.join(p);
+        let kept = Kept::of(ids, &identities(&dir).unwrap());
+        assert_eq!(kept.shares().0, 1.0, "{p}: identities");
+        assert_eq!(&contents(&dir), data, "{p}: contents");
+    }
+    let names: Vec<_> = fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| !n.starts_with("pkg"))
+        .collect();
+    assert!(!names.iter().any(|n| n == SPLIT_DIR), "{names:?}");
+}
