@@ -35,6 +35,17 @@
 //! With fewer than [`SPLIT_MIN`] packages, each is snapshotted from the
 //! parent, as before.
 //!
+//! What a share holds of a member is its tree when the share's first
+//! snapshot was taken, and the member's own conversion comes later, under
+//! its own lock: whatever were written into its plain directory in
+//! between would not be in its volume. A run converts packages whose
+//! services wait for them (the boot's contract: a service starts once its
+//! package is ready, and nothing else writes a package's volume at a
+//! boot); the member's conversion still checks that its directory in the
+//! share is the same inode as the live one, and any other difference is
+//! not looked for. Taking every member's lock for the share's life is what
+//! would close it, at the cost of holding a lock across calls.
+//!
 //! Crash safety: the shares live in one directory of the volumes root,
 //! [`SPLIT_DIR`] (a name no package id has: ids hold no dot), each made
 //! under `<id>.tmp` and renamed to `<id>` once cut, so a share under its
