@@ -191,7 +191,7 @@ impl Migrator {
     /// `split` module), with what that costs; returns each one's rank in
     /// the order. Weighs each package first, up to [`split::HEAVY_US`] of
     /// cutting. With `fresh`, deletes the shares an earlier run left, if
-    /// any shares are planned.
+    /// any shares are planned (if it cannot, plans none).
     fn lay_out(
         &self,
         planned: &mut [Planned],
@@ -234,16 +234,19 @@ impl Migrator {
             }
             ranks.insert(pkg, rank);
         }
-        if fresh && planned.iter().any(|p| !p.shares.is_empty()) {
-            split::wipe(self.root_fd()).with_ctx(|_| {
-                (
-                    ErrorKind::Filesystem,
-                    format!(
-                        "deleting the shared cuts an earlier run left in {}",
-                        self.root.path().display()
-                    ),
-                )
-            })?;
+        // An earlier run's share must not serve this one's (its members'
+        // trees may have changed since). Left where it cannot be deleted,
+        // no share is made this run: each package is snapshotted from the
+        // parent, as without shares.
+        if fresh
+            && planned.iter().any(|p| !p.shares.is_empty())
+            && let Err(e) = split::wipe(self.root_fd())
+        {
+            tracing::warn!(error = %e, "deleting the shared cuts an earlier run left failed: snapshotting every package from the parent");
+            for p in planned.iter_mut() {
+                p.shares.clear();
+                p.drop_shares.clear();
+            }
         }
         Ok(ranks)
     }
