@@ -144,14 +144,8 @@ fn every_package_of_the_box_keeps_every_files_identity() {
     for p in &plan {
         assert_eq!(p.decision, Some(Decision::SnapshotParent), "{p:?}");
     }
-    // The dominant package first, from the parent; every other from a
-    // share (the `split` module).
-    let mut names: Vec<&str> = plan.iter().map(|p| p.package.as_str()).collect();
-    assert_eq!(names[0], DOMINANT, "the dominant one first");
-    assert!(plan[0].shares.is_empty(), "{:?}", plan[0]);
-    assert!(plan[1..].iter().all(|p| !p.shares.is_empty()), "{plan:?}");
-    names.sort_unstable();
-    assert_eq!(names, shape.packages());
+    let names: Vec<&str> = plan.iter().map(|p| p.package.as_str()).collect();
+    assert_eq!(names, shape.packages(), "by name");
 
     // bitcoind's NOCOW files count as the rest's when bitcoind is not
     // converted in the same run; a NOCOW file outside every package always.
@@ -179,12 +173,11 @@ fn every_package_of_the_box_keeps_every_files_identity() {
         Some(Decision::Clone(CloneReason::InPlaceFiles { files: 1 })),
     );
     fs::remove_file(&outside).unwrap();
-    // The rest outside the packages is shed twice (by the dominant
-    // package's snapshot and by the top share): past the bound, added up
-    // over both, none is snapshotted.
+    // Every package sheds the rest outside the packages: past the bound,
+    // added up over the eight, none is snapshotted.
     let crowd = fs.path("crowd");
     fs::create_dir(&crowd).unwrap();
-    let over = volume_migrate::REST_MAX_US / CUT_ENTRY_US / 2 + 1;
+    let over = volume_migrate::REST_MAX_US / CUT_ENTRY_US / all.len() as u64 + 1;
     for i in 0..over {
         fs::write(crowd.join(i.to_string()), b"").unwrap();
     }
@@ -330,10 +323,8 @@ fn the_rest_is_removed_again_after_a_restore_brings_it_back() {
 }
 
 /// The steps of a whole run of the CLI (convert every package, then remove
-/// the old trees), in the order they happen: eight cuts in the schedule's
-/// order (the dominant package's of the parent, then the others' of the
-/// shares, each share cut by its first member), then the removals (each
-/// rest, then each old tree).
+/// the old trees), in the order they happen: eight cuts in name order, then
+/// the removals (each rest, then each old tree).
 const RUN_STEPS: &[&str] = &[
     "migrate.parent-snapshot",
     "migrate.carve-held",
@@ -343,8 +334,6 @@ const RUN_STEPS: &[&str] = &[
     "migrate.durable@1",
     "migrate.exchanged@1",
     "migrate.old-renamed@1",
-    "migrate.share-removed@1",
-    "migrate.share-removed@3",
     "migrate.parent-snapshot@4",
     "migrate.durable@5",
     "migrate.rest-recorded@6",
@@ -353,7 +342,7 @@ const RUN_STEPS: &[&str] = &[
     "migrate.rest-removed@1",
     "migrate.rest-removed@500",
     "migrate.rest-rmdir@3",
-    "migrate.rest-removed@300",
+    "migrate.rest-removed@3000",
     "migrate.remove@1",
     "migrate.remove@400",
 ];

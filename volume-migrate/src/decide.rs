@@ -15,20 +15,28 @@
 //! its next write).
 //!
 //! What a package's snapshot sheds afterwards, in the background, is what
-//! its source holds besides the package: for a snapshot of the parent,
-//! every other package's tree and the rest of the parent; with
-//! [`crate::split::SPLIT_MIN`] packages or more, all but the dominant one
-//! are snapshots of shared cuts, and each sheds only its share's other
-//! members (the `split` module, which weighs each package, up to
-//! [`crate::split::HEAVY_US`] of cutting, and bounds the whole to about
-//! log2(n) times the box rather than n times). The rest outside the
-//! packages is shed by each snapshot of the parent, the dominant
-//! package's and the top share's (every package's under
-//! [`crate::split::SPLIT_MIN`]), so it is counted once per run, and only up
-//! to [`REST_MAX_US`] of cutting added up over those: beyond, every
-//! package is cloned. The shedding, which no service waits for, runs at
-//! idle I/O priority ([`crate::Migrator::remove_all_old`]); the cuts of the
-//! shares are what a share's members wait for.
+//! its source holds besides the package. Below [`crate::split::SPLIT_MIN`]
+//! packages (a node's box), each is a snapshot of the parent, taken in name
+//! order, and sheds every other package's old tree and the rest of the
+//! parent: every service starts in milliseconds, and the shedding, n - 1
+//! boxes, runs at idle I/O priority ([`crate::Migrator::remove_all_old`]),
+//! which no service waits for. From [`crate::split::SPLIT_MIN`] on, where
+//! that would be out of proportion, all but the dominant package are
+//! snapshots of shared cuts, and each sheds only its share's other members
+//! (the `split` module, which weighs each package, up to
+//! [`crate::split::HEAVY_US`] of cutting, bounds the whole to about log2(n)
+//! boxes rather than n, and says why the threshold): a light package then
+//! waits for the cuts of its shares, which hold the heavy trees.
+//!
+//! The rest outside the packages is shed by each snapshot of the parent:
+//! every package's below [`crate::split::SPLIT_MIN`], the dominant
+//! package's and the top share's from it. So it is counted once per run,
+//! and only up to [`REST_MAX_US`] of cutting added up over those: beyond,
+//! every package is cloned. The packages' own trees are not counted here:
+//! without shares each is shed by the others' snapshots whatever its size,
+//! and counting it would delay every service (a 2-million-extent database
+//! took 1.1-1.3 s to count); the shares' weighing counts each only up to
+//! [`crate::split::HEAVY_US`].
 //!
 //! NOCOW and preallocated files of the packages themselves are copied on
 //! their next write, once per extent, as after any snapshot of a volume

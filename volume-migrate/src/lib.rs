@@ -133,7 +133,7 @@ pub use options::{
 #[cfg(target_os = "linux")]
 pub use report::{Outcome, PackageReport, Planned, ReportError};
 #[cfg(target_os = "linux")]
-pub use split::{HEAVY_US, SPLIT_DIR, Share};
+pub use split::{HEAVY_US, SPLIT_DIR, SPLIT_MIN, Share};
 
 use std::time::Duration;
 

@@ -173,9 +173,10 @@ impl Migrator {
             _ => HashMap::new(),
         };
         planned.extend(refused);
-        // The snapshots first, in the order of their shares (the `split`
-        // module: the dominant one first, a share's members together),
-        // so that no service waits for a clone; then the clones, by name.
+        // The snapshots first, so that no service waits for a clone: with
+        // shares in the order of their shares (the `split` module: the
+        // dominant one first, a share's members together), else by name;
+        // then the clones, by name.
         planned.sort_by_key(|p| {
             (
                 p.decision != Some(Decision::SnapshotParent),
@@ -189,9 +190,11 @@ impl Migrator {
 
     /// Where each package to be snapshotted takes its snapshot from (the
     /// `split` module), with what that costs; returns each one's rank in
-    /// the order. Weighs each package first, up to [`split::HEAVY_US`] of
-    /// cutting. With `fresh`, deletes the shares an earlier run left, if
-    /// any shares are planned (if it cannot, plans none).
+    /// the order (none below [`split::SPLIT_MIN`] snapshots: each of the
+    /// parent, nothing weighed). Weighs each package first, up to
+    /// [`split::HEAVY_US`] of cutting. With `fresh`, deletes the shares an
+    /// earlier run left, if any shares are planned (if it cannot, plans
+    /// none).
     fn lay_out(
         &self,
         planned: &mut [Planned],
