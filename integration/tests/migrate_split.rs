@@ -7,6 +7,9 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::fs;
+use std::os::fd::AsFd;
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 
 use integration::identity::{Identity, Kept, identities};
@@ -175,4 +178,100 @@ fn a_share_that_cannot_be_cut_fails_no_package() {
         .filter(|n| !n.starts_with("pkg"))
         .collect();
     assert!(!names.iter().any(|n| n == SPLIT_DIR), "{names:?}");
+}
+
+/// Steps inside the shares' cuts, by entries removed in the run: the top
+/// share's first (it sheds the dominant package and the rest), and one
+/// inside a share below it (the top share's cut is under 200 entries).
+const SHARE_KILLS: &[&str] = &["migrate.share-removed@1", "migrate.share-removed@900"];
+
+/// SIGKILL inside a share's cut, then a rerun: every package ends up its
+/// subvolume with every identity and byte kept, each one converted before
+/// the kill the same subvolume (not converted again), no share left, and a
+/// third run has nothing to do (the CLI, failpoints armed).
+#[test]
+fn a_run_killed_inside_a_shares_cut_loses_nothing() {
+    const { assert!(PACKAGES >= volume_migrate::SPLIT_MIN, "a box with shares") };
+    for fp in SHARE_KILLS {
+        let fs = fs_or_skip!(LoopFs::btrfs(1 << 30));
+        let root = fs.path("volumes");
+        fs::create_dir_all(&root).unwrap();
+        build(&fs, &root);
+        let before: Before = (0..PACKAGES)
+            .map(|i| {
+                let p = format!("pkg{i:02}");
+                let dir = root.join(&p);
+                (p, (identities(&dir).unwrap(), contents(&dir)))
+            })
+            .collect();
+        let when = format!("killed at `{fp}`");
+        let (killed, code, out) = cli_run(&root, Some(fp));
+        assert!(killed, "{when}: not killed (exit {code})\n{out}");
+        let finished: Vec<(String, [u8; 16])> = before
+            .keys()
+            .filter(|p| is_subvolume(&root.join(p)))
+            .map(|p| (p.clone(), uuid_of(&root.join(p))))
+            .collect();
+        assert!(
+            finished.len() < PACKAGES,
+            "{when}: every package converted before the kill"
+        );
+        let (killed, code, out) = cli_run(&root, None);
+        assert!(
+            !killed && code == 0,
+            "{when}: the rerun failed ({code}):\n{out}"
+        );
+        for (p, (ids, data)) in &before {
+            let dir = root.join(p);
+            assert!(is_subvolume(&dir), "{when}: {p} not converted");
+            let kept = Kept::of(ids, &identities(&dir).unwrap());
+            assert_eq!(kept.shares().0, 1.0, "{when}: {p}: identities");
+            assert_eq!(&contents(&dir), data, "{when}: {p}: contents");
+        }
+        for (p, uuid) in &finished {
+            assert_eq!(&uuid_of(&root.join(p)), uuid, "{when}: {p} converted again");
+        }
+        let left: Vec<_> = fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| !n.starts_with("pkg"))
+            .collect();
+        assert!(left.is_empty(), "{when}: left over: {left:?}");
+        let (_, code, out) = cli_run(&root, None);
+        assert!(
+            code == 0 && out.contains("\"converted\":0"),
+            "{when}: a third run has nothing to do:\n{out}"
+        );
+    }
+}
+
+/// `volume-migrate --root <root> --json`, with `failpoint` armed: whether
+/// it was SIGKILLed, its exit code and its output.
+fn cli_run(root: &Path, failpoint: Option<&str>) -> (bool, i32, String) {
+    let mut cmd = std::process::Command::new(common::volume_migrate_bin());
+    cmd.arg("--root")
+        .arg(root)
+        .arg("--json")
+        .env_remove("RUST_LOG")
+        .stdin(std::process::Stdio::null());
+    if let Some(fp) = failpoint {
+        cmd.env(volume::FAILPOINT_ENV, fp);
+    }
+    let out = cmd.output().expect("running volume-migrate");
+    (
+        out.status.signal() == Some(libc::SIGKILL),
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    )
+}
+
+fn is_subvolume(path: &Path) -> bool {
+    fs::metadata(path).is_ok_and(|m| m.is_dir() && m.ino() == 256)
+}
+
+fn uuid_of(path: &Path) -> [u8; 16] {
+    let dir = fs::File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    volume::sys::subvolume_info(dir.as_fd())
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .uuid
 }
