@@ -25,7 +25,7 @@ use crate::job::Job;
 use crate::migrate::Migrator;
 use crate::options::{MetadataRoom, MigrateOptions};
 use crate::parent_plan::ParentPlan;
-use crate::report::{Outcome, PackageReport, Planned};
+use crate::report::{Outcome, PackageReport, Planned, ShareUse};
 use crate::rest::RestRecord;
 use crate::scan::scan;
 use crate::split;
@@ -389,7 +389,7 @@ impl Migrator {
             copy::remove_tree_at(self.root_fd(), &names.migrate, &mut |_| Ok(()))
                 .with_ctx(step(pkg, "removing a partial copy"))?;
         }
-        let plan = self.take_from_share(pkg, plan, planned);
+        let plan = self.take_from_share(pkg, plan, planned, &mut job.report);
         let carved = job.carve_parent(plan);
         // Whatever became of this package, the shares it was the last
         // member of serve no one now.
@@ -416,17 +416,22 @@ impl Migrator {
     /// `plan` with the snapshot to take from the last of `planned`'s shares
     /// (the `split` module), each made now if not yet, under this
     /// package's lock; unchanged (the parent) if it has none. A share that
-    /// cannot be made fails nothing: the parent is snapshotted instead,
-    /// which keeps every identity and only sheds more.
+    /// cannot be made, or whose tree of this package may be older than the
+    /// package's directory ([`split::member_written`]: something beneath it
+    /// was written since the share's snapshot, or that could not be
+    /// checked), is not used: the parent is snapshotted instead, which
+    /// keeps every identity and every write, and only sheds more. `report`
+    /// says which ([`ShareUse`]).
     fn take_from_share(
         &self,
         pkg: &PackageId,
         mut plan: ParentPlan,
         planned: &Planned,
+        report: &mut PackageReport,
     ) -> ParentPlan {
-        if planned.shares.is_empty() {
+        let Some(share) = planned.shares.last() else {
             return plan;
-        }
+        };
         let volumes = plan.keep.parent().unwrap_or(Path::new("")).to_owned();
         let made = split::source(
             self.root_fd(),
@@ -438,12 +443,26 @@ impl Migrator {
                 failpoint("migrate.share-removed")
             },
         );
-        match made {
-            Ok(fd) => plan.root = fd,
-            Err(e) => {
-                tracing::warn!(package = %pkg, error = %e, "making its shared cut failed: snapshotting the parent instead");
+        let checked = made.and_then(|(fd, taken)| {
+            failpoint("migrate.share-taken")?;
+            let written = split::member_written(plan.root.as_fd(), fd.as_fd(), plan.ino, taken);
+            Ok((fd, taken, written))
+        });
+        let why = match checked {
+            Ok((fd, _, Ok(None))) => {
+                plan.root = fd;
+                report.share = Some(ShareUse::Taken(share.id.clone()));
+                return plan;
             }
-        }
+            Ok((_, taken, Ok(Some(ino)))) => format!(
+                "inode {ino} beneath its directory was written after transaction {taken}, \
+                 which took its share's snapshot"
+            ),
+            Ok((_, _, Err(e))) => format!("checking its directory against its share failed: {e}"),
+            Err(e) => format!("making its shared cut failed: {e}"),
+        };
+        tracing::warn!(package = %pkg, "snapshotting the parent instead of its share: {why}");
+        report.share = Some(ShareUse::Parent(why));
         plan
     }
 

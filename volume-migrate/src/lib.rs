@@ -131,7 +131,7 @@ pub use options::{
     default_reserve,
 };
 #[cfg(target_os = "linux")]
-pub use report::{Outcome, PackageReport, Planned, ReportError};
+pub use report::{Outcome, PackageReport, Planned, ReportError, ShareUse};
 #[cfg(target_os = "linux")]
 pub use split::{HEAVY_US, SPLIT_DIR, SPLIT_MIN, Share};
 

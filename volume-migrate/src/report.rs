@@ -49,6 +49,19 @@ impl From<&Error> for ReportError {
     }
 }
 
+/// Where the snapshot of a package placed below a share was taken
+/// ([`PackageReport::share`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ShareUse {
+    /// Of its share (the `split` module), by that id.
+    Taken(String),
+    /// Of the parent, as below [`crate::SPLIT_MIN`]: its share could not be
+    /// made, or something beneath its directory was written after the
+    /// share's snapshot (or that could not be checked); why.
+    Parent(String),
+}
+
 /// The result of converting one package ([`crate::Migrator::convert`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct PackageReport {
@@ -69,6 +82,11 @@ pub struct PackageReport {
     /// snapshot was deleted): the difference between the dry run and the
     /// run, which every report shows, never only a log line.
     pub fallback: Option<CloneReason>,
+    /// In a run with shares, for a package its schedule placed below one:
+    /// whether its volume is a snapshot of its share, or why the parent
+    /// was snapshotted instead (every report shows it, as for
+    /// [`PackageReport::fallback`]).
+    pub share: Option<ShareUse>,
     /// Whether an interrupted earlier run's partial copy was reused.
     pub resumed: bool,
     /// Bytes cloned by this run (a resumed run skips what was in place).
@@ -99,6 +117,7 @@ impl PackageReport {
             method: None,
             decision: None,
             fallback: None,
+            share: None,
             resumed: false,
             bytes_cloned: 0,
             entries_reused: 0,

@@ -318,28 +318,35 @@ fn minus(a: Cost, b: Cost) -> Cost {
 }
 
 /// The snapshot a package of `shares` (root first) is to be taken of: the
-/// last share, made now if it is not yet, and each above it that is not;
-/// `parent` is the parent subvolume's root, `volumes` the volumes root's
-/// path in it. `on_removed` is called after each entry a cut removes. An
-/// error leaves at most a `<id>.tmp` share half cut, which the next making
-/// of that share or the cleanup deletes (it is deleted at once where it
-/// can be).
+/// last share, made now if it is not yet, and each above it that is not,
+/// with the transaction whose commit took the top share's snapshot of the
+/// parent (its `otransid`: what every share holds of the packages is the
+/// parent as that commit left it; see [`member_written`]); `parent` is the
+/// parent subvolume's root, `volumes` the volumes root's path in it.
+/// `on_removed` is called after each entry a cut removes. An error leaves
+/// at most a `<id>.tmp` share half cut, which the next making of that
+/// share or the cleanup deletes (it is deleted at once where it can be).
+/// No shares: the parent itself, and 0.
 pub(crate) fn source(
     root: BorrowedFd<'_>,
     parent: BorrowedFd<'_>,
     volumes: &Path,
     shares: &[Share],
     on_removed: &mut dyn FnMut() -> io::Result<()>,
-) -> io::Result<OwnedFd> {
+) -> io::Result<(OwnedFd, u64)> {
     let mut src = parent.try_clone_to_owned()?;
+    let mut taken = 0;
     if shares.is_empty() {
-        return Ok(src);
+        return Ok((src, taken));
     }
     let dir = split_dir(root)?;
-    for share in shares {
+    for (i, share) in shares.iter().enumerate() {
         let name = OsString::from(&share.id);
         if sys::stat_at(dir.as_fd(), &name)?.is_some() {
             src = sys::open_dir_at(dir.as_fd(), &name)?;
+            if i == 0 {
+                taken = sys::subvolume_info(src.as_fd())?.created_transid;
+            }
             continue;
         }
         let tmp = OsString::from(format!("{}.tmp", share.id));
@@ -366,9 +373,66 @@ pub(crate) fn source(
             let _ = copy::remove_tree_at(dir.as_fd(), &tmp, &mut |_| Ok(()));
             return Err(e);
         }
+        if i == 0 {
+            taken = sys::subvolume_info(fd.as_fd())?.created_transid;
+        }
         src = fd;
     }
-    Ok(src)
+    Ok((src, taken))
+}
+
+/// How many inodes of the parent changed since the top share's snapshot
+/// [`member_written`] looks at one by one; past it, the member is taken as
+/// written (the parent snapshotted instead): the conversion's own changes
+/// are a few per package.
+pub(crate) const CHANGED_MAX: usize = 4096;
+
+/// Whether anything beneath a member's directory (inode `member` of the
+/// parent subvolume open as `parent`) may have changed since the commit of
+/// transaction `taken` took the top share's snapshot of the parent; the
+/// member's tree in `share` (its last share) is the parent's as of that
+/// commit. Returns the first inode found changed, if any.
+///
+/// The rule, from what the filesystem orders: every dirty page and
+/// delayed inode update of the filesystem is committed first, so every
+/// change made to the member's plain directory before this call has
+/// written the inode item of the file it changed, or of the directory a
+/// name was added to or removed from, in a transaction after `taken` (a
+/// snapshot holds its source as the commit that took it left it, every
+/// later change is in a later transaction). The first change made beneath
+/// the member after the snapshot changed an inode that was beneath it
+/// then, so it is in `share` beneath the same directory: each inode of
+/// the parent written after `taken` is looked up in `share` and climbed to
+/// its root ([`sys::inode_beneath`]), and one beneath the member (or a file
+/// with several names there) is a change. What the conversion itself
+/// changed since (renames in the volumes root, other members' directories
+/// exchanged, records, shares) lies outside the member's tree and counts
+/// for nothing. Under the member's lock, a change after this call is lost
+/// as one after a snapshot of the parent would be (the exchange's window).
+/// Needs CAP_SYS_ADMIN; an error means the check could not be made.
+pub(crate) fn member_written(
+    parent: BorrowedFd<'_>,
+    share: BorrowedFd<'_>,
+    member: u64,
+    taken: u64,
+) -> io::Result<Option<u64>> {
+    // Dirty data too, not only metadata: an overwrite in the same clock
+    // tick as an earlier one writes no new times, only, once written out,
+    // its extents and its inode item.
+    sys::commit(parent)?;
+    let mut changed: Vec<u64> = sys::inodes_written_since(parent, taken + 1)?
+        .into_iter()
+        .collect();
+    if changed.len() > CHANGED_MAX {
+        return Ok(changed.first().copied());
+    }
+    changed.sort_unstable();
+    for ino in changed {
+        if sys::inode_beneath(share, ino, member)? == Some(true) {
+            return Ok(Some(ino));
+        }
+    }
+    Ok(None)
 }
 
 /// [`SPLIT_DIR`] in the volumes root open as `root`, made (mode 0700) if
