@@ -245,6 +245,122 @@ fn a_run_killed_inside_a_shares_cut_loses_nothing() {
     }
 }
 
+/// A write into a member's plain directory after the shares' snapshot of
+/// the parent and before that member's conversion (a dependent's service
+/// holding its volume, say) is kept: the migrator is stopped once the
+/// third member has its share in hand, two packages not converted yet are
+/// written (a new file in one, an existing file overwritten in place, same
+/// size, in the other), and the run goes on. Both are snapshotted from the
+/// parent instead of their shares, with every write and identity kept;
+/// every other member still takes its share (the CLI's JSON reports).
+#[test]
+fn a_member_written_after_its_share_was_taken_keeps_the_write() {
+    use std::io::Write;
+    let fs = fs_or_skip!(LoopFs::btrfs(1 << 30));
+    let root = fs.path("volumes");
+    fs::create_dir_all(&root).unwrap();
+    build(&fs, &root);
+    let mut before: Before = (0..PACKAGES)
+        .map(|i| {
+            let p = format!("pkg{i:02}");
+            let dir = root.join(&p);
+            (p, (identities(&dir).unwrap(), contents(&dir)))
+        })
+        .collect();
+    let child = std::process::Command::new(common::volume_migrate_bin())
+        .arg("--root")
+        .arg(&root)
+        .arg("--json")
+        .env(volume::FAILPOINT_ENV, "migrate.share-taken@3=stop")
+        .env_remove("RUST_LOG")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("running volume-migrate");
+    wait_stopped(child.id());
+    let plain: Vec<String> = before
+        .keys()
+        .filter(|p| !is_subvolume(&root.join(p)))
+        .cloned()
+        .collect();
+    assert!(plain.len() > 3, "most packages wait: {plain:?}");
+    let (added, overwritten) = (
+        plain[plain.len() - 1].clone(),
+        plain[plain.len() - 2].clone(),
+    );
+    fs::write(root.join(&added).join("data/late"), b"written late").unwrap();
+    let f0 = root.join(&overwritten).join("data/f0");
+    let old = fs::read(&f0).unwrap();
+    let new = vec![b'X'; old.len()];
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&f0)
+        .and_then(|mut f| f.write_all(&new))
+        .unwrap();
+    let data = &mut before.get_mut(&added).unwrap().1;
+    data.insert(PathBuf::from("data/late"), b"written late".to_vec());
+    let data = &mut before.get_mut(&overwritten).unwrap().1;
+    data.insert(PathBuf::from("data/f0"), new);
+    let pid = rustix::process::Pid::from_raw(child.id() as i32).expect("a pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::CONT).expect("SIGCONT");
+    let out = child
+        .wait_with_output()
+        .expect("waiting for volume-migrate");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    for (p, (ids, data)) in &before {
+        let dir = root.join(p);
+        let kept = Kept::of(ids, &identities(&dir).unwrap());
+        assert_eq!(kept.shares().0, 1.0, "{p}: identities");
+        assert_eq!(&contents(&dir), data, "{p}: contents");
+    }
+    let mut taken = 0;
+    for line in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        if v["event"] != "package" {
+            continue;
+        }
+        let (p, share) = (&v["report"]["package"], &v["report"]["share"]);
+        if *p == added.as_str() || *p == overwritten.as_str() {
+            let why = share["parent"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{p}: {share}"));
+            assert!(why.contains("written after transaction"), "{p}: {why}");
+        } else if share["taken"].is_string() {
+            taken += 1;
+        }
+    }
+    assert_eq!(
+        taken,
+        PACKAGES - 3,
+        "every other member took its share:\n{text}"
+    );
+}
+
+/// Waits until process `pid` has stopped itself (SIGSTOP at a failpoint).
+fn wait_stopped(pid: u32) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        // The state follows the command's closing parenthesis.
+        let state = stat
+            .rsplit_once(')')
+            .map(|(_, s)| s.trim_start().chars().next());
+        match state {
+            Some(Some('T')) => return,
+            Some(Some('Z')) => panic!("volume-migrate exited before the failpoint"),
+            _ if std::time::Instant::now() >= deadline => panic!("volume-migrate never stopped"),
+            _ => std::thread::sleep(std::time::Duration::from_millis(5)),
+        }
+    }
+}
+
 /// `volume-migrate --root <root> --json`, with `failpoint` armed: whether
 /// it was SIGKILLed, its exit code and its output.
 fn cli_run(root: &Path, failpoint: Option<&str>) -> (bool, i32, String) {
