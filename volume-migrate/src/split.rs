@@ -51,16 +51,27 @@
 //! which no service waits for, and past it the wait buys a bounded total
 //! (150 packages: 195 s of shedding the per-package way).
 //!
-//! What a share holds of a member is its tree when the share's first
-//! snapshot was taken, and the member's own conversion comes later, under
-//! its own lock: whatever were written into its plain directory in
-//! between would not be in its volume. A run converts packages whose
-//! services wait for them (the boot's contract: a service starts once its
-//! package is ready, and nothing else writes a package's volume at a
-//! boot); the member's conversion still checks that its directory in the
-//! share is the same inode as the live one, and any other difference is
-//! not looked for. Taking every member's lock for the share's life is what
-//! would close it, at the cost of holding a lock across calls.
+//! What a share holds of a member is its tree when the top share's
+//! snapshot of the parent was taken, and the member's own conversion comes
+//! later, under its own lock, while the services of the packages converted
+//! before it run: a dependent's container may hold a writable mount of the
+//! member's plain directory. So the member's conversion first asks the
+//! filesystem whether anything beneath that directory changed since
+//! ([`member_written`]): with every dirty page and inode update committed,
+//! each inode of the parent whose item was written in a transaction after
+//! the one that took the top share's snapshot (its `otransid`) is looked
+//! up in the share and climbed to its root; the first change made beneath
+//! the member after the snapshot changed an inode beneath it then, so one
+//! found beneath it there (or a file with several names) means written,
+//! and what the conversion itself changed (renames and exchanges in the
+//! volumes root, other members' directories, records) lies outside the
+//! member's tree. Written, or the check failed: the member is snapshotted
+//! from the parent instead, as below [`SPLIT_MIN`], which holds the write
+//! (the report's [`crate::ShareUse`]). A write after the check is lost as
+//! one after a snapshot of the parent would be: the exchange's window,
+//! the same either way. The cost is one commit a member; a read that
+//! updates an access time counts as a change (relatime: the first read
+//! after a change), falling back for nothing lost.
 //!
 //! Crash safety: the shares live in one directory of the volumes root,
 //! [`SPLIT_DIR`] (a name no package id has: ids hold no dot), each made
