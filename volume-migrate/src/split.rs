@@ -393,9 +393,9 @@ pub(crate) fn source(
 }
 
 /// How many inodes of the parent changed since the top share's snapshot
-/// [`member_written`] looks at one by one; past it, the member is taken as
-/// written (the parent snapshotted instead): the conversion's own changes
-/// are a few per package.
+/// [`member_written`] looks at one by one; past it, the check is not made
+/// (an error: the parent is snapshotted instead). The conversion's own
+/// changes are a few per package.
 pub(crate) const CHANGED_MAX: usize = 4096;
 
 /// Whether anything beneath a member's directory (inode `member` of the
@@ -435,7 +435,10 @@ pub(crate) fn member_written(
         .into_iter()
         .collect();
     if changed.len() > CHANGED_MAX {
-        return Ok(changed.first().copied());
+        return Err(io::Error::other(format!(
+            "{} inodes of the parent changed since, more than {CHANGED_MAX} to look at",
+            changed.len()
+        )));
     }
     changed.sort_unstable();
     for ino in changed {
