@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use integration::identity::{Identity, Kept, identities};
 use integration::{LoopFs, fs_or_skip};
-use volume_migrate::{Decision, MigrateOptions, Migrator, Outcome, Progress, SPLIT_DIR};
+use volume_migrate::{Decision, MigrateOptions, Migrator, Outcome, Progress, SPLIT_DIR, ShareUse};
 
 /// Packages in the box.
 const PACKAGES: usize = 48;
@@ -98,6 +98,13 @@ fn many_packages_shed_a_few_boxes_and_keep_every_identity() {
         assert_eq!(r.decision, Some(Decision::SnapshotParent), "{}", r.package);
         assert!(r.old_removed, "{}", r.package);
     }
+    // Nothing wrote the packages: every one but the dominant took its
+    // share, the conversion's own changes to the parent counting for none.
+    let taken = reports
+        .iter()
+        .filter(|r| matches!(r.share, Some(ShareUse::Taken(_))))
+        .count();
+    assert_eq!(taken, PACKAGES - 1, "{reports:#?}");
 
     for (p, (ids, data)) in &before {
         let dir = root.join(p);
