@@ -176,6 +176,61 @@ pub fn carve(
     Ok(Carved { rest })
 }
 
+/// Cuts the writable subvolume open as `snapshot` (a fresh snapshot, which
+/// nothing else uses) down to the entries of its directory at `dir`
+/// (relative, no symlinks, no `..`; empty: the root) for which `keep` holds:
+/// every other entry, at any depth, is removed entry by entry (immutable and
+/// append-only flags cleared first, nested subvolumes' placeholders by
+/// `rmdir`), and so is every entry beside the directories leading to `dir`,
+/// which stay with their metadata. `on_removed` gets the count of entries
+/// removed so far. The entries kept are untouched: the very same inodes.
+///
+/// A crash or error part-way leaves the subvolume half cut: callers cut
+/// under a temporary name and delete the whole subvolume on recovery.
+/// Costs O(entries and extents removed).
+pub fn cut_to(
+    snapshot: BorrowedFd<'_>,
+    dir: &Path,
+    keep: &dyn Fn(&OsStr) -> bool,
+    on_removed: &mut dyn FnMut(u64) -> io::Result<()>,
+) -> io::Result<()> {
+    let path: Vec<&OsStr> = dir
+        .components()
+        .map(|c| match c {
+            std::path::Component::Normal(n) => Ok(n),
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "the directory to cut down to must be a plain relative path",
+            )),
+        })
+        .collect::<io::Result<_>>()?;
+    let mut removed = 0u64;
+    let mut held: Option<std::os::fd::OwnedFd> = None;
+    for level in 0..=path.len() {
+        let here = held.as_ref().map_or(snapshot, |fd| fd.as_fd());
+        sys::clear_stuck_flags(here)?;
+        for (entry, _, _) in sys::read_dir_names(here)? {
+            let kept = match path.get(level) {
+                Some(next) => entry.as_os_str() == *next,
+                None => keep(&entry),
+            };
+            if kept {
+                continue;
+            }
+            let before = removed;
+            copy::remove_tree_at(here, &entry, &mut |n| {
+                removed = before + n;
+                on_removed(removed)
+            })?;
+        }
+        if let Some(next) = path.get(level) {
+            let fd = sys::open_dir_at(here, next)?;
+            held = Some(fd);
+        }
+    }
+    Ok(())
+}
+
 /// Removes the directory `rest` that a deferred [`carve`] left at the root
 /// of the subvolume open as `volume`, now in use: O(what it holds), entry
 /// by entry. `root_stuck`: the immutable and append-only flags the cut gave

@@ -63,6 +63,11 @@ impl Migrator {
         let _idle = sys::IdleIo::enter()
             .inspect_err(|e| tracing::warn!(error = %e, "entering the idle I/O class"))
             .ok();
+        // Shares a run left (one cut short, or whose last member failed):
+        // scratch, deleted in O(1) each.
+        if let Err(e) = crate::split::wipe(self.root_fd()) {
+            tracing::warn!(error = %e, "deleting the shared cuts left");
+        }
         let (cut, cloned): (Vec<PackageId>, Vec<PackageId>) =
             self.packages()?.into_iter().partition(|pkg| {
                 // A record that cannot be read is for remove_old to report.
@@ -181,6 +186,7 @@ impl Migrator {
         let mut still = || Ok(Identity::of_entry(root, &names.migrate_old)? == tree);
         let removed = copy::remove_tree_at(root, &names.migrate_old, &mut |n| {
             tracker.entries(n);
+            self.count_removed();
             failpoint("migrate.remove")?;
             shed.removed(&mut still)
         });
@@ -247,6 +253,7 @@ impl Migrator {
                 let removed =
                     carve::remove_rest(live.as_fd(), &record.name, record.root_stuck, &mut |n| {
                         tracker.entries(n);
+                        self.count_removed();
                         failpoint("migrate.rest-removed")?;
                         shed.removed(&mut still)
                     })

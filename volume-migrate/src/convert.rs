@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use models::{Error, ErrorKind, PackageId, ResultExt};
 use volume::copy;
+use volume::failpoint::failpoint;
 use volume::layout::Names;
 use volume::sys;
 
@@ -24,9 +25,10 @@ use crate::job::Job;
 use crate::migrate::Migrator;
 use crate::options::{MetadataRoom, MigrateOptions};
 use crate::parent_plan::ParentPlan;
-use crate::report::{Outcome, PackageReport, Planned};
+use crate::report::{Outcome, PackageReport, Planned, ShareUse};
 use crate::rest::RestRecord;
 use crate::scan::scan;
+use crate::split;
 use crate::state::{Kind, State, settle_exchanged};
 use crate::track::Tracker;
 use crate::{Estimate, Method, Phase, ProgressSink};
@@ -92,7 +94,7 @@ impl Migrator {
         sink: &mut dyn ProgressSink,
     ) -> Result<PackageReport, Error> {
         let planned = self
-            .schedule_for(std::slice::from_ref(pkg), opts, false)?
+            .schedule_for(std::slice::from_ref(pkg), opts, false, false)?
             .pop()
             .unwrap_or_else(|| Planned::undecided(pkg.clone(), false, false));
         self.convert_planned(&planned, opts, sink)
@@ -239,7 +241,7 @@ impl Migrator {
         if !(job.unclonable && resume && job.opts.method == Method::Auto) {
             return Ok(false);
         }
-        let fresh = self.schedule_for(std::slice::from_ref(job.pkg), job.opts, false)?;
+        let fresh = self.schedule_for(std::slice::from_ref(job.pkg), job.opts, false, false)?;
         let Some(planned) = fresh
             .into_iter()
             .find(|p| p.decision == Some(Decision::SnapshotParent))
@@ -387,7 +389,14 @@ impl Migrator {
             copy::remove_tree_at(self.root_fd(), &names.migrate, &mut |_| Ok(()))
                 .with_ctx(step(pkg, "removing a partial copy"))?;
         }
-        match job.carve_parent(plan) {
+        let plan = self.take_from_share(pkg, plan, planned, &mut job.report);
+        let carved = job.carve_parent(plan);
+        // Whatever became of this package, the shares it was the last
+        // member of serve no one now.
+        if let Err(e) = split::drop_shares(self.root_fd(), &planned.drop_shares) {
+            tracing::warn!(package = %pkg, error = %e, "deleting the shared cuts it was the last member of");
+        }
+        match carved {
             Ok(carved) => {
                 job.swap_in(&names.migrate_parent, carved)?;
                 Ok(true)
@@ -402,6 +411,59 @@ impl Migrator {
                 Ok(false)
             }
         }
+    }
+
+    /// `plan` with the snapshot to take from the last of `planned`'s shares
+    /// (the `split` module), each made now if not yet, under this
+    /// package's lock; unchanged (the parent) if it has none. A share that
+    /// cannot be made, or whose tree of this package may be older than the
+    /// package's directory ([`split::member_written`]: something beneath it
+    /// was written since the share's snapshot, or that could not be
+    /// checked), is not used: the parent is snapshotted instead, which
+    /// keeps every identity and every write, and only sheds more. `report`
+    /// says which ([`ShareUse`]).
+    fn take_from_share(
+        &self,
+        pkg: &PackageId,
+        mut plan: ParentPlan,
+        planned: &Planned,
+        report: &mut PackageReport,
+    ) -> ParentPlan {
+        let Some(share) = planned.shares.last() else {
+            return plan;
+        };
+        let volumes = plan.keep.parent().unwrap_or(Path::new("")).to_owned();
+        let made = split::source(
+            self.root_fd(),
+            plan.root.as_fd(),
+            &volumes,
+            &planned.shares,
+            &mut || {
+                self.count_removed();
+                failpoint("migrate.share-removed")
+            },
+        );
+        let checked = made.and_then(|(fd, taken)| {
+            failpoint("migrate.share-taken")?;
+            let written = split::member_written(plan.root.as_fd(), fd.as_fd(), plan.ino, taken);
+            Ok((fd, taken, written))
+        });
+        let why = match checked {
+            Ok((fd, _, Ok(None))) => {
+                plan.root = fd;
+                report.share = Some(ShareUse::Taken(share.id.clone()));
+                return plan;
+            }
+            Ok((_, taken, Ok(Some(ino)))) => format!(
+                "inode {ino} beneath its directory was written after transaction {taken}, \
+                 which took its share's snapshot"
+            ),
+            Ok((_, _, Err(e))) => format!("checking its directory against its share failed: {e}"),
+            Err(e) => format!("making its shared cut failed: {e}"),
+        };
+        tracing::warn!(package = %pkg, "snapshotting the parent instead of its share: {why}");
+        report.share = Some(ShareUse::Parent(why));
+        plan
     }
 
     /// What the cut needs, where the plan decided on a snapshot of the

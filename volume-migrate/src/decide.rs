@@ -14,25 +14,29 @@
 //! outside the packages (a snapshot makes each of their extents copy on
 //! its next write).
 //!
-//! What each package's snapshot sheds afterwards, in the background, is
-//! every other package's old tree and the rest of the parent. A rest
-//! outside the packages is shed by every package's snapshot, so it is
-//! counted once per run, and only up to [`REST_MAX_US`] of cutting added
-//! up over the packages: beyond, every package is cloned. The packages'
-//! own trees are not counted at all: each is shed by the others'
-//! snapshots whatever its size, and counting it would delay every
-//! service (a 2-million-extent database took 1.1-1.3 s to count).
+//! What a package's snapshot sheds afterwards, in the background, is what
+//! its source holds besides the package. Below [`crate::split::SPLIT_MIN`]
+//! packages (a node's box), each is a snapshot of the parent, taken in name
+//! order, and sheds every other package's old tree and the rest of the
+//! parent: every service starts in milliseconds, and the shedding, n - 1
+//! boxes, runs at idle I/O priority ([`crate::Migrator::remove_all_old`]),
+//! which no service waits for. From [`crate::split::SPLIT_MIN`] on, where
+//! that would be out of proportion, all but the dominant package are
+//! snapshots of shared cuts, and each sheds only its share's other members
+//! (the `split` module, which weighs each package, up to
+//! [`crate::split::HEAVY_US`] of cutting, bounds the whole to about log2(n)
+//! boxes rather than n, and says why the threshold): a light package then
+//! waits for the cuts of its shares, which hold the heavy trees.
 //!
-//! Why no cheaper split exists while every service starts at once: a
-//! package's volume must be a snapshot of the parent to keep its inodes,
-//! and a snapshot taken before a tree was removed from its source holds
-//! that tree, which can only leave it entry by entry. A split that first
-//! cuts the heavy packages out of a shared snapshot and only then
-//! snapshots it for the light ones makes those light ones wait for that
-//! cut (about 1 s per 500,000 extents); snapshotting every package at
-//! once makes each shed every other. The second is what this does: the
-//! services start in milliseconds, and the shedding, which no service
-//! waits for, runs at idle I/O priority ([`crate::Migrator::remove_all_old`]).
+//! The rest outside the packages is shed by each snapshot of the parent:
+//! every package's below [`crate::split::SPLIT_MIN`], the dominant
+//! package's and the top share's from it. So it is counted once per run,
+//! and only up to [`REST_MAX_US`] of cutting added up over those: beyond,
+//! every package is cloned. The packages' own trees are not counted here:
+//! without shares each is shed by the others' snapshots whatever its size,
+//! and counting it would delay every service (a 2-million-extent database
+//! took 1.1-1.3 s to count); the shares' weighing counts each only up to
+//! [`crate::split::HEAVY_US`].
 //!
 //! NOCOW and preallocated files of the packages themselves are copied on
 //! their next write, once per extent, as after any snapshot of a volume
@@ -327,7 +331,15 @@ pub(crate) fn decide(
     if carved == 0 {
         return all_clone(candidates, &CloneReason::Forced);
     }
-    let rest = match count_rest(candidates, parent, REST_MAX_US / carved) {
+    // The rest is shed by each snapshot of the parent: with shares, the
+    // dominant package's and the top share's (the `split` module), else
+    // every package's.
+    let sheds = if carved >= crate::split::SPLIT_MIN as u64 {
+        2
+    } else {
+        carved
+    };
+    let rest = match count_rest(candidates, parent, REST_MAX_US / sheds) {
         Ok(rest) => rest,
         Err(e) => {
             // A tree a conversion refuses is that package's to report: it

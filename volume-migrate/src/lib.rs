@@ -115,6 +115,8 @@ mod scan;
 #[cfg(target_os = "linux")]
 mod shed;
 #[cfg(target_os = "linux")]
+mod split;
+#[cfg(target_os = "linux")]
 mod state;
 #[cfg(target_os = "linux")]
 mod track;
@@ -129,7 +131,9 @@ pub use options::{
     default_reserve,
 };
 #[cfg(target_os = "linux")]
-pub use report::{Outcome, PackageReport, Planned, ReportError};
+pub use report::{Outcome, PackageReport, Planned, ReportError, ShareUse};
+#[cfg(target_os = "linux")]
+pub use split::{HEAVY_US, SPLIT_DIR, SPLIT_MIN, Share};
 
 use std::time::Duration;
 

@@ -28,6 +28,9 @@ use crate::state::Kind;
 /// symlink, only directories and regular files are ever opened.
 pub struct Migrator {
     pub(crate) root: volume::Root,
+    /// Entries removed so far by this migrator's cuts of shares, rests and
+    /// old trees ([`Migrator::entries_removed`]).
+    pub(crate) removed: std::sync::atomic::AtomicU64,
 }
 
 impl Migrator {
@@ -37,7 +40,22 @@ impl Migrator {
     pub fn open(root: impl AsRef<Path>) -> Result<Self, Error> {
         Ok(Migrator {
             root: volume::Root::open(root)?,
+            removed: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// Every entry this migrator has removed so far, at any depth: from the
+    /// shares it cut (the `split` module), the rests of deferred cuts and
+    /// the old trees. The background work of a run, in entries, whatever
+    /// the wall clock says.
+    pub fn entries_removed(&self) -> u64 {
+        self.removed.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Counts one more entry removed ([`Migrator::entries_removed`]).
+    pub(crate) fn count_removed(&self) {
+        self.removed
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The canonical volumes root.

@@ -6,6 +6,7 @@
 //! the page cache has its extents): a crash while planning leaves nothing
 //! behind.
 
+use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::AtomicBool;
@@ -21,8 +22,13 @@ use crate::migrate::Migrator;
 use crate::options::MigrateOptions;
 use crate::report::Planned;
 use crate::scan::{self, scan};
+use crate::split;
 use crate::state::{Kind, State};
 use crate::{Estimate, Method};
+
+/// Threads that weigh the packages to be snapshotted (the `split`
+/// module's count), each a share of them.
+const WEIGHING_THREADS: usize = 4;
 
 /// The packages of a schedule, sorted by what there is to do, before
 /// anything is decided.
@@ -53,7 +59,7 @@ impl Migrator {
 
     /// [`Migrator::plan`] for a run with `opts` (its method).
     pub fn plan_with(&self, opts: &MigrateOptions) -> Result<Vec<Planned>, Error> {
-        let mut planned = self.schedule_for(&self.packages()?, opts, true)?;
+        let mut planned = self.schedule_for(&self.packages()?, opts, true, false)?;
         for p in &mut planned {
             if p.decision.is_some() {
                 self.estimate(p)?;
@@ -109,16 +115,19 @@ impl Migrator {
         packages: &[PackageId],
         opts: &MigrateOptions,
     ) -> Result<Vec<Planned>, Error> {
-        self.schedule_for(packages, opts, true)
+        self.schedule_for(packages, opts, true, !opts.dry_run)
     }
 
     /// [`Migrator::schedule`]; `bytes`: also count the file bytes of every
-    /// plain directory the decision did not count whole.
+    /// plain directory the decision did not count whole; `fresh`: a run
+    /// follows, so the shares an earlier run left are deleted first if any
+    /// are planned (not for a dry run, which changes nothing).
     pub(crate) fn schedule_for(
         &self,
         packages: &[PackageId],
         opts: &MigrateOptions,
         bytes: bool,
+        fresh: bool,
     ) -> Result<Vec<Planned>, Error> {
         if !self.root.is_btrfs() {
             return Ok(Vec::new());
@@ -159,17 +168,122 @@ impl Migrator {
             p.decision = Some(d.decision);
             p.cut = d.cut;
         }
+        let ranks = match &parent {
+            Some(Ok(_)) => self.lay_out(&mut planned, fresh)?,
+            _ => HashMap::new(),
+        };
         planned.extend(refused);
-        // The snapshots first, each in milliseconds, so that no service
-        // waits for a clone; then the clones, by name.
+        // The snapshots first, so that no service waits for a clone: with
+        // shares in the order of their shares (the `split` module: the
+        // dominant one first, a share's members together), else by name;
+        // then the clones, by name.
         planned.sort_by_key(|p| {
             (
                 p.decision != Some(Decision::SnapshotParent),
+                ranks.get(&p.package).copied().unwrap_or(usize::MAX),
                 p.package.clone(),
             )
         });
         planned.extend(leftovers);
         Ok(planned)
+    }
+
+    /// Where each package to be snapshotted takes its snapshot from (the
+    /// `split` module), with what that costs; returns each one's rank in
+    /// the order (none below [`split::SPLIT_MIN`] snapshots: each of the
+    /// parent, nothing weighed). Weighs each package first, up to
+    /// [`split::HEAVY_US`] of cutting. With `fresh`, deletes the shares an
+    /// earlier run left, if any shares are planned (if it cannot, plans
+    /// none).
+    fn lay_out(
+        &self,
+        planned: &mut [Planned],
+        fresh: bool,
+    ) -> Result<HashMap<PackageId, usize>, Error> {
+        let snaps: Vec<&Planned> = planned
+            .iter()
+            .filter(|p| p.decision == Some(Decision::SnapshotParent))
+            .collect();
+        if snaps.len() < split::SPLIT_MIN {
+            return Ok(HashMap::new());
+        }
+        let rest = snaps.iter().find_map(|p| p.cut).unwrap_or_default();
+        // A cold count is a chain of synchronous reads: a few threads
+        // overlap them (as the scan's slices do).
+        let names: Vec<&PackageId> = snaps.iter().map(|p| &p.package).collect();
+        let chunk = names.len().div_ceil(WEIGHING_THREADS);
+        let weighed: Vec<(PackageId, Cost)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = names
+                .chunks(chunk)
+                .map(|part| {
+                    scope.spawn(move || {
+                        part.iter()
+                            .map(|p| ((*p).clone(), self.weigh(p)))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                .collect()
+        });
+        let mut ranks = HashMap::new();
+        for (rank, (pkg, placed)) in split::layout(&weighed, rest).into_iter().enumerate() {
+            if let Some(p) = planned.iter_mut().find(|p| p.package == pkg) {
+                p.shed = Some(placed.cost);
+                p.shares = placed.shares;
+                p.drop_shares = placed.drop;
+            }
+            ranks.insert(pkg, rank);
+        }
+        // An earlier run's share must not serve this one's (its members'
+        // trees may have changed since). Left where it cannot be deleted,
+        // no share is made this run: each package is snapshotted from the
+        // parent, as without shares.
+        if fresh
+            && planned.iter().any(|p| !p.shares.is_empty())
+            && let Err(e) = split::wipe(self.root_fd())
+        {
+            tracing::warn!(error = %e, "deleting the shared cuts an earlier run left failed: snapshotting every package from the parent");
+            for p in planned.iter_mut() {
+                p.shares.clear();
+                p.drop_shares.clear();
+            }
+        }
+        Ok(ranks)
+    }
+
+    /// What cutting the tree of the plain directory `pkg` out of a snapshot
+    /// costs, counted up to [`split::HEAVY_US`] (then a lower bound). A
+    /// tree that cannot be counted weighs as heavy: the conversion reports
+    /// its own errors.
+    fn weigh(&self, pkg: &PackageId) -> Cost {
+        let stop = AtomicBool::new(false);
+        let counted = sys::open_dir_at(self.root_fd(), OsStr::new(pkg.as_str())).and_then(|dir| {
+            scan::scan_within(
+                dir.as_fd(),
+                scan::Limits {
+                    stop: &stop,
+                    max_work: split::HEAVY_US,
+                    weights: crate::cost::CUT,
+                    skip: None,
+                    one_device: true,
+                    in_place: false,
+                },
+            )
+        });
+        match counted {
+            Ok(c) => Cost::cut_of(&c.est, 0, c.complete),
+            Err(e) => {
+                tracing::info!(package = %pkg, error = %e, "weighing the volume failed: taken as heavy");
+                Cost {
+                    micros: split::HEAVY_US,
+                    at_least: true,
+                    ..Cost::default()
+                }
+            }
+        }
     }
 
     /// The subvolume holding the volumes root, or why no package can be
@@ -318,15 +432,22 @@ pub(crate) fn read_mount_tables(pkg: &PackageId) -> Result<volume::mounts::Mount
     })
 }
 
-/// What each snapshot of a dry run's plan sheds in the background: the rest
-/// outside the packages, which the schedule counted, and every other
-/// package.
+/// What each snapshot of a dry run's plan sheds in the background: for one
+/// of the parent, the rest outside the packages, which the schedule
+/// counted, and every other package; for one of a share, what the schedule
+/// weighed of its share's other members and the shares it makes.
 fn shed_costs(planned: &mut [Planned]) {
     let all = planned
         .iter()
         .filter_map(|p| p.estimate)
         .fold(Estimate::default(), |acc, e| acc.plus(&e));
     for p in planned {
+        // A share's member sheds its share's other members, which the
+        // schedule weighed: that is its cost.
+        if !p.shares.is_empty() {
+            p.cut = p.shed;
+            continue;
+        }
         if let (Some(cut), Some(own)) = (p.cut, p.estimate) {
             let others = Estimate {
                 entries: all.entries - own.entries,

@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use crate::cost::Cost;
 use crate::decide::{CloneReason, Decision};
+use crate::split::Share;
 use crate::{Estimate, Method};
 
 /// What happened to one package.
@@ -48,6 +49,19 @@ impl From<&Error> for ReportError {
     }
 }
 
+/// Where the snapshot of a package placed below a share was taken
+/// ([`PackageReport::share`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ShareUse {
+    /// Of its share (the `split` module), by that id.
+    Taken(String),
+    /// Of the parent, as below [`crate::SPLIT_MIN`]: its share could not be
+    /// made, or something beneath its directory was written after the
+    /// share's snapshot (or that could not be checked); why.
+    Parent(String),
+}
+
 /// The result of converting one package ([`crate::Migrator::convert`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct PackageReport {
@@ -68,6 +82,11 @@ pub struct PackageReport {
     /// snapshot was deleted): the difference between the dry run and the
     /// run, which every report shows, never only a log line.
     pub fallback: Option<CloneReason>,
+    /// In a run with shares, for a package its schedule placed below one:
+    /// whether its volume is a snapshot of its share, or why the parent
+    /// was snapshotted instead (every report shows it, as for
+    /// [`PackageReport::fallback`]).
+    pub share: Option<ShareUse>,
     /// Whether an interrupted earlier run's partial copy was reused.
     pub resumed: bool,
     /// Bytes cloned by this run (a resumed run skips what was in place).
@@ -98,6 +117,7 @@ impl PackageReport {
             method: None,
             decision: None,
             fallback: None,
+            share: None,
             resumed: false,
             bytes_cloned: 0,
             entries_reused: 0,
@@ -153,6 +173,18 @@ pub struct Planned {
     /// [`crate::Migrator::plan`]): a run fails it with this reason, and
     /// converts the others.
     pub refused: Option<String>,
+    /// For a snapshot: what it costs in the background with the other
+    /// packages it carries, by [`crate::cost`]: what its snapshot sheds
+    /// (every other package and the rest, for one of the parent; the other
+    /// members, for one of a share) and the cuts of the shares it makes
+    /// (the `split` module). At least this where a count stopped.
+    pub shed: Option<Cost>,
+    /// The shares its volume's snapshot is taken of, from the top down
+    /// (the `split` module); empty: the parent itself.
+    pub shares: Vec<Share>,
+    /// The shares its conversion deletes once done: it is their last
+    /// member in the schedule's order.
+    pub drop_shares: Vec<String>,
 }
 
 impl Planned {
@@ -168,6 +200,9 @@ impl Planned {
             resume,
             old_pending,
             refused: None,
+            shed: None,
+            shares: Vec::new(),
+            drop_shares: Vec::new(),
         }
     }
 

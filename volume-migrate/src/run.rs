@@ -27,7 +27,7 @@ impl Migrator {
         on_done: &mut dyn FnMut(&PackageReport),
     ) -> Result<Vec<PackageReport>, Error> {
         let mut reports = Vec::new();
-        for planned in self.schedule_for(&self.packages()?, opts, false)? {
+        for planned in self.schedule_for(&self.packages()?, opts, false, !opts.dry_run)? {
             let started = Instant::now();
             let report = self
                 .convert_planned(&planned, opts, sink)
@@ -36,6 +36,11 @@ impl Migrator {
                 });
             on_done(&report);
             reports.push(report);
+        }
+        if !opts.dry_run
+            && let Err(e) = crate::split::wipe(self.root_fd())
+        {
+            tracing::warn!(error = %e, "deleting the shared cuts left");
         }
         if opts.remove_old && !opts.dry_run {
             for r in &mut reports {

@@ -377,3 +377,47 @@ fn an_inherit_names_the_groups_a_new_subvolume_joins() {
         sys::create_subvolume_with(root.as_fd(), name("bad"), &missing).expect_err("no 1/999");
     assert_eq!(err.raw_os_error(), Some(libc::ENOENT), "{err}");
 }
+
+/// `inode_beneath` climbs a snapshot's tree, not the live one: in a
+/// snapshot of `m/a/f`, `m/h` (two names, one outside `m`) and `o/g`, the
+/// files under `m` are beneath `m` (and the hard-linked one whichever name
+/// is followed), `o/g` and `m`'s own parent are not, and a file made after
+/// the snapshot is no inode of it (`None`). Each answer is wrong if the
+/// live tree were read, where `m/a/f` has since moved out of `m`.
+#[test]
+fn inode_beneath_climbs_the_snapshots_tree() {
+    let fs = fs_or_skip!(LoopFs::btrfs(SIZE));
+    let src = fs.path("src");
+    sys::create_subvolume(open(fs.mount_point()).as_fd(), name("src")).unwrap();
+    for d in ["m/a", "o"] {
+        fs::create_dir_all(src.join(d)).unwrap();
+    }
+    write(&src.join("m/a/f"), "f");
+    write(&src.join("o/g"), "g");
+    write(&src.join("m/h"), "h");
+    fs::hard_link(src.join("m/h"), src.join("o/h2")).unwrap();
+    let ino = |p: &str| fs::symlink_metadata(src.join(p)).unwrap().ino();
+    let (m, f, g, h, a) = (ino("m"), ino("m/a/f"), ino("o/g"), ino("m/h"), ino("m/a"));
+    sys::snapshot(
+        open(&src).as_fd(),
+        open(fs.mount_point()).as_fd(),
+        name("snap"),
+    )
+    .unwrap();
+    // The live tree moves on: f leaves m, a new file comes.
+    fs::rename(src.join("m/a/f"), src.join("o/f")).unwrap();
+    write(&src.join("m/new"), "new");
+    let new = ino("m/new");
+    sys::commit(open(&src).as_fd()).unwrap();
+    let snap = open(&fs.path("snap"));
+    let beneath = |i| sys::inode_beneath(snap.as_fd(), i, m).unwrap();
+    assert_eq!(beneath(f), Some(true), "m/a/f, in the snapshot");
+    assert_eq!(beneath(a), Some(true));
+    assert_eq!(beneath(m), Some(true), "m itself");
+    assert_eq!(beneath(h), Some(true), "two names, one beneath m");
+    assert_eq!(beneath(g), Some(false), "o/g");
+    assert_eq!(beneath(ino("o")), Some(false));
+    assert_eq!(beneath(new), None, "made after the snapshot");
+    let live = open(&src);
+    assert_eq!(sys::inode_beneath(live.as_fd(), f, m).unwrap(), Some(false));
+}

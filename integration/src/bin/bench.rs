@@ -50,6 +50,8 @@
 mod boot;
 #[path = "bench/boot_loads.rs"]
 mod boot_loads;
+#[path = "bench/boxes.rs"]
+mod boxes;
 #[path = "bench/commits.rs"]
 mod commits;
 mod common;
@@ -124,6 +126,9 @@ enum Section {
     /// The snapshot and usage rows on a real LMDB environment, every key
     /// checked after each restore.
     Lmdb,
+    /// The first boot at 8, 30 and 150 packages: readiness and the whole
+    /// work, ours against upstream's boot conversion.
+    Boxes,
 }
 
 #[derive(Parser)]
@@ -650,6 +655,7 @@ struct Report {
     purge: Option<purge::Report>,
     #[serde(skip_serializing_if = "Option::is_none")]
     lmdb: Option<lmdb::Report>,
+    boxes: Option<(Vec<boxes::BoxCase>, Vec<Verdict>)>,
     total_seconds: f64,
 }
 
@@ -705,7 +711,11 @@ fn run(args: &Args) -> Result<Report> {
     let loads = (boot.is_none() && wants(Section::Loads))
         .then(|| boot_loads::run_section(&shapes))
         .transpose()?;
+    let boxes = wants(Section::Boxes)
+        .then(|| boxes::run(shapes[0]))
+        .transpose()?;
     Ok(Report {
+        boxes,
         snapshot,
         usage,
         migrate,
@@ -766,6 +776,10 @@ fn print_text(report: &Report) {
     if let Some(r) = &report.loads {
         gap();
         boot_loads::print_section(r);
+    }
+    if let Some((cases, verdicts)) = &report.boxes {
+        gap();
+        boxes::print(cases, verdicts);
     }
     println!(
         "total {}",

@@ -243,6 +243,7 @@ mod dry_run {
             "decision": entry.decision,
             "clone_cost": entry.clone,
             "cut_cost": entry.cut,
+            "shares": entry.shares.iter().map(|s| &s.id).collect::<Vec<_>>(),
             "estimated_seconds": est_secs,
             "metadata_bytes": entry.estimate.map(|e| e.metadata_bytes()),
             "resume": entry.resume,

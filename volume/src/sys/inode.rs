@@ -132,6 +132,40 @@ pub fn inodes_written_since(fd: BorrowedFd<'_>, since: u64) -> io::Result<HashSe
     }
 }
 
+/// How many directories [`inode_beneath`] climbs before it gives up: far
+/// past any real tree's depth (a path is at most 4,096 bytes).
+const MAX_DEPTH: usize = 4096;
+
+/// Whether inode `ino` of the subvolume holding `fs` lies beneath its
+/// directory `dir` (or is it), climbing each directory's one reference
+/// item up to the subvolume's root; `None` if the tree has no inode
+/// `ino`. A file with other than one name (hard links, or none left) is
+/// answered `Some(true)`: only one of its names would be followed, and a
+/// caller asking whether a change may concern `dir` must not be told no
+/// wrongly. An inode without a reference item, or a climb past
+/// [`MAX_DEPTH`] levels, is an error. Reads the tree as committed plus
+/// btrfs's in-memory changes written into it so far (commit first, as for
+/// [`inodes_written_since`]). Needs CAP_SYS_ADMIN; ENOTTY off btrfs.
+pub fn inode_beneath(fs: BorrowedFd<'_>, ino: u64, dir: u64) -> io::Result<Option<bool>> {
+    let Some(item) = find_inode_item(fs, 0, ino)? else {
+        return Ok(None);
+    };
+    if ino == dir || (item.mode & libc::S_IFMT != libc::S_IFDIR && item.nlink != 1) {
+        return Ok(Some(true));
+    }
+    let mut at = ino;
+    for _ in 0..MAX_DEPTH {
+        match dir_parent(fs, 0, at)? {
+            None => return Ok(Some(false)),
+            Some((up, _)) if up == dir => return Ok(Some(true)),
+            Some((up, _)) => at = up,
+        }
+    }
+    Err(io::Error::other(format!(
+        "inode {ino} lies over {MAX_DEPTH} directories deep"
+    )))
+}
+
 /// Opens the directory that is inode `ino` of tree `tree`, on the
 /// filesystem holding `fs` (any fd on it), by file handle: no path, no
 /// symlink, no mount on the way. Checked to be a directory of that tree

@@ -66,7 +66,7 @@ pub use fs::{
     open_beneath, open_dir_at, open_dir_path, rename_at, rename_exchange, rename_noreplace,
     rmdir_at, set_nofile_limit, set_times, stat, stat_at, times, write_all,
 };
-pub use inode::{dir_parent, inode_item, inodes_written_since, open_subvolume};
+pub use inode::{dir_parent, inode_beneath, inode_item, inodes_written_since, open_subvolume};
 pub use ioprio::IdleIo;
 pub use proc::fd_path;
 pub use qgroup::{
