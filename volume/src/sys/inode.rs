@@ -143,7 +143,7 @@ const MAX_DEPTH: usize = 4096;
 /// answered `Some(true)`: only one of its names would be followed, and a
 /// caller asking whether a change may concern `dir` must not be told no
 /// wrongly. An inode without a reference item, or a climb past
-/// [`MAX_DEPTH`] levels, is an error. Reads the tree as committed plus
+/// 4,096 levels (`MAX_DEPTH`), is an error. Reads the tree as committed plus
 /// btrfs's in-memory changes written into it so far (commit first, as for
 /// [`inodes_written_since`]). Needs CAP_SYS_ADMIN; ENOTTY off btrfs.
 pub fn inode_beneath(fs: BorrowedFd<'_>, ino: u64, dir: u64) -> io::Result<Option<bool>> {
