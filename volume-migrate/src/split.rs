@@ -229,21 +229,9 @@ fn tree(
     for (i, half) in [first_part, second_part].into_iter().enumerate() {
         match half.as_slice() {
             [] => {}
-            // One member: its volume is a snapshot of this share.
-            [(p, c)] => {
-                let cost = minus(weight, *c);
-                let cost = made.take().map_or(cost, |m| plus(cost, m));
-                out.push((
-                    p.clone(),
-                    Placed {
-                        shares: path.clone(),
-                        drop: Vec::new(),
-                        cost,
-                    },
-                ));
-            }
-            // Too light to be worth a share of its own: each member is a
-            // snapshot of this share, shedding the part's others.
+            // One member, or too light to be worth a share of its own
+            // (one member never is): each member is a snapshot of this
+            // share, shedding the part's others.
             _ if !worth_a_share(&half) => {
                 for (p, c) in &half {
                     let cost = minus(weight, *c);
