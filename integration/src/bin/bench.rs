@@ -372,6 +372,19 @@ struct SnapshotReport {
 /// One round: every operation once, upstream's and ours alternating, each
 /// from a settled filesystem with the database file out of the page cache.
 fn round(vol: &Scratch, round: u64, s: &mut [Samples; 3]) -> Result<()> {
+    let mut write = |i: u64| scribble(&vol.file, SCRIBBLE_BLOCKS, 2 * round + i).map(drop);
+    round_with(vol, s, &mut write, &mut |_| Ok(()))
+}
+
+/// A round of [`round`]'s operations on any volume: `write(0)` and
+/// `write(1)` change it after the backup our restore and upstream's roll
+/// back, and `check` ("our", "upstream's") looks at it after each restore.
+pub(crate) fn round_with(
+    vol: &Scratch,
+    s: &mut [Samples; 3],
+    write: &mut dyn FnMut(u64) -> Result<()>,
+    check: &mut dyn FnMut(&str) -> Result<()>,
+) -> Result<()> {
     let measure = |op: &dyn Fn() -> Result<()>,
                    timings: &mut Vec<Duration>,
                    background: &mut Vec<Duration>|
@@ -406,20 +419,22 @@ fn round(vol: &Scratch, round: u64, s: &mut [Samples; 3]) -> Result<()> {
     )?;
 
     vol.snapshot()?;
-    scribble(&vol.file, SCRIBBLE_BLOCKS, 2 * round)?;
+    write(0)?;
     measure(
         &|| vol.restore(),
         &mut restore.ours,
         &mut restore.ours_background,
     )?;
+    check("our")?;
 
     vol.upstream_backup_for_restore()?;
-    scribble(&vol.file, SCRIBBLE_BLOCKS, 2 * round + 1)?;
+    write(1)?;
     measure(
         &|| vol.upstream_restore(),
         &mut restore.upstream,
         &mut restore.upstream_background,
-    )
+    )?;
+    check("upstream's")
 }
 
 /// The file size for `extents`: 3 GiB, or 6 KiB per extent if that is more

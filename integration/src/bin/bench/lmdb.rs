@@ -191,17 +191,6 @@ fn round(
     checks: &mut Vec<Duration>,
     read: &mut u64,
 ) -> Result<()> {
-    let measure = |op: &dyn Fn() -> Result<()>,
-                   timings: &mut Vec<Duration>,
-                   background: &mut Vec<Duration>|
-     -> Result<()> {
-        vol.settle()?;
-        vol.evict_page_cache()?;
-        let ((), took) = timed(op)?;
-        timings.push(took);
-        background.push(vol.settle()?);
-        Ok(())
-    };
     let dir = vol.file.parent().ok_or("no data dir")?;
     let keys = env.built.keys;
     let later = Spec {
@@ -216,45 +205,8 @@ fn round(
         *read = bytes;
         Ok(())
     };
-    let [snap, drop, restore] = s;
-    measure(
-        &|| vol.upstream_snapshot(),
-        &mut snap.upstream,
-        &mut snap.upstream_background,
-    )?;
-    measure(
-        &|| vol.upstream_drop(),
-        &mut drop.upstream,
-        &mut drop.upstream_background,
-    )?;
-    measure(
-        &|| vol.snapshot(),
-        &mut snap.ours,
-        &mut snap.ours_background,
-    )?;
-    measure(
-        &|| vol.drop_backup(),
-        &mut drop.ours,
-        &mut drop.ours_background,
-    )?;
-
-    vol.snapshot()?;
-    lmdb::put_keys(dir, &later, keys, LATER_KEYS)?;
-    measure(
-        &|| vol.restore(),
-        &mut restore.ours,
-        &mut restore.ours_background,
-    )?;
-    check("our")?;
-
-    vol.upstream_backup_for_restore()?;
-    lmdb::put_keys(dir, &later, keys, LATER_KEYS)?;
-    measure(
-        &|| vol.upstream_restore(),
-        &mut restore.upstream,
-        &mut restore.upstream_background,
-    )?;
-    check("upstream's")
+    let mut write = |_| Ok(lmdb::put_keys(dir, &later, keys, LATER_KEYS)?);
+    crate::round_with(vol, s, &mut write, &mut check)
 }
 
 /// Runs the section.
