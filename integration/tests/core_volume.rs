@@ -820,18 +820,6 @@ fn cached_files(dir: &Path, n: usize) {
     }
 }
 
-/// The entries of the volumes root's trash, sorted (none if absent).
-fn trash(c: &Case) -> Vec<String> {
-    let Ok(dir) = fs::read_dir(c.root.join(::volume::layout::TRASH_DIR)) else {
-        return Vec::new();
-    };
-    let mut names: Vec<String> = dir
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
-}
-
 // Today: the restore deletes the replaced volume before it returns (its cached inodes evicted in the caller's task): "the replaced volume, left to the background purge: []".
 /// Start-core waits on the restore to restart the service: it returns
 /// with the restored volume in place and the replaced one still whole in
@@ -850,17 +838,17 @@ async fn restore_returns_before_the_replaced_volume_is_deleted() {
     assert_eq!(marker(&c.live()).as_deref(), Some("pre-update"));
     assert!(!c.ib.exists().await);
     assert_eq!(
-        trash(&c),
+        trash_entries(&c.root),
         ["app.1"],
         "the replaced volume, left to the background purge: {:?}",
-        trash(&c)
+        trash_entries(&c.root)
     );
     let replaced = c.root.join(::volume::layout::TRASH_DIR).join("app.1");
     assert_eq!(marker(&replaced).as_deref(), Some("updated"));
     ensure_volume_root_at(&c.root, "app").await.unwrap();
     drop(paused);
     ::volume::purge::wait_purged();
-    assert_eq!(trash(&c), Vec::<String>::new());
+    assert_eq!(trash_entries(&c.root), Vec::<String>::new());
     assert_eq!(root_names(&c.root), ["app"]);
 }
 
@@ -876,10 +864,10 @@ async fn delete_tree_returns_before_the_volume_is_deleted() {
     delete_tree_at(&c.root, c.live()).await.unwrap();
     assert!(gone(&c.live()));
     assert_eq!(
-        trash(&c),
+        trash_entries(&c.root),
         ["app.1"],
         "the deleted volume, left to the background purge: {:?}",
-        trash(&c)
+        trash_entries(&c.root)
     );
     // A reinstall's first step runs meanwhile.
     ensure_volume_root_at(&c.root, "app").await.unwrap();

@@ -59,17 +59,6 @@ fn snapshot_of_some(root: &Path, packages: &[&str]) -> Packages {
         .collect()
 }
 
-fn is_subvolume(path: &Path) -> bool {
-    fs::metadata(path).is_ok_and(|m| m.is_dir() && m.ino() == 256)
-}
-
-fn uuid_of(path: &Path) -> [u8; 16] {
-    let dir = fs::File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    volume::sys::subvolume_info(dir.as_fd())
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        .uuid
-}
-
 /// Names under the root that are not a package's volume.
 fn leftovers(root: &Path, shape: &NodeShape) -> Vec<String> {
     let packages = shape.packages();

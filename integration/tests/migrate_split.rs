@@ -7,11 +7,10 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::os::fd::AsFd;
-use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 
+use common::{is_subvolume, uuid_of};
 use integration::identity::{Identity, Kept, identities};
 use integration::{LoopFs, fs_or_skip};
 use volume_migrate::{Decision, MigrateOptions, Migrator, Outcome, Progress, SPLIT_DIR, ShareUse};
@@ -386,15 +385,4 @@ fn cli_run(root: &Path, failpoint: Option<&str>) -> (bool, i32, String) {
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
     )
-}
-
-fn is_subvolume(path: &Path) -> bool {
-    fs::metadata(path).is_ok_and(|m| m.is_dir() && m.ino() == 256)
-}
-
-fn uuid_of(path: &Path) -> [u8; 16] {
-    let dir = fs::File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    volume::sys::subvolume_info(dir.as_fd())
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        .uuid
 }

@@ -1448,18 +1448,6 @@ fn cached_volume_with_backup(root: &Path, files: usize) -> PathBuf {
     main
 }
 
-/// The entries of the volumes root's trash, sorted (none if it is absent).
-fn trash_entries(root: &Path) -> Vec<String> {
-    let Ok(dir) = fs::read_dir(root.join(volume::layout::TRASH_DIR)) else {
-        return Vec::new();
-    };
-    let mut names: Vec<String> = dir
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
-}
-
 // Today: the replaced volume is deleted under the package's lock, with no trash step to stop at: "never stopped at trash.deleting: it exited (exit status: 0)".
 /// Deleting a subvolume evicts its cached inodes in the calling thread
 /// (seconds for a million files): a restore and a delete are complete and

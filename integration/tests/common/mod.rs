@@ -339,3 +339,31 @@ pub fn volume_migrate_bin() -> PathBuf {
     integration::workspace_bin("volume-migrate")
         .unwrap_or_else(|e| panic!("{e}: run `cargo build --bins --features volume-migrate/cli`"))
 }
+
+/// Whether `path` is the root of a btrfs subvolume (inode 256).
+pub fn is_subvolume(path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    fs::metadata(path).is_ok_and(|m| m.is_dir() && m.ino() == 256)
+}
+
+/// The UUID of the subvolume at `path`.
+pub fn uuid_of(path: &Path) -> [u8; 16] {
+    use std::os::fd::AsFd;
+    let dir = File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    volume::sys::subvolume_info(dir.as_fd())
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .uuid
+}
+
+/// The entries of the volumes root `root`'s trash, sorted (none if it is
+/// absent).
+pub fn trash_entries(root: &Path) -> Vec<String> {
+    let Ok(dir) = fs::read_dir(root.join(volume::layout::TRASH_DIR)) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = dir
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
