@@ -11,35 +11,10 @@
 
 mod common;
 
-use std::fs;
-use std::path::Path;
-use std::process::Command;
-
-use common::sweep::bin;
+use common::sweep::trace;
 use common::*;
 use integration::{LoopFs, fs_or_skip};
 use volume::VolumeStore;
-use volume::sys::fault;
-
-/// The calls `startos-volume ARGS` makes, in order.
-fn trace(root: &Path, args: &[&str]) -> Vec<String> {
-    let log = root.with_extension(format!("trace-{}", args.join("-")));
-    let _ = fs::remove_file(&log);
-    let out = Command::new(bin("startos-volume"))
-        .arg("--root")
-        .arg(root)
-        .args(args)
-        .env(fault::FAULT_ENV, "trace")
-        .env(fault::FAULT_LOG_ENV, &log)
-        .output()
-        .expect("running startos-volume");
-    assert!(out.status.success(), "{args:?}: {out:?}");
-    fs::read_to_string(&log)
-        .expect("reading the trace")
-        .lines()
-        .filter_map(|l| l.split_once(' ').map(|(_, call)| call.to_owned()))
-        .collect()
-}
 
 /// Asserts that after each rename in `calls`, the first call that makes
 /// anything durable is a commit.
@@ -73,12 +48,12 @@ fn renames_of_subvolumes_are_made_durable_by_a_commit() {
     store.snapshot(&pkg("app")).expect("snapshot");
     modify_volume(&root.join("app"), false);
 
-    let restore = trace(&root, &["restore", "app"]);
+    let restore = trace("startos-volume", &root, &["restore", "app"]);
     assert!(renames_committed(&restore, "restore") >= 2, "{restore:?}");
     store.snapshot(&pkg("app")).expect("snapshot");
-    let drop = trace(&root, &["drop", "app"]);
+    let drop = trace("startos-volume", &root, &["drop", "app"]);
     assert!(renames_committed(&drop, "drop") >= 1, "{drop:?}");
-    let delete = trace(&root, &["delete", "app"]);
+    let delete = trace("startos-volume", &root, &["delete", "app"]);
     assert!(renames_committed(&delete, "delete") >= 1, "{delete:?}");
 }
 
@@ -90,7 +65,7 @@ fn a_backup_with_nothing_nested_is_read_only_in_one_step() {
     for (name, nested) in [("flat", false), ("deep", true)] {
         store.create(&pkg(name), &[vol("main")]).expect("create");
         populate_volume(&root.join(name), nested);
-        let calls = trace(&root, &["snapshot", name]);
+        let calls = trace("startos-volume", &root, &["snapshot", name]);
         let frozen = calls.iter().any(|c| c == "ioctl SUBVOL_SETFLAGS");
         assert_eq!(
             frozen, nested,

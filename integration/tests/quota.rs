@@ -20,7 +20,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::sweep::bin;
+use common::sweep::{bin, trace};
 use common::*;
 use integration::{LoopFs, fs_or_skip, run, skip_or_fail};
 use volume::VolumeStore;
@@ -348,28 +348,6 @@ fn conversion_keeps_limit_and_groups_with_full_qgroups() {
 #[test]
 fn conversion_keeps_limit_and_groups_with_simple_quotas() {
     conversion_keeps_limit_and_groups(QuotaMode::Simple);
-}
-
-/// The calls `tool --root ROOT ARGS` makes through `volume::sys`.
-fn trace(tool: &str, root: &Path, args: &[&str]) -> Vec<String> {
-    let log = root.with_extension(format!("trace-{tool}-{}", args.join("-")));
-    let _ = fs::remove_file(&log);
-    let out = Command::new(bin(tool))
-        .arg("--root")
-        .arg(root)
-        .args(args)
-        .env(fault::FAULT_ENV, "trace")
-        .env(fault::FAULT_LOG_ENV, &log)
-        .output()
-        .expect("running the tool");
-    assert!(out.status.success(), "{tool} {args:?}: {out:?}");
-    let calls = fs::read_to_string(&log)
-        .expect("reading the trace")
-        .lines()
-        .filter_map(|l| l.split_once(' ').map(|(_, call)| call.to_owned()))
-        .collect();
-    let _ = fs::remove_file(&log);
-    calls
 }
 
 /// The quota calls of a trace: the check, and everything else.

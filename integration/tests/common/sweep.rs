@@ -430,3 +430,25 @@ pub fn sweep(case: &Case, sample: u64) {
         case.name, calls, s.runs, absorbed, s.absorbed, past_end
     );
 }
+
+/// The calls `tool --root ROOT ARGS` makes through `volume::sys`.
+pub fn trace(tool: &str, root: &Path, args: &[&str]) -> Vec<String> {
+    let log = root.with_extension(format!("trace-{tool}-{}", args.join("-")));
+    let _ = fs::remove_file(&log);
+    let out = Command::new(bin(tool))
+        .arg("--root")
+        .arg(root)
+        .args(args)
+        .env(fault::FAULT_ENV, "trace")
+        .env(fault::FAULT_LOG_ENV, &log)
+        .output()
+        .expect("running the tool");
+    assert!(out.status.success(), "{tool} {args:?}: {out:?}");
+    let calls = fs::read_to_string(&log)
+        .expect("reading the trace")
+        .lines()
+        .filter_map(|l| l.split_once(' ').map(|(_, call)| call.to_owned()))
+        .collect();
+    let _ = fs::remove_file(&log);
+    calls
+}
