@@ -347,6 +347,40 @@ fn drop_while_busy_unmounts_lazily() {
     );
 }
 
+/// `LoopFs::unmount` keeps the image for a caller to copy (the power-cut
+/// sweep's base image): a mount namespace another process made meanwhile
+/// holds a copy of the mount, so the image must hold everything written
+/// before `unmount` returns, and nothing may write it after.
+#[test]
+fn unmount_leaves_the_whole_image_while_another_namespace_holds_it() {
+    let mut fs = fs_or_skip!(LoopFs::btrfs(256 << 20));
+    fs::write(fs.path("x"), b"written just before").unwrap();
+    let mut holder = Command::new("unshare")
+        .args(["--mount", "sh", "-c", "echo ready; sleep 2"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut ready = [0u8; 6];
+    holder
+        .stdout
+        .take()
+        .unwrap()
+        .read_exact(&mut ready)
+        .unwrap();
+    assert_eq!(&ready, b"ready\n");
+    fs.unmount().unwrap();
+    let copy = fs.image_path().with_extension("copy.img");
+    integration::powercut::sparse_copy(fs.image_path(), &copy).unwrap();
+    assert!(
+        holder.try_wait().unwrap().is_some(),
+        "unmount returned while another namespace still held the filesystem"
+    );
+    let again = LoopFs::from_image(FsKind::Btrfs, &copy, "").unwrap();
+    assert_eq!(fs::read(again.path("x")).unwrap(), b"written just before");
+    again.close().unwrap();
+    fs.close().unwrap();
+}
+
 #[test]
 fn remount_keeps_synced_data() {
     let mut fs = fs_or_skip!(LoopFs::btrfs(256 << 20));

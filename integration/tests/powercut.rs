@@ -460,13 +460,6 @@ fn workload(name: &'static str) -> Workload {
                 v.join(format!("data/main/{PKG}.log")).is_file(),
                 "the old version's container made no log"
             );
-            // On the disk before the image is saved: the runner's mount
-            // namespaces may still hold the filesystem when it is unmounted
-            // here, and the last of them flushes it later.
-            run(Command::new("btrfs")
-                .args(["filesystem", "sync"])
-                .arg(&data))
-            .expect("syncing the prepared image");
             let t0 = normal(rd(&v));
             let old = Pkg {
                 live: Some(t0.clone()),

@@ -384,8 +384,19 @@ impl LoopFs {
     /// image: for a tool that needs the device unused (`btrfs check`), or to
     /// boot a guest on it. [`LoopFs::remount`] attaches nothing again; drop
     /// or [`LoopFs::close`] still delete the image.
+    ///
+    /// A mount namespace another process made while this was mounted holds
+    /// a copy of the mount (`unshare -m` copies every mount), so unmounting
+    /// here does not end the filesystem: what it had not yet written would
+    /// reach the image only when that namespace goes, after a caller copied
+    /// the image. Hence the sync first, and the wait until the loop device
+    /// is really released (at most 30 s), after which nothing writes the
+    /// image again.
     pub fn unmount(&mut self) -> io::Result<()> {
         if self.mounted {
+            let root = File::open(&self.mount_point)?;
+            rustix::fs::syncfs(&root)?;
+            drop(root);
             unmount_retrying(&self.mount_point)?;
             self.mounted = false;
         }
@@ -394,6 +405,7 @@ impl LoopFs {
                 .arg("-d")
                 .arg(&self.device))?;
             self.attached = false;
+            wait_released(&self.device, &self.image)?;
         }
         Ok(())
     }
@@ -528,6 +540,33 @@ fn unmount_retrying(target: &Path) -> io::Result<()> {
         target.display()
     );
     rustix::mount::unmount(target, UnmountFlags::DETACH).map_err(io::Error::from)
+}
+
+/// Waits until loop `device` no longer holds `image`: `losetup -d` of a
+/// device whose filesystem another mount namespace still holds only marks
+/// it to be freed when that namespace lets go.
+fn wait_released(device: &Path, image: &Path) -> io::Result<()> {
+    let name = device
+        .file_name()
+        .ok_or_else(|| io::Error::other(format!("{} names no device", device.display())))?;
+    let backing = Path::new("/sys/block").join(name).join("loop/backing_file");
+    let wanted = image.as_os_str().as_bytes();
+    for _ in 0..3000 {
+        match fs::read(&backing) {
+            Ok(b) if b.strip_suffix(b"\n").unwrap_or(&b) == wanted => {
+                thread::sleep(Duration::from_millis(10))
+            }
+            Ok(_) => return Ok(()),
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(io::Error::other(format!(
+        "{} still holds {} 30 s after it was detached: another mount namespace holds its \
+         filesystem",
+        device.display(),
+        image.display()
+    )))
 }
 
 /// Whether something is mounted exactly at `path`, according to `/proc/self/mounts`.
