@@ -679,24 +679,33 @@ mod backend {
                 let _ = tx.send(super::BootEvent::Ready(pkg));
             }
         }
-        let mut base = 0u64;
         // In the schedule's order: the packages converted by snapshotting
-        // the parent first, each ready in milliseconds, then the clones.
-        for p in planned.iter().filter(|p| p.decision.is_some()) {
-            let pkg = &p.package;
-            let mut sink = |pr: &volume_migrate::Progress| {
-                let _ = tx.send(super::BootEvent::Done(base + pr.bytes_done.min(p.bytes)));
-            };
-            match migrator.convert_planned(p, &opts, &mut sink) {
-                Ok(_) => {
-                    base += p.bytes;
-                    let _ = tx.send(super::BootEvent::Done(base));
-                    let _ = tx.send(super::BootEvent::Ready(pkg.clone()));
-                }
-                Err(e) => {
-                    tracing::error!(package = %pkg, step = "conversion", "converting the volume failed: {e}");
-                    failed.push((pkg.clone(), e));
-                }
+        // the parent first, several at once, each ready in milliseconds,
+        // then the clones; each reported ready as soon as it is done.
+        let to_run: Vec<volume_migrate::Planned> = planned
+            .iter()
+            .filter(|p| p.decision.is_some())
+            .cloned()
+            .collect();
+        let base = std::sync::atomic::AtomicU64::new(0);
+        let sink = |p: &volume_migrate::Planned, pr: &volume_migrate::Progress| {
+            let done = base.load(std::sync::atomic::Ordering::Relaxed);
+            let _ = tx.send(super::BootEvent::Done(done + pr.bytes_done.min(p.bytes)));
+        };
+        let on_done = |p: &volume_migrate::Planned, r: &volume_migrate::Converted| match r {
+            Ok(_) => {
+                let done = base.fetch_add(p.bytes, std::sync::atomic::Ordering::Relaxed) + p.bytes;
+                let _ = tx.send(super::BootEvent::Done(done));
+                let _ = tx.send(super::BootEvent::Ready(p.package.clone()));
+            }
+            Err(e) => {
+                tracing::error!(package = %p.package, step = "conversion", "converting the volume failed: {e}");
+            }
+        };
+        let outcomes = migrator.convert_each(&to_run, &opts, &sink, &on_done);
+        for (p, r) in to_run.iter().zip(outcomes) {
+            if let Err(e) = r {
+                failed.push((p.package.clone(), e));
             }
         }
         // Old trees to remove: this boot's, and any an interrupted run left

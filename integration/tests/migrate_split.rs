@@ -64,6 +64,47 @@ fn contents(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
 
 #[test]
 fn many_packages_shed_a_few_boxes_and_keep_every_identity() {
+    many_packages(&|m, opts| {
+        m.run(opts, &mut |_: &Progress| {}, &mut |_| {})
+            .expect("the run")
+    });
+}
+
+/// The same box converted as start-core's boot converts it
+/// (`Migrator::convert_each`: several packages at once, each share made
+/// once whichever member comes to it first, deleted once all its members
+/// are done), then the cleanup: the same outcome as one at a time, every
+/// member taking its share and no share cut twice.
+#[test]
+fn many_packages_converted_at_once_take_each_share_once() {
+    many_packages(&|m, opts| {
+        let planned = m
+            .schedule(&m.packages().unwrap(), opts)
+            .expect("the schedule");
+        let done = std::sync::Mutex::new(Vec::new());
+        let outcomes = m.convert_each(&planned, opts, &|_, _| {}, &|p, _| {
+            done.lock().unwrap().push(p.package.clone())
+        });
+        assert_eq!(done.into_inner().unwrap().len(), planned.len());
+        let mut reports: Vec<_> = outcomes
+            .into_iter()
+            .map(|r| r.expect("each package's conversion"))
+            .collect();
+        let cleaned = m
+            .remove_all_old(&mut |_: &Progress| {})
+            .expect("the cleanup");
+        for r in &mut reports {
+            r.old_removed = cleaned.contains(&r.package);
+        }
+        reports
+    });
+}
+
+/// Converts the box of [`build`] with `convert` (options: a deferred cut,
+/// old trees removed) and checks what every way must leave.
+fn many_packages(
+    convert: &dyn Fn(&Migrator, &MigrateOptions) -> Vec<volume_migrate::PackageReport>,
+) {
     let fs = fs_or_skip!(LoopFs::btrfs(1 << 30));
     let root = fs.path("volumes");
     fs::create_dir_all(&root).unwrap();
@@ -82,9 +123,7 @@ fn many_packages_shed_a_few_boxes_and_keep_every_identity() {
         remove_old: true,
         ..MigrateOptions::default()
     };
-    let reports = m
-        .run(&opts, &mut |_: &Progress| {}, &mut |_| {})
-        .expect("the run");
+    let reports = convert(&m, &opts);
     assert_eq!(reports.len(), PACKAGES);
     for r in &reports {
         assert_eq!(

@@ -438,6 +438,7 @@ impl Migrator {
             plan.root.as_fd(),
             &volumes,
             &planned.shares,
+            &self.share_locks,
             &mut || {
                 self.count_removed();
                 failpoint("migrate.share-removed")
@@ -552,7 +553,21 @@ impl Migrator {
             let Ok(Some(record)) = RestRecord::read(root, &theirs.migrate_rest) else {
                 continue;
             };
-            let _lock = self.lock(&other)?;
+            // A bounded wait: with packages converted at once (the `pool`
+            // module), `other` may be a clone releasing its own old
+            // copies, holding its lock and waiting for this one's. Its
+            // rest then keeps this package's copy for the cleanup.
+            let taken = volume::lock::LockDir::for_root(root).and_then(|d| {
+                d.lock_with(&other, volume::lock::LockWait::Within(OTHER_LOCK_PATIENCE))
+            });
+            let _lock = match taken {
+                Ok(lock) => lock,
+                Err(e) if volume::lock::busy(&e).is_some() => {
+                    tracing::info!(package = %pkg, rest_of = %other, "its old copy in a busy package's rest is left to the cleanup");
+                    continue;
+                }
+                Err(e) => return Err(e).with_ctx(step(&other, "taking the package lock")),
+            };
             if Kind::of(&self.root, &theirs.live).with_ctx(step(&other, "inspecting the volume"))?
                 != Kind::Subvolume
             {
@@ -582,6 +597,10 @@ impl Migrator {
         Ok(())
     }
 }
+
+/// How long [`Migrator::release_in_place`] waits for another package's
+/// lock before leaving its copy in that package's rest to the cleanup.
+const OTHER_LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Whether `planned` will be cut from a snapshot of the parent with nothing
 /// counted first: a cut the schedule already weighed (Auto's, whose count

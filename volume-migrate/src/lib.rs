@@ -105,6 +105,8 @@ mod parent_plan;
 #[cfg(target_os = "linux")]
 mod plan;
 #[cfg(target_os = "linux")]
+mod pool;
+#[cfg(target_os = "linux")]
 mod report;
 #[cfg(target_os = "linux")]
 mod rest;
@@ -130,6 +132,8 @@ pub use options::{
     DEFAULT_CHUNK_BYTES, MAX_RESERVE_BYTES, MIN_RESERVE_BYTES, MetadataRoom, MigrateOptions,
     default_reserve,
 };
+#[cfg(target_os = "linux")]
+pub use pool::{Converted, WORKERS};
 #[cfg(target_os = "linux")]
 pub use report::{Outcome, PackageReport, Planned, ReportError, ShareUse};
 #[cfg(target_os = "linux")]

@@ -31,6 +31,9 @@ pub struct Migrator {
     /// Entries removed so far by this migrator's cuts of shares, rests and
     /// old trees ([`Migrator::entries_removed`]).
     pub(crate) removed: std::sync::atomic::AtomicU64,
+    /// The shares' locks, for conversions running at once (the `pool`
+    /// module).
+    pub(crate) share_locks: crate::split::ShareLocks,
 }
 
 impl Migrator {
@@ -41,6 +44,7 @@ impl Migrator {
         Ok(Migrator {
             root: volume::Root::open(root)?,
             removed: std::sync::atomic::AtomicU64::new(0),
+            share_locks: Default::default(),
         })
     }
 

@@ -86,11 +86,12 @@
 //! A share that cannot be made (an error, no space) fails no package: it
 //! is snapshotted from the parent instead, shedding more.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::ffi::{OsStr, OsString};
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use models::PackageId;
 use serde::Serialize;
@@ -325,12 +326,15 @@ fn minus(a: Cost, b: Cost) -> Cost {
 /// `on_removed` is called after each entry a cut removes. An error leaves
 /// at most a `<id>.tmp` share half cut, which the next making of that
 /// share or the cleanup deletes (it is deleted at once where it can be).
-/// No shares: the parent itself, and 0.
+/// No shares: the parent itself, and 0. Each share is looked for, and
+/// made, under its lock in `locks`: members converted at once (the
+/// `pool` module) make each share once, the others waiting for it.
 pub(crate) fn source(
     root: BorrowedFd<'_>,
     parent: BorrowedFd<'_>,
     volumes: &Path,
     shares: &[Share],
+    locks: &ShareLocks,
     on_removed: &mut dyn FnMut() -> io::Result<()>,
 ) -> io::Result<(OwnedFd, u64)> {
     let mut src = parent.try_clone_to_owned()?;
@@ -340,6 +344,8 @@ pub(crate) fn source(
     }
     let dir = split_dir(root)?;
     for (i, share) in shares.iter().enumerate() {
+        let lock = locks.of(&share.id);
+        let _making = lock.lock().unwrap_or_else(PoisonError::into_inner);
         let name = OsString::from(&share.id);
         if sys::stat_at(dir.as_fd(), &name)?.is_some() {
             src = sys::open_dir_at(dir.as_fd(), &name)?;
@@ -378,6 +384,20 @@ pub(crate) fn source(
         src = fd;
     }
     Ok((src, taken))
+}
+
+/// One lock a share, taken to look for it and to make it (see [`source`]):
+/// a share is `<id>.tmp` until cut, and two members making it at once
+/// would each delete the other's.
+#[derive(Debug, Default)]
+pub(crate) struct ShareLocks(Mutex<HashMap<String, Arc<Mutex<()>>>>);
+
+impl ShareLocks {
+    /// The lock of share `id`.
+    fn of(&self, id: &str) -> Arc<Mutex<()>> {
+        let mut all = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        Arc::clone(all.entry(id.to_owned()).or_default())
+    }
 }
 
 /// How many inodes of the parent changed since the top share's snapshot
