@@ -679,18 +679,41 @@ mod backend {
                 let _ = tx.send(super::BootEvent::Ready(pkg));
             }
         }
-        // In the schedule's order: the packages converted by snapshotting
-        // the parent first, several at once, each ready in milliseconds,
-        // then the clones; each reported ready as soon as it is done.
+        convert_all(&migrator, &planned, &opts, tx, &mut failed);
+        // Old trees to remove: this boot's, and any an interrupted run left
+        // (the packages listed that were not converted now have leftovers,
+        // or are plain directories of packages no longer installed, which
+        // the cleanup leaves alone).
+        let cleanup = !to_convert.is_empty()
+            || planned.iter().any(|p| p.old_pending)
+            || listed.len() > installed_listed.len();
+        Ok((recovered, failed, cleanup))
+    }
+
+    /// Converts every package of `planned` that has a decision, in the
+    /// schedule's order (the packages converted by snapshotting the parent
+    /// first, several at once, each ready in milliseconds, then the
+    /// clones), reporting each ready on `tx` as soon as it is done; the
+    /// failures go to `failed`.
+    fn convert_all(
+        migrator: &volume_migrate::Migrator,
+        planned: &[volume_migrate::Planned],
+        opts: &volume_migrate::MigrateOptions,
+        tx: &tokio::sync::mpsc::UnboundedSender<super::BootEvent>,
+        failed: &mut Vec<(PackageId, Error)>,
+    ) {
         let to_run: Vec<volume_migrate::Planned> = planned
             .iter()
             .filter(|p| p.decision.is_some())
             .cloned()
             .collect();
         let base = std::sync::atomic::AtomicU64::new(0);
-        let sink = |p: &volume_migrate::Planned, pr: &volume_migrate::Progress| {
+        let bytes: std::collections::HashMap<&PackageId, u64> =
+            to_run.iter().map(|p| (&p.package, p.bytes)).collect();
+        let mut sink = |pr: &volume_migrate::Progress| {
             let done = base.load(std::sync::atomic::Ordering::Relaxed);
-            let _ = tx.send(super::BootEvent::Done(done + pr.bytes_done.min(p.bytes)));
+            let of = bytes.get(&pr.package).copied().unwrap_or_default();
+            let _ = tx.send(super::BootEvent::Done(done + pr.bytes_done.min(of)));
         };
         let on_done = |p: &volume_migrate::Planned, r: &volume_migrate::Converted| match r {
             Ok(_) => {
@@ -702,20 +725,12 @@ mod backend {
                 tracing::error!(package = %p.package, step = "conversion", "converting the volume failed: {e}");
             }
         };
-        let outcomes = migrator.convert_each(&to_run, &opts, &sink, &on_done);
+        let outcomes = migrator.convert_each(&to_run, opts, &mut sink, &on_done);
         for (p, r) in to_run.iter().zip(outcomes) {
             if let Err(e) = r {
                 failed.push((p.package.clone(), e));
             }
         }
-        // Old trees to remove: this boot's, and any an interrupted run left
-        // (the packages listed that were not converted now have leftovers,
-        // or are plain directories of packages no longer installed, which
-        // the cleanup leaves alone).
-        let cleanup = !to_convert.is_empty()
-            || planned.iter().any(|p| p.old_pending)
-            || listed.len() > installed_listed.len();
-        Ok((recovered, failed, cleanup))
     }
 
     /// Upstream's sweep: the backup of a package no longer in the database

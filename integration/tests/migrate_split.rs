@@ -82,7 +82,7 @@ fn many_packages_converted_at_once_take_each_share_once() {
             .schedule(&m.packages().unwrap(), opts)
             .expect("the schedule");
         let done = std::sync::Mutex::new(Vec::new());
-        let outcomes = m.convert_each(&planned, opts, &|_, _| {}, &|p, _| {
+        let outcomes = m.convert_each(&planned, opts, &mut |_: &Progress| {}, &|p, _| {
             done.lock().unwrap().push(p.package.clone())
         });
         assert_eq!(done.into_inner().unwrap().len(), planned.len());

@@ -11,6 +11,7 @@
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
+use std::sync::{MutexGuard, PoisonError};
 use std::time::Instant;
 
 use models::{Error, ErrorKind, PackageId, ResultExt};
@@ -169,9 +170,7 @@ impl Migrator {
             let report = job.report;
             return Ok(self.carved(report, lock, opts, sink, started));
         }
-        if !flushed {
-            self.flush_for_clone(&mut job)?;
-        }
+        let _turn = self.turn_to_clone(&mut job, flushed)?;
         if let Err(e) = job.clone_volume(resume) {
             if !self.carve_after_unclonable(&mut job, resume, &e)? {
                 return Err(e);
@@ -253,6 +252,30 @@ impl Migrator {
         self.carve_as_planned(job, &planned, false)
     }
 
+    /// Waits for this clone's turn, held until the guard drops: one clone
+    /// at a time, also among packages converted at once (the `pool`
+    /// module), since a clone reads and writes O(its extents) and its
+    /// check of the free space must not count what another is taking. The
+    /// space is read again once the turn is taken (with a commit first if
+    /// not `flushed`).
+    fn turn_to_clone(
+        &self,
+        job: &mut Job<'_, '_>,
+        flushed: bool,
+    ) -> Result<MutexGuard<'_, ()>, Error> {
+        let turn = self
+            .clone_turn
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if flushed {
+            job.space = self.metadata_space(job.pkg)?;
+            job.room = MetadataRoom::of(&job.space, job.opts);
+        } else {
+            self.flush_for_clone(job)?;
+        }
+        Ok(turn)
+    }
+
     /// A cut planned without a commit first fell back to a clone: write
     /// the data out now, so that the clone's count sees every extent, and
     /// read the free metadata space again, since writing it out took some.
@@ -272,7 +295,10 @@ impl Migrator {
     fn release_nocow(&self, report: &mut PackageReport, names: &Names) {
         let pkg = &report.package;
         match self.release_in_place(pkg, names) {
-            Ok(()) => report.old_removed = true,
+            Ok(true) => report.old_removed = true,
+            Ok(false) => {
+                tracing::warn!(package = %pkg, "old copies of its NOCOW files left in a busy package's rest, for the cleanup")
+            }
             Err(e) => {
                 tracing::warn!(package = %pkg, error = %e, "removing the old copies of its NOCOW files")
             }
@@ -528,8 +554,9 @@ impl Migrator {
     /// the volumes root has in the parent subvolume). Everything removed is
     /// garbage already, so a crash part-way leaves only less for
     /// [`Migrator::remove_old`]. Holds each other package's lock while in
-    /// its volume.
-    fn release_in_place(&self, pkg: &PackageId, names: &Names) -> Result<(), Error> {
+    /// its volume; returns false if it left a copy in a package whose lock
+    /// it could not take in time.
+    fn release_in_place(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
         let root = self.root_fd();
         if Kind::of(&self.root, &names.migrate_old)
             .with_ctx(step(pkg, "inspecting the old directory"))?
@@ -542,9 +569,10 @@ impl Migrator {
         let Some((_, volumes_path)) =
             sys::subvolume_root_of(root).with_ctx(step(pkg, "finding the parent subvolume"))?
         else {
-            return Ok(());
+            return Ok(true);
         };
         let old: PathBuf = volumes_path.iter().collect();
+        let mut all = true;
         for other in self.packages()? {
             if &other == pkg {
                 continue;
@@ -564,6 +592,7 @@ impl Migrator {
                 Ok(lock) => lock,
                 Err(e) if volume::lock::busy(&e).is_some() => {
                     tracing::info!(package = %pkg, rest_of = %other, "its old copy in a busy package's rest is left to the cleanup");
+                    all = false;
                     continue;
                 }
                 Err(e) => return Err(e).with_ctx(step(&other, "taking the package lock")),
@@ -594,7 +623,7 @@ impl Migrator {
                 .with_ctx(step(pkg, "removing its old copy from a cut's rest"))?;
             tracing::info!(package = %pkg, rest_of = %other, "old copies of its NOCOW files removed");
         }
-        Ok(())
+        Ok(all)
     }
 }
 

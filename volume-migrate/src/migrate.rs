@@ -34,6 +34,9 @@ pub struct Migrator {
     /// The shares' locks, for conversions running at once (the `pool`
     /// module).
     pub(crate) share_locks: crate::split::ShareLocks,
+    /// Taken for a clone: one at a time, also among conversions running
+    /// at once (`convert`).
+    pub(crate) clone_turn: std::sync::Mutex<()>,
 }
 
 impl Migrator {
@@ -45,6 +48,7 @@ impl Migrator {
             root: volume::Root::open(root)?,
             removed: std::sync::atomic::AtomicU64::new(0),
             share_locks: Default::default(),
+            clone_turn: Default::default(),
         })
     }
 

@@ -14,9 +14,10 @@
 //! Nothing else changes. Each package is converted by
 //! [`Migrator::convert_planned`] under its own lock, so what a crash
 //! leaves is each package's own state (the crate docs), for several
-//! packages at once; packages start in the schedule's order (the dominant
-//! package first, a share's members together) and are reported as each is
-//! done. Two things the order decided one at a time are decided here
+//! packages at once; packages start in the schedule's order (a share's
+//! members together) and are reported as each is done. With shares, the
+//! dominant package goes first and alone, ready before any share's cut
+//! takes the cores and fills the commits it waits on. Two things the order decided one at a time are decided here
 //! instead: a share is made once, by whichever member comes to it first
 //! while the others wait on its lock ([`crate::split::source`]), and it is
 //! deleted once every member of it has finished, not when the last one in
@@ -27,22 +28,26 @@
 //! order: a clone reads and writes O(its extents), and several at once
 //! would only interleave their I/O and add up their memory.
 
+use std::any::Any;
 use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
 use std::sync::{Mutex, PoisonError};
 
-use models::Error;
+use models::{Error, ErrorKind};
 
 use crate::decide::Decision;
 use crate::migrate::Migrator;
 use crate::options::MigrateOptions;
 use crate::report::{PackageReport, Planned};
-use crate::{Progress, split};
+use crate::{Progress, ProgressSink, split};
 
-/// How many conversions by snapshot run at once: enough that every
-/// commit carries several packages' steps (each waits on three or four),
-/// few enough that the share cuts running beside them (CPU and metadata
-/// I/O) do not crowd out the dominant package's steps on a two-core box.
+/// How many packages are converted at once: enough that
+/// every commit carries several packages' steps (each waits on three or
+/// four), few enough that the share cuts running beside them (CPU and
+/// metadata I/O) do not crowd out the dominant package's steps on a
+/// two-core box.
 pub const WORKERS: usize = 6;
 
 /// One package's outcome, as [`Migrator::convert_planned`] returns it.
@@ -52,10 +57,11 @@ impl Migrator {
     /// Converts every package of `planned` (a schedule, in its order, as
     /// [`Migrator::schedule`] made it): those to be converted by a
     /// snapshot up to [`WORKERS`] at once, started in order, then the
-    /// others one at a time, in order (the module docs). `sink` gets each
-    /// package's progress and `on_done` its outcome as soon as it is done,
-    /// from the thread that converted it. Returns the outcomes in
-    /// `planned`'s order. A failing package does not stop the others.
+    /// others one at a time, in order (the module docs). `sink` gets every
+    /// package's progress, on the caller's thread; `on_done` each
+    /// package's outcome as soon as it is done, from the thread that
+    /// converted it. Returns the outcomes in `planned`'s order. A failing
+    /// package does not stop the others.
     ///
     /// A crash leaves each package started and not done in its own crash
     /// state, as a crash in [`Migrator::convert_planned`] does, and the
@@ -64,81 +70,139 @@ impl Migrator {
         &self,
         planned: &[Planned],
         opts: &MigrateOptions,
-        sink: &(dyn Fn(&Planned, &Progress) + Sync),
+        sink: &mut dyn ProgressSink,
         on_done: &(dyn Fn(&Planned, &Converted) + Sync),
     ) -> Vec<Converted> {
-        let at_once = planned
+        let snapshots = planned
             .iter()
             .take_while(|p| p.decision == Some(Decision::SnapshotParent))
             .count();
-        let (first, then) = planned.split_at(at_once);
-        let mut out = self.convert_at_once(first, opts, sink, on_done);
-        for p in then {
-            let r = self.convert_planned(p, opts, &mut |pr: &Progress| sink(p, pr));
+        let (first, then) = planned.split_at(snapshots);
+        // Without shares (a node's few packages), one at a time: measured
+        // at 8, the services were ready sooner so (the boxes bench). With
+        // them, the dominant package (the schedule's first, a snapshot of
+        // the parent itself) goes alone: the share cuts the others start
+        // with would take the cores and fill the commits it waits on.
+        let shares = first.iter().any(|p| !p.shares.is_empty());
+        let workers = if shares { WORKERS } else { 1 };
+        let alone = usize::from(shares && first.first().is_some_and(|p| p.shares.is_empty()));
+        let (dominant, first) = first.split_at(alone);
+        let one = |p: &Planned, sink: &mut dyn ProgressSink| {
+            let r = self.convert_planned(p, opts, sink);
             on_done(p, &r);
-            out.push(r);
+            r
+        };
+        let mut out = Vec::with_capacity(planned.len());
+        for p in dominant {
+            out.push(one(p, sink));
         }
-        out
-    }
-
-    /// [`Migrator::convert_each`]'s packages to be converted by a
-    /// snapshot, [`WORKERS`] at once; the caller's thread is one of them,
-    /// so a thread that cannot be started only means fewer at once.
-    fn convert_at_once(
-        &self,
-        planned: &[Planned],
-        opts: &MigrateOptions,
-        sink: &(dyn Fn(&Planned, &Progress) + Sync),
-        on_done: &(dyn Fn(&Planned, &Converted) + Sync),
-    ) -> Vec<Converted> {
-        let members = Members::of(planned);
-        let next = AtomicUsize::new(0);
-        let slots: Vec<Mutex<Option<Converted>>> =
-            planned.iter().map(|_| Mutex::new(None)).collect();
-        let work = || {
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(p) = planned.get(i) else { break };
-                // Deleted here once every member is done, not by the last
-                // in order (the module docs).
+        let members = Members::of(first);
+        out.extend(at_once(
+            first,
+            workers,
+            sink,
+            &|p: &Planned, sink: &mut dyn ProgressSink| {
+                // Deleted once every member is done, not by the last in order
+                // (the module docs).
                 let own = Planned {
                     drop_shares: Vec::new(),
                     ..p.clone()
                 };
-                let r = self.convert_planned(&own, opts, &mut |pr: &Progress| sink(p, pr));
-                on_done(p, &r);
+                // A panic fails its package only: the others go on, and its
+                // shares are still counted done.
+                let r = std::panic::catch_unwind(AssertUnwindSafe(|| one(&own, sink)))
+                    .unwrap_or_else(|panic| {
+                        let r = Err(panicked(p, panic.as_ref()));
+                        on_done(p, &r);
+                        r
+                    });
                 members.done(self, p);
-                *slots[i].lock().unwrap_or_else(PoisonError::into_inner) = Some(r);
-            }
+                r
+            },
+        ));
+        for p in then {
+            out.push(one(p, sink));
+        }
+        out
+    }
+}
+
+/// Calls `work` on each of `items`, up to `workers` at once on threads of
+/// their own, taken in order; what they report to their sink reaches
+/// `sink` on the caller's thread. Returns the results in `items`' order.
+/// One worker, or where no thread can be started: the caller's thread
+/// does it all.
+fn at_once<T: Sync, R: Send>(
+    items: &[T],
+    workers: usize,
+    sink: &mut dyn ProgressSink,
+    work: &(dyn Fn(&T, &mut dyn ProgressSink) -> R + Sync),
+) -> Vec<R> {
+    let next = AtomicUsize::new(0);
+    let slots: Vec<Mutex<Option<R>>> = items.iter().map(|_| Mutex::new(None)).collect();
+    let each = |sink: &mut dyn ProgressSink| {
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(item) = items.get(i) else { break };
+            let r = work(item, sink);
+            *slots[i].lock().unwrap_or_else(PoisonError::into_inner) = Some(r);
+        }
+    };
+    std::thread::scope(|scope| {
+        let (tx, rx) = mpsc::channel::<Progress>();
+        let mut started = 0;
+        let threads = if workers > 1 {
+            workers.min(items.len())
+        } else {
+            0
         };
-        std::thread::scope(|scope| {
-            for k in 1..WORKERS.min(planned.len()) {
-                let started = std::thread::Builder::new()
-                    .name(format!("volume-migrate-{k}"))
-                    .spawn_scoped(scope, work);
-                if let Err(e) = started {
-                    tracing::warn!(error = %e, "starting a conversion thread: fewer conversions at once");
+        for k in 0..threads {
+            let tx = tx.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("volume-migrate-{k}"))
+                .spawn_scoped(scope, move || {
+                    each(&mut |p: &Progress| {
+                        let _ = tx.send(p.clone());
+                    })
+                });
+            match thread {
+                Ok(_) => started += 1,
+                Err(e) => {
+                    tracing::warn!(error = %e, "starting a thread: fewer packages at once");
                     break;
                 }
             }
-            work();
-        });
-        slots
-            .into_iter()
-            .map(|s| {
-                s.into_inner()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .unwrap_or_else(|| {
-                        Err(Error::new(
-                            color_eyre::eyre::eyre!(
-                                "a conversion thread stopped before its package"
-                            ),
-                            models::ErrorKind::Unknown,
-                        ))
-                    })
-            })
-            .collect()
-    }
+        }
+        drop(tx);
+        // Until every thread is done and has dropped its sender.
+        for p in rx {
+            sink.progress(&p);
+        }
+        if started == 0 {
+            each(sink);
+        }
+    });
+    slots
+        .into_iter()
+        .map(|s| s.into_inner().unwrap_or_else(PoisonError::into_inner))
+        .collect::<Option<Vec<R>>>()
+        .unwrap_or_else(|| unreachable!("every item's slot is filled once its threads are done"))
+}
+
+/// The error of a conversion of `p` that panicked with `panic`; its lock
+/// was released on the way out, and the next run finds its state as a
+/// crash there leaves it.
+fn panicked(p: &Planned, panic: &(dyn Any + Send)) -> Error {
+    let what = panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("no message");
+    Error::for_package(
+        &p.package,
+        ErrorKind::Unknown,
+        format!("converting the volume panicked: {what}"),
+    )
 }
 
 /// How many members of each share are not done yet.

@@ -29,7 +29,10 @@
 //! What a member waits for is the cut of every share above it that is not
 //! made yet: the share's first member makes it, and the members after it in
 //! the schedule's order (the tree's, depth first, the heavier half first:
-//! its share sheds the lighter) find it made. Nothing of a package's own
+//! its share sheds the lighter) find it made. With several members
+//! converted at once ([`crate::Migrator::convert_each`]), whichever comes
+//! to a share first makes it under the share's lock ([`ShareLocks`]) while
+//! the others wait for it. Nothing of a package's own
 //! tree is counted past [`HEAVY_US`] of cutting, so weighing costs at most
 //! that per package; a package past it is heavy, weighed as that much.
 //!
@@ -78,7 +81,8 @@
 //! under `<id>.tmp` and renamed to `<id>` once cut, so a share under its
 //! name is whole. Everything there is scratch: a schedule that plans shares
 //! deletes what an earlier run left there first, a package's conversion
-//! deletes the shares it was the last member of, and the cleanup
+//! deletes the shares it was the last member of (with several at once,
+//! the last of them to finish does), and the cleanup
 //! ([`crate::Migrator::remove_all_old`]) deletes whatever is left. A crash
 //! anywhere leaves at most shares there, which nothing reads but a run
 //! that made them; the packages' own states are the crate's (a share is
