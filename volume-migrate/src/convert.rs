@@ -424,7 +424,7 @@ impl Migrator {
         }
         match carved {
             Ok(carved) => {
-                job.swap_in(&names.migrate_parent, carved)?;
+                job.swap_in(&names.migrate_parent, carved, false)?;
                 Ok(true)
             }
             Err(failure) if forced || !failure.can_clone() => {

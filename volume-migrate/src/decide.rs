@@ -16,8 +16,8 @@
 //!
 //! What a package's snapshot sheds afterwards, in the background, is what
 //! its source holds besides the package. Below [`crate::split::SPLIT_MIN`]
-//! packages (a node's box), each is a snapshot of the parent, taken in name
-//! order, and sheds every other package's old tree and the rest of the
+//! packages (a node's box), each is a snapshot of the parent, taken
+//! heaviest first, and sheds every other package's old tree and the rest of the
 //! parent: every service starts in milliseconds, and the shedding, n - 1
 //! boxes, runs at idle I/O priority ([`crate::Migrator::remove_all_old`]),
 //! which no service waits for. From [`crate::split::SPLIT_MIN`] on, where

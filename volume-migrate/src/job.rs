@@ -298,7 +298,7 @@ impl Job<'_, '_> {
         tracing::info!(package = %pkg, bytes = estimate.bytes, extents = estimate.extents, "volume cloned into a subvolume");
         self.ensure_unmounted()?;
         let tmp = self.names.migrate.clone();
-        self.swap_in(&tmp, dst)
+        self.swap_in(&tmp, dst, true)
     }
 
     /// Refuses the exchange if anything is mounted from inside `<pkg>` now,
@@ -493,21 +493,36 @@ impl Job<'_, '_> {
         })
     }
 
-    /// The last steps of either method: commit the new subvolume `tmp`
-    /// (open as `dst`), exchange it with `<pkg>`, move the old directory to
-    /// `<pkg>.migrate-old`.
-    pub fn swap_in(&mut self, tmp: &OsStr, dst: OwnedFd) -> Result<(), Error> {
+    /// The last steps of either method: make the new subvolume `tmp` (open
+    /// as `dst`) durable, exchange it with `<pkg>`, move the old directory
+    /// to `<pkg>.migrate-old`.
+    ///
+    /// `copied`: the subvolume holds file data this process wrote (a
+    /// clone), which only a commit that writes out dirty data makes durable
+    /// before its name says "volume". A cut only renamed entries of a
+    /// snapshot whose creation wrote out and committed its data: every
+    /// change it made (and the rest's record, a symlink, and the quota
+    /// carried over) is metadata of the exchange's transaction or an
+    /// earlier one, and btrfs commits transactions in order, so no state a
+    /// crash leaves shows the exchange without them. It skips that commit,
+    /// which would also write out the dirty data of every service already
+    /// started.
+    pub fn swap_in(&mut self, tmp: &OsStr, dst: OwnedFd, copied: bool) -> Result<(), Error> {
         let pkg = self.pkg;
         let root = self.root.fd();
         // The limit and groups of the subvolume the directory sat in, on
-        // the new subvolume before the commit that precedes its exchange:
-        // no committed state shows the volume without them.
+        // the new subvolume before its exchange: no committed state shows
+        // the volume without them.
         if let Some(Err(e)) = self.quota()?.map(|c| c.apply(dst.as_fd())) {
             tracing::warn!(package = %pkg, "converting: qgroup limit and groups not carried to the new subvolume: {e}");
         }
         // Sync: the copy must be durable before its name says "volume".
         self.tracker.phase(Phase::Sync);
-        let committed = sys::commit(dst.as_fd());
+        let committed = if copied {
+            sys::commit(dst.as_fd())
+        } else {
+            Ok(())
+        };
         drop(dst);
         let tracker = &mut self.tracker;
         let exchanged = committed

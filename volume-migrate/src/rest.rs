@@ -79,7 +79,8 @@ impl RestRecord {
     }
 
     /// Writes the record `record_name` in `root` (which must not have one).
-    /// Not durable: the commit before the exchange makes it so.
+    /// Not durable by itself: a symlink, metadata of the exchange's
+    /// transaction or an earlier one, so durable with the exchange.
     pub fn write(&self, root: BorrowedFd<'_>, record_name: &OsStr) -> io::Result<()> {
         record::write(root, record_name, &self.encode())
     }

@@ -38,8 +38,8 @@
 //!
 //! Shares trade readiness for the total, so they are made only where the
 //! total is out of proportion: from [`SPLIT_MIN`] packages on. Below it
-//! each package is snapshotted from the parent, in name order, every
-//! service ready in milliseconds: the per-package way sheds n - 1 boxes,
+//! each package is snapshotted from the parent, heaviest first (the
+//! dominant package ready first), every service ready in milliseconds: the per-package way sheds n - 1 boxes,
 //! all at idle priority after every service has started, while shares
 //! shed about log2(n) + 2 (the levels, the dominant package's snapshot,
 //! the old trees) but make every light package wait for the cuts above
@@ -162,8 +162,12 @@ pub(crate) struct Placed {
 /// comes from; `rest`: what the parent holds outside the packages. Pure.
 pub(crate) fn layout(weighed: &[(PackageId, Cost)], rest: Cost) -> Vec<(PackageId, Placed)> {
     let total = weighed.iter().fold(rest, |acc, (_, c)| plus(acc, *c));
+    let mut sorted: Vec<(PackageId, Cost)> = weighed.to_vec();
+    sorted.sort_by(|a, b| rank(&b.1).cmp(&rank(&a.1)).then_with(|| a.0.cmp(&b.0)));
     if weighed.len() < SPLIT_MIN {
-        let mut out: Vec<_> = weighed
+        // Each a snapshot of the parent, heaviest first: the dominant
+        // package ready first.
+        return sorted
             .iter()
             .map(|(p, c)| {
                 let cost = minus(total, *c);
@@ -176,16 +180,7 @@ pub(crate) fn layout(weighed: &[(PackageId, Cost)], rest: Cost) -> Vec<(PackageI
                 )
             })
             .collect();
-        out.sort_by(|a, b| a.0.cmp(&b.0));
-        return out;
     }
-    let mut sorted: Vec<(PackageId, Cost)> = weighed.to_vec();
-    // Heaviest first: those past the cap (where what was counted past it
-    // is the count's granularity, not weight), the one with the most
-    // extent items counted first (a database, the service a node's owner
-    // waits on); then the others by weight; then by name.
-    let rank = |c: &Cost| (c.at_least, if c.at_least { c.extents } else { c.micros });
-    sorted.sort_by(|a, b| rank(&b.1).cmp(&rank(&a.1)).then_with(|| a.0.cmp(&b.0)));
     let (dominant, dom_cost) = sorted.remove(0);
     let mut out = vec![(
         dominant,
@@ -208,6 +203,15 @@ pub(crate) fn layout(weighed: &[(PackageId, Cost)], rest: Cost) -> Vec<(PackageI
     };
     tree(&sorted, split, "s", &mut Vec::new(), top_cut, &mut out);
     out
+}
+
+/// The order of weights, heaviest first: those past the cap (where what
+/// was counted past it is the count's granularity, not weight), the one
+/// with the most extent items counted first (a database, the service a
+/// node's owner waits on); then the others by weight (ties by name, the
+/// caller's).
+fn rank(c: &Cost) -> (bool, u64) {
+    (c.at_least, if c.at_least { c.extents } else { c.micros })
 }
 
 /// Places the members of the share `id` (heaviest first), whose own cut
@@ -582,8 +586,8 @@ mod tests {
     }
 
     /// Below [`SPLIT_MIN`] (a node's box) no share is made, whatever the
-    /// weights: every package is a snapshot of the parent, in name order,
-    /// shedding everything else.
+    /// weights: every package is a snapshot of the parent, heaviest first
+    /// (then by name), shedding everything else.
     #[test]
     fn a_small_box_makes_no_share() {
         let mut weighed: Vec<_> = (0..SPLIT_MIN - 2)
@@ -592,9 +596,10 @@ mod tests {
         weighed.push(w("b", 50_000, true));
         let placed = layout(&weighed, w("rest", 100, false).1);
         let names: Vec<_> = placed.iter().map(|(p, _)| p.as_str()).collect();
-        let mut sorted = names.clone();
+        assert_eq!(names[0], "b", "the heaviest first");
+        let mut sorted = names[1..].to_vec();
         sorted.sort_unstable();
-        assert_eq!(names, sorted, "by name");
+        assert_eq!(names[1..], sorted, "then by name");
         let total = 2000 * (SPLIT_MIN as u64 - 2) + 50_000 + 100;
         for (p, at) in &placed {
             assert!(at.shares.is_empty() && at.drop.is_empty(), "{p}: {at:?}");
