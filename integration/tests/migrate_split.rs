@@ -5,62 +5,22 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::fs;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 
+use common::box48::{Before, PACKAGES, assert_kept, before_of, build, contents, wait_stopped};
 use common::{is_subvolume, uuid_of};
-use integration::identity::{Identity, Kept, identities};
+use integration::identity::{Kept, identities};
 use integration::{LoopFs, fs_or_skip};
 use volume_migrate::{Decision, MigrateOptions, Migrator, Outcome, Progress, SPLIT_DIR, ShareUse};
 
-/// Packages in the box.
-const PACKAGES: usize = 48;
-/// Files per package (in two directories, so entries are 62 a package).
-const FILES: usize = 60;
 /// The entries removed in all, at most this many times the box's entries.
 /// A split in halves sheds each entry about once per level (log2(47) is
 /// under 6), a member of a share too light to split again its few
 /// siblings, the dominant package's snapshot and the old trees once more
 /// each; one snapshot of the parent per package shed it 47 times.
 const AT_MOST_BOXES: u64 = 12;
-
-/// A box of [`PACKAGES`] plain package directories beside a little rest
-/// outside them; returns the packages' entries in all.
-fn build(fs: &LoopFs, root: &Path) -> u64 {
-    fs::write(fs.path("outside"), b"not a package").unwrap();
-    let mut entries = 0;
-    for i in 0..PACKAGES {
-        let pkg = root.join(format!("pkg{i:02}"));
-        // One package larger than the others: the dominant one.
-        let files = if i == 7 { FILES * 3 } else { FILES };
-        for d in ["data", "assets"] {
-            fs::create_dir_all(pkg.join(d)).unwrap();
-            entries += 1;
-        }
-        for f in 0..files {
-            let dir = if f % 2 == 0 { "data" } else { "assets" };
-            fs::write(pkg.join(dir).join(format!("f{f}")), format!("{i} {f}")).unwrap();
-            entries += 1;
-        }
-    }
-    entries
-}
-
-type Before = BTreeMap<String, (BTreeMap<PathBuf, Identity>, BTreeMap<PathBuf, Vec<u8>>)>;
-
-fn contents(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
-    let mut out = BTreeMap::new();
-    for d in ["data", "assets"] {
-        for e in fs::read_dir(dir.join(d)).unwrap() {
-            let e = e.unwrap();
-            let rel = Path::new(d).join(e.file_name());
-            out.insert(rel, fs::read(e.path()).unwrap());
-        }
-    }
-    out
-}
 
 #[test]
 fn many_packages_shed_a_few_boxes_and_keep_every_identity() {
@@ -109,13 +69,7 @@ fn many_packages(
     let root = fs.path("volumes");
     fs::create_dir_all(&root).unwrap();
     let box_entries = build(&fs, &root);
-    let before: Before = (0..PACKAGES)
-        .map(|i| {
-            let p = format!("pkg{i:02}");
-            let dir = root.join(&p);
-            (p, (identities(&dir).unwrap(), contents(&dir)))
-        })
-        .collect();
+    let before: Before = before_of(&root);
 
     let m = Migrator::open(&root).unwrap();
     let opts = MigrateOptions {
@@ -192,13 +146,7 @@ fn a_share_that_cannot_be_cut_fails_no_package() {
     let root = fs.path("volumes");
     fs::create_dir_all(&root).unwrap();
     build(&fs, &root);
-    let before: Before = (0..PACKAGES)
-        .map(|i| {
-            let p = format!("pkg{i:02}");
-            let dir = root.join(&p);
-            (p, (identities(&dir).unwrap(), contents(&dir)))
-        })
-        .collect();
+    let before: Before = before_of(&root);
     let out = std::process::Command::new(common::volume_migrate_bin())
         .arg("--root")
         .arg(&root)
@@ -211,12 +159,7 @@ fn a_share_that_cannot_be_cut_fails_no_package() {
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{text}");
     assert!(text.contains("snapshotting the parent instead"), "{text}");
-    for (p, (ids, data)) in &before {
-        let dir = root.join(p);
-        let kept = Kept::of(ids, &identities(&dir).unwrap());
-        assert_eq!(kept.shares().0, 1.0, "{p}: identities");
-        assert_eq!(&contents(&dir), data, "{p}: contents");
-    }
+    assert_kept(&before, &root, "");
     let names: Vec<_> = fs::read_dir(&root)
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
@@ -242,13 +185,7 @@ fn a_run_killed_inside_a_shares_cut_loses_nothing() {
         let root = fs.path("volumes");
         fs::create_dir_all(&root).unwrap();
         build(&fs, &root);
-        let before: Before = (0..PACKAGES)
-            .map(|i| {
-                let p = format!("pkg{i:02}");
-                let dir = root.join(&p);
-                (p, (identities(&dir).unwrap(), contents(&dir)))
-            })
-            .collect();
+        let before: Before = before_of(&root);
         let when = format!("killed at `{fp}`");
         let (killed, code, out) = cli_run(&root, Some(fp));
         assert!(killed, "{when}: not killed (exit {code})\n{out}");
@@ -266,13 +203,7 @@ fn a_run_killed_inside_a_shares_cut_loses_nothing() {
             !killed && code == 0,
             "{when}: the rerun failed ({code}):\n{out}"
         );
-        for (p, (ids, data)) in &before {
-            let dir = root.join(p);
-            assert!(is_subvolume(&dir), "{when}: {p} not converted");
-            let kept = Kept::of(ids, &identities(&dir).unwrap());
-            assert_eq!(kept.shares().0, 1.0, "{when}: {p}: identities");
-            assert_eq!(&contents(&dir), data, "{when}: {p}: contents");
-        }
+        assert_kept(&before, &root, &when);
         for (p, uuid) in &finished {
             assert_eq!(&uuid_of(&root.join(p)), uuid, "{when}: {p} converted again");
         }
@@ -305,13 +236,7 @@ fn a_member_written_after_its_share_was_taken_keeps_the_write() {
     let root = fs.path("volumes");
     fs::create_dir_all(&root).unwrap();
     build(&fs, &root);
-    let mut before: Before = (0..PACKAGES)
-        .map(|i| {
-            let p = format!("pkg{i:02}");
-            let dir = root.join(&p);
-            (p, (identities(&dir).unwrap(), contents(&dir)))
-        })
-        .collect();
+    let mut before: Before = before_of(&root);
     let child = std::process::Command::new(common::volume_migrate_bin())
         .arg("--root")
         .arg(&root)
@@ -359,12 +284,7 @@ fn a_member_written_after_its_share_was_taken_keeps_the_write() {
         String::from_utf8_lossy(&out.stderr)
     );
 
-    for (p, (ids, data)) in &before {
-        let dir = root.join(p);
-        let kept = Kept::of(ids, &identities(&dir).unwrap());
-        assert_eq!(kept.shares().0, 1.0, "{p}: identities");
-        assert_eq!(&contents(&dir), data, "{p}: contents");
-    }
+    assert_kept(&before, &root, "");
     let mut taken = 0;
     for line in text.lines() {
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
@@ -386,24 +306,6 @@ fn a_member_written_after_its_share_was_taken_keeps_the_write() {
         PACKAGES - 3,
         "every other member took its share:\n{text}"
     );
-}
-
-/// Waits until process `pid` has stopped itself (SIGSTOP at a failpoint).
-fn wait_stopped(pid: u32) {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    loop {
-        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-        // The state follows the command's closing parenthesis.
-        let state = stat
-            .rsplit_once(')')
-            .map(|(_, s)| s.trim_start().chars().next());
-        match state {
-            Some(Some('T')) => return,
-            Some(Some('Z')) => panic!("volume-migrate exited before the failpoint"),
-            _ if std::time::Instant::now() >= deadline => panic!("volume-migrate never stopped"),
-            _ => std::thread::sleep(std::time::Duration::from_millis(5)),
-        }
-    }
 }
 
 /// `volume-migrate --root <root> --json`, with `failpoint` armed: whether

@@ -7,50 +7,16 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::fs;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 
+use common::box48::{PACKAGES, assert_kept, before_of, build, wait_stopped};
 use common::{is_subvolume, uuid_of};
-use integration::identity::{Identity, Kept, identities};
 use integration::{LoopFs, fs_or_skip};
 use volume_migrate::{MigrateOptions, Migrator, Progress};
 
-const PACKAGES: usize = 48;
-const FILES: usize = 60;
 const CHILD_ROOT_ENV: &str = "POOL_PROBE_ROOT";
-
-fn build(fs: &LoopFs, root: &Path) {
-    fs::write(fs.path("outside"), b"not a package").unwrap();
-    for i in 0..PACKAGES {
-        let pkg = root.join(format!("pkg{i:02}"));
-        let files = if i == 7 { FILES * 3 } else { FILES };
-        for d in ["data", "assets"] {
-            fs::create_dir_all(pkg.join(d)).unwrap();
-        }
-        for f in 0..files {
-            let dir = if f % 2 == 0 { "data" } else { "assets" };
-            fs::write(pkg.join(dir).join(format!("f{f}")), format!("{i} {f}")).unwrap();
-        }
-    }
-}
-
-type Before = BTreeMap<String, (BTreeMap<PathBuf, Identity>, BTreeMap<PathBuf, Vec<u8>>)>;
-
-fn contents(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
-    let mut out = BTreeMap::new();
-    for d in ["data", "assets"] {
-        for e in fs::read_dir(dir.join(d)).unwrap() {
-            let e = e.unwrap();
-            out.insert(
-                Path::new(d).join(e.file_name()),
-                fs::read(e.path()).unwrap(),
-            );
-        }
-    }
-    out
-}
 
 fn boot_opts() -> MigrateOptions {
     MigrateOptions {
@@ -109,16 +75,6 @@ fn child(root: &Path, failpoint: &str) -> (bool, String) {
     )
 }
 
-fn before_of(root: &Path) -> Before {
-    (0..PACKAGES)
-        .map(|i| {
-            let p = format!("pkg{i:02}");
-            let dir = root.join(&p);
-            (p, (identities(&dir).unwrap(), contents(&dir)))
-        })
-        .collect()
-}
-
 /// SIGKILL of the pool (several packages in flight, shares being cut),
 /// then the next boot's pool, then the cleanup: every package its
 /// subvolume with every identity and byte, those converted before the kill
@@ -163,12 +119,9 @@ fn a_pool_killed_in_flight_loses_nothing() {
             .unwrap()
             .remove_all_old(&mut |_: &Progress| {})
             .expect("the cleanup");
-        for (p, (ids, data)) in &before {
+        assert_kept(&before, &root, &when);
+        for p in before.keys() {
             let dir = root.join(p);
-            assert!(is_subvolume(&dir), "{when}: {p} not converted");
-            let kept = Kept::of(ids, &identities(&dir).unwrap());
-            assert_eq!(kept.shares().0, 1.0, "{when}: {p}: identities");
-            assert_eq!(&contents(&dir), data, "{when}: {p}: contents");
             let mut top: Vec<_> = fs::read_dir(&dir)
                 .unwrap()
                 .map(|e| e.unwrap().file_name().into_string().unwrap())
@@ -185,23 +138,6 @@ fn a_pool_killed_in_flight_loses_nothing() {
             .filter(|n| !n.starts_with("pkg") || n.contains('.'))
             .collect();
         assert!(left.is_empty(), "{when}: left over: {left:?}");
-    }
-}
-
-/// Waits until process `pid` has stopped itself (SIGSTOP at a failpoint).
-fn wait_stopped(pid: u32) {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    loop {
-        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-        let state = stat
-            .rsplit_once(')')
-            .map(|(_, s)| s.trim_start().chars().next());
-        match state {
-            Some(Some('T')) => return,
-            Some(Some('Z')) => panic!("exited before the failpoint"),
-            _ if std::time::Instant::now() >= deadline => panic!("never stopped"),
-            _ => std::thread::sleep(std::time::Duration::from_millis(5)),
-        }
     }
 }
 
@@ -269,12 +205,7 @@ fn a_member_written_while_the_pool_runs_keeps_the_write() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(text.contains("CHILD-FAILED []"), "{text}");
-    for (p, (ids, data)) in &before {
-        let dir = root.join(p);
-        let kept = Kept::of(ids, &identities(&dir).unwrap());
-        assert_eq!(kept.shares().0, 1.0, "{p}: identities");
-        assert_eq!(&contents(&dir), data, "{p}: contents");
-    }
+    assert_kept(&before, &root, "");
     let mut taken = 0;
     for l in text.lines().filter(|l| l.starts_with("SHARE ")) {
         let p = l.split(' ').nth(1).unwrap();

@@ -3,6 +3,7 @@
 //! Each test file compiles this module on its own and uses a different subset.
 #![allow(dead_code)]
 
+pub mod box48;
 pub mod cli;
 pub mod rich;
 pub mod sweep;
