@@ -314,7 +314,7 @@ fn the_rest_is_removed_again_after_a_restore_brings_it_back() {
 }
 
 /// The steps of a whole run of the CLI (convert every package, then remove
-/// the old trees), in the order they happen: eight cuts in name order, then
+/// the old trees), in the order they happen: eight cuts, heaviest first, then
 /// the removals (each rest, then each old tree).
 const RUN_STEPS: &[&str] = &[
     "migrate.parent-snapshot",

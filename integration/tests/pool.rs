@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use common::box48::{PACKAGES, assert_kept, before_of, build, wait_stopped};
 use common::{is_subvolume, uuid_of};
-use integration::{LoopFs, fs_or_skip};
+use integration::{FsKind, LoopFs, fs_or_skip};
 use volume_migrate::{MigrateOptions, Migrator, Progress};
 
 const CHILD_ROOT_ENV: &str = "POOL_PROBE_ROOT";
@@ -91,7 +91,16 @@ fn a_pool_killed_in_flight_loses_nothing() {
         "migrate.exchanged@15",
     ];
     for fp in KILLS {
-        let fs = fs_or_skip!(LoopFs::btrfs(1 << 30));
+        // One-second commits: a thread of the killed child still waiting
+        // in BTRFS_IOC_START_SYNC (a wake-up this kernel sometimes misses;
+        // the process's own kick thread died with it, see
+        // `volume::sys::COMMIT_START_PATIENCE`) holds the child's pipes
+        // until some commit comes, by default the 30 s periodic one.
+        let fs = fs_or_skip!(LoopFs::with_mount_options(
+            FsKind::Btrfs,
+            1 << 30,
+            "commit=1"
+        ));
         let root = fs.path("volumes");
         fs::create_dir_all(&root).unwrap();
         build(&fs, &root);

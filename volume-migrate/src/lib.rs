@@ -38,9 +38,12 @@
 //!
 //! Then, for both:
 //!
-//! 2. **Sync**: commit the btrfs transaction, so the new subvolume is
-//!    durable; with quotas on, with the qgroup limit and groups of the
-//!    subvolume the directory sat in, given before it (`volume::quota`).
+//! 2. **Sync**: the qgroup limit and groups of the subvolume the
+//!    directory sat in given to the new one, with quotas on
+//!    (`volume::quota`); for a clone, a commit that writes its data out,
+//!    so the new subvolume is durable before its name says "volume" (a
+//!    cut wrote no data: everything it changed is metadata, committed
+//!    with the exchange or before it, in order; `Job::swap_in`).
 //! 3. **Exchange**: swap it and `<pkg>` with one
 //!    `renameat2(RENAME_EXCHANGE)`, then rename the old directory to
 //!    `<pkg>.migrate-old`.
@@ -137,7 +140,7 @@ pub use pool::{Converted, WORKERS};
 #[cfg(target_os = "linux")]
 pub use report::{Outcome, PackageReport, Planned, ReportError, ShareUse};
 #[cfg(target_os = "linux")]
-pub use split::{HEAVY_US, SPLIT_DIR, SPLIT_MIN, Share};
+pub use split::{HEAVY_US, ORDER_US, SPLIT_DIR, SPLIT_MIN, Share};
 
 use std::time::Duration;
 

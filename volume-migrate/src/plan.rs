@@ -189,10 +189,10 @@ impl Migrator {
     /// Where each package to be snapshotted takes its snapshot from (the
     /// `split` module), with what that costs; returns each one's rank in
     /// the order (none for fewer than two). Weighs each package first, up
-    /// to [`split::HEAVY_US`] of cutting, at any count: below
-    /// [`split::SPLIT_MIN`] too, so that the dominant package goes first
-    /// (a node's eight: 13 ms of weighing, cold, ready at 48 ms instead of
-    /// sixth in name order at 109-129 ms). With `fresh`, deletes the shares an
+    /// to [`split::HEAVY_US`] of cutting, and below [`split::SPLIT_MIN`]
+    /// too, up to [`split::ORDER_US`], so that the dominant package goes
+    /// first (a node's eight: 13 ms of weighing, cold, ready at 48 ms
+    /// instead of sixth in name order at 109-129 ms). With `fresh`, deletes the shares an
     /// earlier run left, if any shares are planned (if it cannot, plans
     /// none).
     fn lay_out(
@@ -212,11 +212,27 @@ impl Migrator {
         // them, each taking the next package (one heavy package per thread
         // at most at a time, not a fixed share that may hold several).
         let names: Vec<&PackageId> = snaps.iter().map(|p| &p.package).collect();
+        // Below SPLIT_MIN the count only orders the packages (the
+        // dominant one first): a tenth of the cap, so that a box of many
+        // large packages, cold, does not hold every service back for it.
+        let cap = if snaps.len() < split::SPLIT_MIN {
+            split::ORDER_US
+        } else {
+            split::HEAVY_US
+        };
         let costs = pool::at_once(
             &names,
             pool::WORKERS,
             &mut |_: &crate::Progress| {},
-            &|p: &&PackageId, _: &mut dyn crate::ProgressSink| self.weigh(p),
+            &|p: &&PackageId, _: &mut dyn crate::ProgressSink| {
+                // A count that panics weighs as heavy, as one that fails:
+                // no package's weighing stops the others' conversions.
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.weigh(p, cap)))
+                    .unwrap_or_else(|_| {
+                        tracing::error!(package = %p, "weighing the volume panicked: taken as heavy");
+                        heavy(cap)
+                    })
+            },
         );
         let weighed: Vec<(PackageId, Cost)> = names.into_iter().cloned().zip(costs).collect();
         let mut ranks = HashMap::new();
@@ -249,14 +265,14 @@ impl Migrator {
     /// costs, counted up to [`split::HEAVY_US`] (then a lower bound). A
     /// tree that cannot be counted weighs as heavy: the conversion reports
     /// its own errors.
-    fn weigh(&self, pkg: &PackageId) -> Cost {
+    fn weigh(&self, pkg: &PackageId, cap: u64) -> Cost {
         let stop = AtomicBool::new(false);
         let counted = sys::open_dir_at(self.root_fd(), OsStr::new(pkg.as_str())).and_then(|dir| {
             scan::scan_within(
                 dir.as_fd(),
                 scan::Limits {
                     stop: &stop,
-                    max_work: split::HEAVY_US,
+                    max_work: cap,
                     weights: crate::cost::CUT,
                     skip: None,
                     one_device: true,
@@ -268,11 +284,7 @@ impl Migrator {
             Ok(c) => Cost::cut_of(&c.est, 0, c.complete),
             Err(e) => {
                 tracing::info!(package = %pkg, error = %e, "weighing the volume failed: taken as heavy");
-                Cost {
-                    micros: split::HEAVY_US,
-                    at_least: true,
-                    ..Cost::default()
-                }
+                heavy(cap)
             }
         }
     }
@@ -409,6 +421,16 @@ impl Migrator {
                 tracing::warn!(package = %pkg, error = %e, "counting the volume's bytes");
                 0
             })
+    }
+}
+
+/// The weight of a package whose count failed, counted up to `cap`:
+/// heavy, a lower bound.
+fn heavy(cap: u64) -> Cost {
+    Cost {
+        micros: cap,
+        at_least: true,
+        ..Cost::default()
     }
 }
 
