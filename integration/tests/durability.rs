@@ -75,3 +75,52 @@ fn a_backup_with_nothing_nested_is_read_only_in_one_step() {
         assert!(is_read_only(&backup), "{name}: the backup is read-only");
     }
 }
+
+/// Review probe (rev2): a cut makes no commit of its own before its
+/// exchange (only a clone does), which is sound only while nothing between
+/// its snapshot and its exchange writes file data (data written without a
+/// commit is not durable with the exchange's metadata commit). The CLI's
+/// run (Auto, a deferred cut, the rest's record) of packages that sort
+/// apart by weight and by name, one holding an immutable file and one
+/// dirty in the page cache when the run starts: between each snapshot and
+/// the exchange after it, no call writes file data or commits.
+#[test]
+fn a_cut_writes_no_file_data_between_its_snapshot_and_its_exchange() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
+    let root = volumes_root(&fs);
+    for (name, files) in [("alpha", 1), ("heavy", 1500), ("light", 2)] {
+        let main = root.join(name).join("data/main");
+        std::fs::create_dir_all(&main).expect("mkdir");
+        for i in 0..files {
+            std::fs::write(main.join(format!("f{i}")), i.to_string()).expect("write");
+        }
+    }
+    rustix::fs::sync();
+    std::fs::write(root.join("light/data/main/late"), vec![7u8; 3 << 20]).expect("late");
+    let calls = trace("volume-migrate", &root, &["--json", "--keep-old"]);
+    let snapshot = |c: &str| c.starts_with("btrfs volume ioctl");
+    let data = ["write", "ftruncate", "ioctl FICLONERANGE", "ioctl_ficlone"];
+    let commits = ["ioctl SYNC", "ioctl START_SYNC", "syncfs", "fsync"];
+    let mut cuts = 0;
+    let mut i = 0;
+    while let Some(at) = calls[i..].iter().position(|c| snapshot(c)) {
+        let from = i + at;
+        let to = from
+            + calls[from..]
+                .iter()
+                .position(|c| c == "renameat_with")
+                .expect("an exchange after each snapshot");
+        let between = &calls[from + 1..to];
+        cuts += 1;
+        assert!(
+            !between.iter().any(|c| data.contains(&c.as_str())),
+            "cut #{cuts}: file data written before the exchange: {between:?}"
+        );
+        assert!(
+            !between.iter().any(|c| commits.contains(&c.as_str())),
+            "cut #{cuts}: a commit or fsync before the exchange: {between:?}"
+        );
+        i = to + 1;
+    }
+    assert_eq!(cuts, 3, "three cuts: {calls:?}");
+}
