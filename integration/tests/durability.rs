@@ -76,7 +76,7 @@ fn a_backup_with_nothing_nested_is_read_only_in_one_step() {
     }
 }
 
-/// Review probe (rev2): a cut makes no commit of its own before its
+/// A cut makes no commit of its own before its
 /// exchange (only a clone does), which is sound only while nothing between
 /// its snapshot and its exchange writes file data (data written without a
 /// commit is not durable with the exchange's metadata commit). The CLI's
