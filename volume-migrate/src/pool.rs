@@ -44,10 +44,15 @@ use crate::report::{PackageReport, Planned};
 use crate::{Progress, ProgressSink, split};
 
 /// How many packages are converted (or weighed) at once: each waits
-/// mostly on commits (or cold reads), so more threads than cores. Measured
-/// at 150 packages (the boxes bench, with the dominant package alone
-/// first): every package ready after 2.55-2.63 s with 12, 2.75-2.97 s with
-/// 6.
+/// mostly on commits (or cold reads), so more threads than cores.
+/// Measured at 150 packages (the boxes bench, the dominant package alone
+/// first): the last load through the call sites after 3.65-3.74 s with 12
+/// against 4.69-6.16 s with 6. The cost: more commit starts at once, and
+/// this kernel now and then leaves one waiting until another thread
+/// forces it (`volume::sys::COMMIT_START_PATIENCE`, 2 s): seen once in
+/// three bench runs with 12 (a 30-package boot's last load 0.83 s ->
+/// 2.92 s), and a killed run's threads left in such waits in 4 of 6 kill
+/// tests with 12, none seen with 6.
 pub const WORKERS: usize = 12;
 
 /// One package's outcome, as [`Migrator::convert_planned`] returns it.

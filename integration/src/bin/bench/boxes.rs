@@ -264,6 +264,7 @@ fn ours(shape: &Shape) -> Result<OursRun> {
         .collect::<Result<_>>()?;
     crate::drop_caches()?;
     let mut progress = Progress::new();
+    let forced = volume::sys::forced_commit_starts();
     let started = Instant::now();
     let total = block_on(async {
         let mut b =
@@ -280,6 +281,16 @@ fn ours(shape: &Shape) -> Result<OursRun> {
         }
         Ok::<_, String>(started.elapsed().as_secs_f64())
     })?;
+    // A commit start this kernel left waiting past its patience, forced
+    // (`volume::sys::COMMIT_START_PATIENCE`): seconds of a run's time.
+    let forced = volume::sys::forced_commit_starts() - forced;
+    if forced > 0 {
+        eprintln!(
+            "boxes: {} packages: {forced} commit starts forced after waiting {:?}",
+            shape.packages().len(),
+            volume::sys::COMMIT_START_PATIENCE
+        );
+    }
     let mut kept = 0;
     for (p, ids) in &before {
         if Kept::of(ids, &identities(&root.join(p))?).shares().0 == 1.0 {
