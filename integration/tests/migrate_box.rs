@@ -11,10 +11,9 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::os::fd::AsFd;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 
+use common::cli::{cli_run, cli_run_with};
 use common::rich::{expected_after, flags_and_blocks, setflags};
 use common::*;
 use integration::node::{self, DOMINANT, NOCOW_PACKAGE, NodeShape};
@@ -337,32 +336,6 @@ const RUN_STEPS: &[&str] = &[
     "migrate.remove@1",
     "migrate.remove@400",
 ];
-
-/// `volume-migrate --root <root> --json`, with `failpoint` armed; returns
-/// whether it was SIGKILLed, and its output.
-fn cli_run(root: &Path, failpoint: Option<&str>) -> (bool, i32, String) {
-    cli_run_with(root, &[], failpoint)
-}
-
-/// [`cli_run`] with more arguments.
-fn cli_run_with(root: &Path, args: &[&str], failpoint: Option<&str>) -> (bool, i32, String) {
-    let mut cmd = Command::new(volume_migrate_bin());
-    cmd.arg("--root")
-        .arg(root)
-        .arg("--json")
-        .args(args)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null());
-    if let Some(fp) = failpoint {
-        cmd.env(volume::FAILPOINT_ENV, fp);
-    }
-    let out = cmd.output().expect("running volume-migrate");
-    (
-        out.status.signal() == Some(libc::SIGKILL),
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
-    )
-}
 
 /// SIGKILL at every step of a run of the whole box, then a rerun: every
 /// package ends up its subvolume, exactly as it was, with nothing left

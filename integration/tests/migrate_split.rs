@@ -6,11 +6,11 @@
 mod common;
 
 use std::fs;
-use std::os::unix::process::ExitStatusExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use common::box48::{Before, PACKAGES, assert_kept, before_of, build, contents, wait_stopped};
-use common::{is_subvolume, uuid_of};
+use common::box48::{PACKAGES, assert_kept, boxed, contents, spawn_stopped};
+use common::cli::cli_run;
+use common::{is_subvolume, root_names, uuid_of};
 use integration::identity::{Kept, identities};
 use integration::{LoopFs, fs_or_skip};
 use volume_migrate::{Decision, MigrateOptions, Migrator, Outcome, Progress, SPLIT_DIR, ShareUse};
@@ -66,10 +66,7 @@ fn many_packages(
     convert: &dyn Fn(&Migrator, &MigrateOptions) -> Vec<volume_migrate::PackageReport>,
 ) {
     let fs = fs_or_skip!(LoopFs::btrfs(1 << 30));
-    let root = fs.path("volumes");
-    fs::create_dir_all(&root).unwrap();
-    let box_entries = build(&fs, &root);
-    let before: Before = before_of(&root);
+    let (root, box_entries, before) = boxed(&fs);
 
     let m = Migrator::open(&root).unwrap();
     let opts = MigrateOptions {
@@ -107,19 +104,16 @@ fn many_packages(
             "{p}: every entry keeps its inode and birth time"
         );
         assert_eq!(&contents(&dir), data, "{p}: contents");
-        let mut top: Vec<_> = fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().into_string().unwrap())
-            .collect();
-        top.sort();
-        assert_eq!(top, ["assets", "data"], "{p}: nothing else left at its top");
+        assert_eq!(
+            root_names(&dir),
+            ["assets", "data"],
+            "{p}: nothing else left at its top"
+        );
     }
-    let mut names: Vec<_> = fs::read_dir(&root)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
+    let names: Vec<_> = root_names(&root)
+        .into_iter()
         .filter(|n| !n.starts_with("pkg"))
         .collect();
-    names.sort();
     assert!(
         !names.iter().any(|n| n == SPLIT_DIR),
         "the shares are gone: {names:?}"
@@ -143,10 +137,7 @@ fn many_packages(
 #[test]
 fn a_share_that_cannot_be_cut_fails_no_package() {
     let fs = fs_or_skip!(LoopFs::btrfs(1 << 30));
-    let root = fs.path("volumes");
-    fs::create_dir_all(&root).unwrap();
-    build(&fs, &root);
-    let before: Before = before_of(&root);
+    let (root, _, before) = boxed(&fs);
     let out = std::process::Command::new(common::volume_migrate_bin())
         .arg("--root")
         .arg(&root)
@@ -160,9 +151,8 @@ fn a_share_that_cannot_be_cut_fails_no_package() {
     assert!(out.status.success(), "{text}");
     assert!(text.contains("snapshotting the parent instead"), "{text}");
     assert_kept(&before, &root, "");
-    let names: Vec<_> = fs::read_dir(&root)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
+    let names: Vec<_> = root_names(&root)
+        .into_iter()
         .filter(|n| !n.starts_with("pkg"))
         .collect();
     assert!(!names.iter().any(|n| n == SPLIT_DIR), "{names:?}");
@@ -182,10 +172,7 @@ fn a_run_killed_inside_a_shares_cut_loses_nothing() {
     const { assert!(PACKAGES >= volume_migrate::SPLIT_MIN, "a box with shares") };
     for fp in SHARE_KILLS {
         let fs = fs_or_skip!(LoopFs::btrfs(1 << 30));
-        let root = fs.path("volumes");
-        fs::create_dir_all(&root).unwrap();
-        build(&fs, &root);
-        let before: Before = before_of(&root);
+        let (root, _, before) = boxed(&fs);
         let when = format!("killed at `{fp}`");
         let (killed, code, out) = cli_run(&root, Some(fp));
         assert!(killed, "{when}: not killed (exit {code})\n{out}");
@@ -207,9 +194,8 @@ fn a_run_killed_inside_a_shares_cut_loses_nothing() {
         for (p, uuid) in &finished {
             assert_eq!(&uuid_of(&root.join(p)), uuid, "{when}: {p} converted again");
         }
-        let left: Vec<_> = fs::read_dir(&root)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().into_string().unwrap())
+        let left: Vec<_> = root_names(&root)
+            .into_iter()
             .filter(|n| !n.starts_with("pkg"))
             .collect();
         assert!(left.is_empty(), "{when}: left over: {left:?}");
@@ -233,22 +219,10 @@ fn a_run_killed_inside_a_shares_cut_loses_nothing() {
 fn a_member_written_after_its_share_was_taken_keeps_the_write() {
     use std::io::Write;
     let fs = fs_or_skip!(LoopFs::btrfs(1 << 30));
-    let root = fs.path("volumes");
-    fs::create_dir_all(&root).unwrap();
-    build(&fs, &root);
-    let mut before: Before = before_of(&root);
-    let child = std::process::Command::new(common::volume_migrate_bin())
-        .arg("--root")
-        .arg(&root)
-        .arg("--json")
-        .env(volume::FAILPOINT_ENV, "migrate.share-taken@3=stop")
-        .env_remove("RUST_LOG")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("running volume-migrate");
-    wait_stopped(child.id());
+    let (root, _, mut before) = boxed(&fs);
+    let mut cmd = std::process::Command::new(common::volume_migrate_bin());
+    cmd.arg("--root").arg(&root).arg("--json");
+    let child = spawn_stopped(cmd, "migrate.share-taken@3");
     let plain: Vec<String> = before
         .keys()
         .filter(|p| !is_subvolume(&root.join(p)))
@@ -306,24 +280,4 @@ fn a_member_written_after_its_share_was_taken_keeps_the_write() {
         PACKAGES - 3,
         "every other member took its share:\n{text}"
     );
-}
-
-/// `volume-migrate --root <root> --json`, with `failpoint` armed: whether
-/// it was SIGKILLed, its exit code and its output.
-fn cli_run(root: &Path, failpoint: Option<&str>) -> (bool, i32, String) {
-    let mut cmd = std::process::Command::new(common::volume_migrate_bin());
-    cmd.arg("--root")
-        .arg(root)
-        .arg("--json")
-        .env_remove("RUST_LOG")
-        .stdin(std::process::Stdio::null());
-    if let Some(fp) = failpoint {
-        cmd.env(volume::FAILPOINT_ENV, fp);
-    }
-    let out = cmd.output().expect("running volume-migrate");
-    (
-        out.status.signal() == Some(libc::SIGKILL),
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
-    )
 }

@@ -11,8 +11,8 @@ use std::fs;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 
-use common::box48::{PACKAGES, assert_kept, before_of, build, wait_stopped};
-use common::{is_subvolume, uuid_of};
+use common::box48::{PACKAGES, assert_kept, boxed, spawn_stopped};
+use common::{is_subvolume, root_names, uuid_of};
 use integration::{FsKind, LoopFs, fs_or_skip};
 use volume_migrate::{MigrateOptions, Migrator, Progress};
 
@@ -101,16 +101,12 @@ fn a_pool_killed_in_flight_loses_nothing() {
             1 << 30,
             "commit=1"
         ));
-        let root = fs.path("volumes");
-        fs::create_dir_all(&root).unwrap();
-        build(&fs, &root);
-        let before = before_of(&root);
+        let (root, _, before) = boxed(&fs);
         let when = format!("killed at `{fp}`");
         let (killed, out) = child(&root, fp);
         assert!(killed, "{when}: not killed\n{out}");
-        let in_flight: Vec<String> = fs::read_dir(&root)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().into_string().unwrap())
+        let in_flight: Vec<String> = root_names(&root)
+            .into_iter()
             .filter(|n| n.contains(".migrate"))
             .collect();
         eprintln!("{when}: left {in_flight:?}");
@@ -131,19 +127,13 @@ fn a_pool_killed_in_flight_loses_nothing() {
         assert_kept(&before, &root, &when);
         for p in before.keys() {
             let dir = root.join(p);
-            let mut top: Vec<_> = fs::read_dir(&dir)
-                .unwrap()
-                .map(|e| e.unwrap().file_name().into_string().unwrap())
-                .collect();
-            top.sort();
-            assert_eq!(top, ["assets", "data"], "{when}: {p}: top");
+            assert_eq!(root_names(&dir), ["assets", "data"], "{when}: {p}: top");
         }
         for (p, uuid) in &finished {
             assert_eq!(&uuid_of(&root.join(p)), uuid, "{when}: {p} converted again");
         }
-        let left: Vec<_> = fs::read_dir(&root)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().into_string().unwrap())
+        let left: Vec<_> = root_names(&root)
+            .into_iter()
             .filter(|n| !n.starts_with("pkg") || n.contains('.'))
             .collect();
         assert!(left.is_empty(), "{when}: left over: {left:?}");
@@ -158,10 +148,7 @@ fn a_pool_killed_in_flight_loses_nothing() {
 fn a_member_written_while_the_pool_runs_keeps_the_write() {
     use std::io::Write;
     let fs = fs_or_skip!(LoopFs::btrfs(1 << 30));
-    let root = fs.path("volumes");
-    fs::create_dir_all(&root).unwrap();
-    build(&fs, &root);
-    let mut before = before_of(&root);
+    let (root, _, mut before) = boxed(&fs);
     let order: Vec<String> = {
         let m = Migrator::open(&root).unwrap();
         m.schedule(&m.packages().unwrap(), &boot_opts())
@@ -170,17 +157,10 @@ fn a_member_written_while_the_pool_runs_keeps_the_write() {
             .map(|p| p.package.to_string())
             .collect()
     };
-    let child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "pool_child", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ROOT_ENV, &root)
-        .env(volume::FAILPOINT_ENV, "migrate.share-taken@3=stop")
-        .env_remove("RUST_LOG")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_stopped(child.id());
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", "pool_child", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ROOT_ENV, &root);
+    let child = spawn_stopped(cmd, "migrate.share-taken@3");
     let (added, overwritten) = (
         order[order.len() - 1].clone(),
         order[order.len() - 2].clone(),

@@ -54,7 +54,7 @@ pub fn contents(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
 }
 
 /// Waits until process `pid` has stopped itself (SIGSTOP at a failpoint).
-pub fn wait_stopped(pid: u32) {
+fn wait_stopped(pid: u32) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     loop {
         let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
@@ -95,4 +95,29 @@ pub fn before_of(root: &Path) -> Before {
             (p, (identities(&dir).unwrap(), contents(&dir)))
         })
         .collect()
+}
+
+/// The box of [`build`] under `volumes` of `fs`: its root, its packages'
+/// entries in all, and what every package holds before a run.
+pub fn boxed(fs: &LoopFs) -> (PathBuf, u64, Before) {
+    let root = fs.path("volumes");
+    fs::create_dir_all(&root).unwrap();
+    let entries = build(fs, &root);
+    let before = before_of(&root);
+    (root, entries, before)
+}
+
+/// Starts `cmd` with `failpoint` armed to stop it (`<name>=stop`), its
+/// output piped, and returns once it has stopped itself there.
+pub fn spawn_stopped(mut cmd: std::process::Command, failpoint: &str) -> std::process::Child {
+    let child = cmd
+        .env(volume::FAILPOINT_ENV, format!("{failpoint}=stop"))
+        .env_remove("RUST_LOG")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting the child");
+    wait_stopped(child.id());
+    child
 }

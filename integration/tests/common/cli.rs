@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use std::io::Read;
-use std::os::unix::process::CommandExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::Path;
 use std::process::{Child, Command, Output};
 use std::thread;
@@ -176,4 +176,30 @@ pub fn limit_nofile(cmd: &mut Command, soft: u64) {
             .map_err(std::io::Error::from)
         });
     }
+}
+
+/// `volume-migrate --root <root> --json`, with `failpoint` armed: whether
+/// it was SIGKILLed, its exit code, and its stdout then stderr.
+pub fn cli_run(root: &Path, failpoint: Option<&str>) -> (bool, i32, String) {
+    cli_run_with(root, &[], failpoint)
+}
+
+/// [`cli_run`] with more arguments.
+pub fn cli_run_with(root: &Path, args: &[&str], failpoint: Option<&str>) -> (bool, i32, String) {
+    let mut cmd = Command::new(super::volume_migrate_bin());
+    cmd.arg("--root")
+        .arg(root)
+        .arg("--json")
+        .args(args)
+        .env_remove("RUST_LOG")
+        .stdin(std::process::Stdio::null());
+    if let Some(fp) = failpoint {
+        cmd.env(volume::FAILPOINT_ENV, fp);
+    }
+    let out = cmd.output().expect("running volume-migrate");
+    (
+        out.status.signal() == Some(libc::SIGKILL),
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    )
 }
