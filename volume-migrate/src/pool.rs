@@ -92,8 +92,12 @@ impl Migrator {
         let workers = if shares { WORKERS } else { 1 };
         let alone = usize::from(shares && first.first().is_some_and(|p| p.shares.is_empty()));
         let (dominant, first) = first.split_at(alone);
+        // A panic fails its package only: the others go on (and in the
+        // pool, its shares are still counted done).
         let one = |p: &Planned, sink: &mut dyn ProgressSink| {
-            let r = self.convert_planned(p, opts, sink);
+            let r =
+                std::panic::catch_unwind(AssertUnwindSafe(|| self.convert_planned(p, opts, sink)))
+                    .unwrap_or_else(|panic| Err(panicked(p, panic.as_ref())));
             on_done(p, &r);
             r
         };
@@ -113,14 +117,7 @@ impl Migrator {
                     drop_shares: Vec::new(),
                     ..p.clone()
                 };
-                // A panic fails its package only: the others go on, and its
-                // shares are still counted done.
-                let r = std::panic::catch_unwind(AssertUnwindSafe(|| one(&own, sink)))
-                    .unwrap_or_else(|panic| {
-                        let r = Err(panicked(p, panic.as_ref()));
-                        on_done(p, &r);
-                        r
-                    });
+                let r = one(&own, sink);
                 members.done(self, p);
                 r
             },
