@@ -170,7 +170,13 @@ impl Migrator {
             let report = job.report;
             return Ok(self.carved(report, lock, opts, sink, started));
         }
-        let _turn = self.turn_to_clone(&mut job, flushed)?;
+        // A light package's clone (a few dozen entries, weighed by the
+        // schedule) takes no turn and no commit first: it waits on its one
+        // commit mostly, with the others cloned at once.
+        let _turn = match is_light(planned) {
+            true => None,
+            false => Some(self.turn_to_clone(&mut job, flushed)?),
+        };
         if let Err(e) = job.clone_volume(resume) {
             if !self.carve_after_unclonable(&mut job, resume, &e)? {
                 return Err(e);
@@ -632,14 +638,29 @@ impl Migrator {
 const OTHER_LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Whether `planned` will be cut from a snapshot of the parent with nothing
-/// counted first: a cut the schedule already weighed (Auto's, whose count
-/// of the rest ran after the schedule's commit), not a resume. Such a
-/// conversion needs no commit of its own before it starts: the snapshot
-/// flushes the subvolume it is taken of. Every other way counts extents
-/// first (a clone, a forced cut's count of the rest, a dry run's scan),
-/// and data still in the page cache has none yet.
+/// counted first, or cloned as a light package: what the schedule already
+/// weighed (Auto's, whose counts ran after the schedule's commit), not a
+/// resume. Such a conversion needs no commit of its own before it starts:
+/// the snapshot flushes the subvolume it is taken of, and a clone writes
+/// out each file's range before it clones it; a light package's clone
+/// counts its few extents as the schedule saw them. Every other way counts
+/// extents first (a clone, a forced cut's count of the rest, a dry run's
+/// scan), and data still in the page cache has none yet.
 fn cuts_uncounted(planned: &Planned, resume: bool) -> bool {
-    planned.decision == Some(Decision::SnapshotParent) && planned.cut.is_some() && !resume
+    let weighed = match planned.decision {
+        Some(Decision::SnapshotParent) => planned.cut.is_some(),
+        _ => is_light(planned),
+    };
+    weighed && !resume
+}
+
+/// Whether `planned` is a light package cloned in a snapshot's place
+/// ([`CloneReason::Light`]).
+fn is_light(planned: &Planned) -> bool {
+    matches!(
+        planned.decision,
+        Some(Decision::Clone(CloneReason::Light { .. }))
+    )
 }
 
 /// Commits the filesystem holding `src`, the volume of `pkg` (see

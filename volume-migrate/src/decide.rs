@@ -122,6 +122,16 @@ pub enum CloneReason {
         /// What was counted of the rest before the count stopped.
         counted: Cost,
     },
+    /// A light package in a box holding a heavy one: its snapshot would
+    /// shed the heavy trees, or wait for a share's cut of them, past the
+    /// bounds on the background work and the wait; a clone copies only its
+    /// own entries (the `split` module's [`crate::split::light_clones`]).
+    Light {
+        /// What cutting its own tree costs (its clone, about as much).
+        weight: Cost,
+        /// The packages past the weighing's cap in the box.
+        heavy: usize,
+    },
     /// The free metadata space does not cover the cut.
     Space {
         /// The figures.
@@ -165,6 +175,13 @@ impl fmt::Display for CloneReason {
                 "the rest of its subvolume outside the packages, {counted} of cutting, is more \
                  than every package's snapshot may shed ({} s in all)",
                 REST_MAX_US / 1_000_000
+            ),
+            CloneReason::Light { weight, heavy } => write!(
+                f,
+                "a light volume ({weight} of cutting) in a box with {heavy} heavy ones: its \
+                 snapshot would shed their trees or wait for a shared cut of them, past the \
+                 bounds on the background work and on the wait; cloned, its files get new \
+                 inode numbers"
             ),
             CloneReason::Space { why } | CloneReason::Failed { why } => f.write_str(why),
         }
@@ -332,10 +349,11 @@ pub(crate) fn decide(
         return all_clone(candidates, &CloneReason::Forced);
     }
     // The rest is shed by each snapshot of the parent: with shares, the
-    // dominant package's and the top share's (the `split` module), else
-    // every package's.
+    // dominant package's and the top share's (the `split` module), or,
+    // the light packages cloned, at most PARENT_SNAPSHOTS_MAX; else every
+    // package's.
     let sheds = if carved >= crate::split::SPLIT_MIN as u64 {
-        2
+        crate::split::PARENT_SNAPSHOTS_MAX as u64
     } else {
         carved
     };

@@ -173,11 +173,12 @@ impl Migrator {
         planned.extend(refused);
         // The snapshots first, so that no service waits for a clone: with
         // shares in the order of their shares (the `split` module: the
-        // dominant one first, a share's members together), else by name;
-        // then the clones, by name.
+        // dominant one first, a share's members together), else by name,
+        // then the light packages cloned in their place; then the other
+        // clones, by name.
         planned.sort_by_key(|p| {
             (
-                p.decision != Some(Decision::SnapshotParent),
+                !p.scheduled(),
                 ranks.get(&p.package).copied().unwrap_or(usize::MAX),
                 p.package.clone(),
             )
@@ -235,15 +236,7 @@ impl Migrator {
             },
         );
         let weighed: Vec<(PackageId, Cost)> = names.into_iter().cloned().zip(costs).collect();
-        let mut ranks = HashMap::new();
-        for (rank, (pkg, placed)) in split::layout(&weighed, rest).into_iter().enumerate() {
-            if let Some(p) = planned.iter_mut().find(|p| p.package == pkg) {
-                p.shed = Some(placed.cost);
-                p.shares = placed.shares;
-                p.drop_shares = placed.drop;
-            }
-            ranks.insert(pkg, rank);
-        }
+        let ranks = Self::place(planned, &weighed, rest);
         // An earlier run's share must not serve this one's (its members'
         // trees may have changed since). Left where it cannot be deleted,
         // no share is made this run: each package is snapshotted from the
@@ -259,6 +252,51 @@ impl Migrator {
             }
         }
         Ok(ranks)
+    }
+
+    /// Files the `weighed` packages of `planned` by the `split` module: the
+    /// light ones it clones (their trees then shed with `rest`), the others'
+    /// sources; returns each one's rank in the order, the clones after the
+    /// snapshots (by name).
+    fn place(
+        planned: &mut [Planned],
+        weighed: &[(PackageId, Cost)],
+        rest: Cost,
+    ) -> HashMap<PackageId, usize> {
+        let light = split::light_clones(weighed);
+        let heavy = weighed.iter().filter(|(_, c)| c.at_least).count();
+        let mut rest = rest;
+        let mut snaps = Vec::with_capacity(weighed.len());
+        for (pkg, cost) in weighed {
+            if light.contains(pkg) {
+                rest = split::plus(rest, *cost);
+            } else {
+                snaps.push((pkg.clone(), *cost));
+            }
+        }
+        let placed = split::layout(&snaps, rest, weighed.len());
+        let mut ranks = HashMap::new();
+        for (rank, (pkg, placed)) in placed.into_iter().enumerate() {
+            if let Some(p) = planned.iter_mut().find(|p| p.package == pkg) {
+                p.shed = Some(placed.cost);
+                p.shares = placed.shares;
+                p.drop_shares = placed.drop;
+            }
+            ranks.insert(pkg, rank);
+        }
+        for pkg in light {
+            let weight = weighed
+                .iter()
+                .find(|(p, _)| *p == pkg)
+                .map_or_else(Cost::default, |(_, c)| *c);
+            if let Some(p) = planned.iter_mut().find(|p| p.package == pkg) {
+                p.decision = Some(Decision::Clone(CloneReason::Light { weight, heavy }));
+                p.cut = None;
+                p.clone = Some(weight);
+            }
+            ranks.insert(pkg, ranks.len());
+        }
+        ranks
     }
 
     /// What cutting the tree of the plain directory `pkg` out of a snapshot

@@ -17,16 +17,20 @@
 //! packages at once; packages start in the schedule's order (a share's
 //! members together) and are reported as each is done. With shares, the
 //! dominant package goes first and alone, ready before any share's cut
-//! takes the cores and fills the commits it waits on. Two things the order decided one at a time are decided here
+//! takes the cores and fills the commits it waits on (so too where light
+//! packages are cloned). Two things the order decided one at a time are
+//! decided here
 //! instead: a share is made once, by whichever member comes to it first
 //! while the others wait on its lock ([`crate::split::source`]), and it is
 //! deleted once every member of it has finished, not when the last one in
 //! the schedule's order has (with several at once, it may finish first).
 //!
 //! Only conversions by snapshot run at once, each waiting mostly on
-//! commits. The clones after them in the schedule run one at a time, in
-//! order: a clone reads and writes O(its extents), and several at once
-//! would only interleave their I/O and add up their memory.
+//! commits, and the clones of light packages in their place (the `split`
+//! module's `light_clones`: a few dozen entries each, two commits). The
+//! other clones after them in the schedule run one at a time, in order: a
+//! clone reads and writes O(its extents), and several at once would only
+//! interleave their I/O and add up their memory.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -78,19 +82,25 @@ impl Migrator {
         sink: &mut dyn ProgressSink,
         on_done: &(dyn Fn(&Planned, &Converted) + Sync),
     ) -> Vec<Converted> {
-        let snapshots = planned
-            .iter()
-            .take_while(|p| p.decision == Some(Decision::SnapshotParent))
-            .count();
+        let snapshots = planned.iter().take_while(|p| p.scheduled()).count();
         let (first, then) = planned.split_at(snapshots);
         // Without shares (a node's few packages), one at a time: measured
         // at 8, the services were ready sooner so (the boxes bench). With
         // them, the dominant package (the schedule's first, a snapshot of
         // the parent itself) goes alone: the share cuts the others start
         // with would take the cores and fill the commits it waits on.
-        let shares = first.iter().any(|p| !p.shares.is_empty());
-        let workers = if shares { WORKERS } else { 1 };
-        let alone = usize::from(shares && first.first().is_some_and(|p| p.shares.is_empty()));
+        // Light packages cloned in their place wait on commits mostly:
+        // at once too, each commit serving several.
+        let together = first
+            .iter()
+            .any(|p| !p.shares.is_empty() || p.decision != Some(Decision::SnapshotParent));
+        let workers = if together { WORKERS } else { 1 };
+        let alone = usize::from(
+            together
+                && first.first().is_some_and(|p| {
+                    p.shares.is_empty() && p.decision == Some(Decision::SnapshotParent)
+                }),
+        );
         let (dominant, first) = first.split_at(alone);
         // A panic fails its package only: the others go on (and in the
         // pool, its shares are still counted done).

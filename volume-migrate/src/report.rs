@@ -188,6 +188,17 @@ pub struct Planned {
 }
 
 impl Planned {
+    /// Whether it is converted in the schedule's order, before the clones
+    /// of the packages a snapshot cannot serve: a snapshot, or a light
+    /// package cloned in a snapshot's place ([`crate::CloneReason::Light`]),
+    /// which is cheap.
+    pub(crate) fn scheduled(&self) -> bool {
+        matches!(
+            self.decision,
+            Some(Decision::SnapshotParent | Decision::Clone(CloneReason::Light { .. }))
+        )
+    }
+
     /// `package`, nothing decided or counted yet.
     pub(crate) fn undecided(package: PackageId, resume: bool, old_pending: bool) -> Planned {
         Planned {

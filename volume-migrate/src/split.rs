@@ -131,6 +131,61 @@ pub const ORDER_US: u64 = 5_000;
 /// parent (the module docs).
 pub const SPLIT_MIN: usize = 16;
 
+/// The most packages snapshotted from the parent itself in a box without
+/// shares (below [`SPLIT_MIN`]) where it holds a heavy package: each such
+/// snapshot sheds the whole box but its own package in the background, so
+/// three of them and the old trees' removal are four boxes of removal
+/// against upstream's two boxes of work (a clone and a removal of each
+/// package), about 1.5x measured (a box's shedding costs about two thirds
+/// of its clone); the bound is 2x. The node box, each of its 8
+/// packages so: 2.82x.
+pub const PARENT_SNAPSHOTS_MAX: usize = 3;
+
+/// How much cutting a light package's tree costs at most: [`ORDER_US`]
+/// (about 86 entries or 1,600 extent items). Its clone costs about as
+/// much; its snapshot, in a box with a heavy package, sheds that package.
+pub const LIGHT_US: u64 = ORDER_US;
+
+/// The light packages of `weighed` (each with what cutting its tree costs,
+/// counted up to the cap) to clone rather than snapshot, by name; pure.
+///
+/// A package's identity is kept only by a snapshot, and a snapshot holds
+/// the whole box: in a box holding a heavy package (one past the cap),
+/// each light package's snapshot either sheds the heavy trees in the
+/// background (of the parent: the whole box for a few dozen entries of its
+/// own; the node box, every package so: 2.82x upstream's work) or waits
+/// for a share cut of them (the light packages' share sheds every heavy
+/// tree before the first light service may start: 863 ms at 8 packages,
+/// about 1.5 s at 150, where the bound is 0.2x upstream's 2.8-3.7
+/// s). Neither is within the bounds, so those light packages are
+/// cloned and named in the report with why ([`crate::CloneReason::Light`]):
+/// a clone copies its own few entries, the tree's identity is lost. From
+/// [`SPLIT_MIN`] on, every light package; below it, the lightest beyond
+/// the [`PARENT_SNAPSHOTS_MAX`] packages snapshotted from the parent,
+/// heaviest first, so that a box of a few packages keeps every identity.
+/// No heavy package: none (each snapshot sheds only light trees).
+pub(crate) fn light_clones(weighed: &[Weighed]) -> Vec<PackageId> {
+    if !weighed.iter().any(|(_, c)| c.at_least) {
+        return Vec::new();
+    }
+    let mut light: Vec<&Weighed> = weighed
+        .iter()
+        .filter(|(_, c)| !c.at_least && c.micros <= LIGHT_US)
+        .collect();
+    light.sort_by(|a, b| b.1.micros.cmp(&a.1.micros).then_with(|| a.0.cmp(&b.0)));
+    let snapshotted = match weighed.len() >= SPLIT_MIN {
+        true => 0,
+        false => PARENT_SNAPSHOTS_MAX.saturating_sub(weighed.len() - light.len()),
+    };
+    let mut out: Vec<PackageId> = light
+        .into_iter()
+        .skip(snapshotted)
+        .map(|(p, _)| p.clone())
+        .collect();
+    out.sort();
+    out
+}
+
 /// A package and what cutting its tree out of a snapshot costs.
 pub(crate) type Weighed = (PackageId, Cost);
 
@@ -166,12 +221,22 @@ pub(crate) struct Placed {
 
 /// The schedule's order of `weighed` (each package with what cutting its
 /// tree costs, counted up to [`HEAVY_US`]) and where each one's snapshot
-/// comes from; `rest`: what the parent holds outside the packages. Pure.
-pub(crate) fn layout(weighed: &[(PackageId, Cost)], rest: Cost) -> Vec<(PackageId, Placed)> {
+/// comes from; `rest`: what the parent holds outside them (with the
+/// trees of the packages cloned instead, [`light_clones`]); `packages`:
+/// how many the box has, clones included. Shares are made from
+/// [`SPLIT_MIN`] packages on, unless the packages left to snapshot are no
+/// more than [`PARENT_SNAPSHOTS_MAX`] (the heavy ones, the light ones
+/// cloned): each is then a snapshot of the parent, ready in milliseconds,
+/// the shedding bounded as below [`SPLIT_MIN`]. Pure.
+pub(crate) fn layout(
+    weighed: &[(PackageId, Cost)],
+    rest: Cost,
+    packages: usize,
+) -> Vec<(PackageId, Placed)> {
     let total = weighed.iter().fold(rest, |acc, (_, c)| plus(acc, *c));
     let mut sorted: Vec<(PackageId, Cost)> = weighed.to_vec();
     sorted.sort_by(|a, b| rank(&b.1).cmp(&rank(&a.1)).then_with(|| a.0.cmp(&b.0)));
-    if weighed.len() < SPLIT_MIN {
+    if packages < SPLIT_MIN || weighed.len() <= PARENT_SNAPSHOTS_MAX {
         // Each a snapshot of the parent, heaviest first: the dominant
         // package ready first.
         return sorted
@@ -313,7 +378,8 @@ fn halves(members: &[Weighed]) -> (Vec<Weighed>, Vec<Weighed>) {
     if wa >= wb { (a, b) } else { (b, a) }
 }
 
-fn plus(a: Cost, b: Cost) -> Cost {
+/// `a` and `b` together.
+pub(crate) fn plus(a: Cost, b: Cost) -> Cost {
     Cost {
         entries: a.entries + b.entries,
         extents: a.extents + b.extents,
@@ -526,7 +592,7 @@ mod tests {
         let weighed: Vec<_> = (0..60)
             .map(|i| w(&format!("p{i:02}"), 3500, false))
             .collect();
-        let placed = layout(&weighed, Cost::default());
+        let placed = layout(&weighed, Cost::default(), weighed.len());
         assert_eq!(placed.len(), 60);
         let total: u64 = placed.iter().map(|(_, p)| p.cost.micros).sum();
         // 60 entries each, about: the box is 210,000; one snapshot of the
@@ -560,7 +626,7 @@ mod tests {
         for i in 0..4 {
             weighed.push(w(&format!("h{i}"), 50_000, true));
         }
-        let placed = layout(&weighed, Cost::default());
+        let placed = layout(&weighed, Cost::default(), weighed.len());
         assert!(placed[0].0.as_str().starts_with('h'));
         let heavy: Vec<_> = placed[1..4].iter().map(|(p, _)| p.as_str()).collect();
         assert!(heavy.iter().all(|p| p.starts_with('h')), "{heavy:?}");
@@ -584,7 +650,7 @@ mod tests {
             .map(|i| w(&format!("a{i:02}"), 10 + i as u64, false))
             .collect();
         weighed.insert(1, w("b", 50_000, true));
-        let placed = layout(&weighed, Cost::default());
+        let placed = layout(&weighed, Cost::default(), weighed.len());
         assert_eq!(placed[0].0.as_str(), "b");
         assert!(placed[0].1.shares.is_empty());
         for (_, p) in &placed[1..] {
@@ -601,7 +667,7 @@ mod tests {
             .map(|i| w(&format!("a{i:02}"), 2000, false))
             .collect();
         weighed.push(w("b", 50_000, true));
-        let placed = layout(&weighed, w("rest", 100, false).1);
+        let placed = layout(&weighed, w("rest", 100, false).1, weighed.len());
         let names: Vec<_> = placed.iter().map(|(p, _)| p.as_str()).collect();
         assert_eq!(names[0], "b", "the heaviest first");
         let mut sorted = names[1..].to_vec();
@@ -613,5 +679,60 @@ mod tests {
             let own = if p.as_str() == "b" { 50_000 } else { 2000 };
             assert_eq!(at.cost.micros, total - own, "{p}");
         }
+    }
+
+    /// In a box holding a heavy package, the light ones are cloned: every
+    /// one from [`SPLIT_MIN`] packages on; below it, those beyond the
+    /// [`PARENT_SNAPSHOTS_MAX`] snapshots of the parent (the heaviest
+    /// kept), so that a box of a few packages keeps every identity.
+    #[test]
+    fn light_packages_beside_heavy_ones_are_cloned() {
+        let node: Vec<_> = ["monerod", "bitcoind", "electrs"]
+            .iter()
+            .map(|p| w(p, ORDER_US, true))
+            .chain((0..5).map(|i| w(&format!("small{i}"), 2000 + i, false)))
+            .collect();
+        let names = |v: Vec<PackageId>| v.iter().map(|p| p.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            names(light_clones(&node)),
+            ["small0", "small1", "small2", "small3", "small4"]
+        );
+        // Two heavy packages: the heaviest light one is snapshotted too.
+        assert_eq!(
+            names(light_clones(&node[1..])),
+            ["small0", "small1", "small2", "small3"]
+        );
+        // A few packages: every identity kept.
+        assert!(light_clones(&node[..3]).is_empty());
+        assert!(light_clones(&[node[0].clone(), node[3].clone(), node[4].clone()]).is_empty());
+        // No heavy package: nothing to shed but light trees.
+        assert!(light_clones(&node[3..]).is_empty());
+        // A package past LIGHT_US but not heavy is never cloned.
+        let mut mid = node.clone();
+        mid.push(w("mid", LIGHT_US + 1, false));
+        assert!(!light_clones(&mid).iter().any(|p| p.as_str() == "mid"));
+        let many: Vec<_> = (0..5)
+            .map(|i| w(&format!("heavy{i}"), HEAVY_US, true))
+            .chain((0..145).map(|i| w(&format!("small{i:03}"), 2400, false)))
+            .collect();
+        let cloned = light_clones(&many);
+        assert_eq!(cloned.len(), 145);
+        assert!(cloned.iter().all(|p| p.as_str().starts_with("small")));
+    }
+
+    /// The packages left to snapshot from a box of [`SPLIT_MIN`] or more
+    /// share cuts if they are more than [`PARENT_SNAPSHOTS_MAX`], and are
+    /// each a snapshot of the parent if not.
+    #[test]
+    fn the_heavy_ones_left_share_cuts_past_the_bound() {
+        let heavy: Vec<_> = (0..PARENT_SNAPSHOTS_MAX + 2)
+            .map(|i| w(&format!("heavy{i}"), HEAVY_US, true))
+            .collect();
+        let placed = layout(&heavy, Cost::default(), 150);
+        assert!(placed[0].1.shares.is_empty());
+        assert!(placed[1..].iter().all(|(_, p)| p.shares[0].id == "s"));
+        let few = layout(&heavy[..PARENT_SNAPSHOTS_MAX], Cost::default(), 30);
+        assert_eq!(few.len(), PARENT_SNAPSHOTS_MAX);
+        assert!(few.iter().all(|(_, p)| p.shares.is_empty()));
     }
 }
