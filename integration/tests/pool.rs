@@ -2,7 +2,8 @@
 //! converts: the box of `migrate_split` (48 packages, shares) converted
 //! several packages at once, killed at failpoints with several in flight
 //! (a child process), then converted again; a member written while the
-//! pool runs; fallback clones one at a time; a NOCOW copy left in a busy
+//! pool runs; the light packages beside heavy ones cloned at once, killed
+//! in flight; fallback clones one at a time; a NOCOW copy left in a busy
 //! package's rest not reported removed; a panic failing one package only.
 
 mod common;
@@ -11,10 +12,10 @@ use std::fs;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 
-use common::box48::{PACKAGES, assert_kept, boxed, spawn_stopped};
+use common::box48::{Before, PACKAGES, assert_kept, before_of, boxed, contents, spawn_stopped};
 use common::{is_subvolume, root_names, uuid_of};
 use integration::{FsKind, LoopFs, fs_or_skip};
-use volume_migrate::{MigrateOptions, Migrator, Progress};
+use volume_migrate::{CloneReason, Decision, MigrateOptions, Migrator, Progress};
 
 const CHILD_ROOT_ENV: &str = "POOL_PROBE_ROOT";
 
@@ -127,6 +128,101 @@ fn a_pool_killed_in_flight_loses_nothing() {
         assert_kept(&before, &root, &when);
         for p in before.keys() {
             let dir = root.join(p);
+            assert_eq!(root_names(&dir), ["assets", "data"], "{when}: {p}: top");
+        }
+        for (p, uuid) in &finished {
+            assert_eq!(&uuid_of(&root.join(p)), uuid, "{when}: {p} converted again");
+        }
+        let left: Vec<_> = root_names(&root)
+            .into_iter()
+            .filter(|n| !n.starts_with("pkg") || n.contains('.'))
+            .collect();
+        assert!(left.is_empty(), "{when}: left over: {left:?}");
+    }
+}
+
+/// The 48-package box with four packages made heavy (past the weighing's
+/// cap: 1,200 more files each): its root and what every package holds.
+fn heavy_box(fs: &LoopFs) -> (PathBuf, Before) {
+    let (root, _, _) = boxed(fs);
+    for p in HEAVY {
+        let dir = root.join(p).join("data");
+        for f in 0..1200 {
+            fs::write(dir.join(format!("h{f}")), format!("{p} {f}")).unwrap();
+        }
+    }
+    let before = before_of(&root);
+    (root, before)
+}
+
+/// The heavy packages of [`heavy_box`].
+const HEAVY: [&str; 4] = ["pkg07", "pkg20", "pkg33", "pkg40"];
+
+/// The light packages of a box holding heavy ones are cloned, named with
+/// why, several at once in the pool (the heavy ones share cuts); SIGKILL
+/// with several clones in flight, then the next boot's pool, then the
+/// cleanup: every package its subvolume with every byte, the heavy ones
+/// with every identity, those converted before the kill not converted
+/// again, nothing left over.
+#[test]
+fn light_clones_killed_in_flight_lose_nothing() {
+    const KILLS: &[&str] = &[
+        "migrate.entry@150",
+        "migrate.copied@6",
+        "migrate.durable@9",
+        "migrate.exchanged@14",
+        "migrate.old-renamed@30",
+    ];
+    for (i, fp) in KILLS.iter().enumerate() {
+        let fs = fs_or_skip!(LoopFs::with_mount_options(
+            FsKind::Btrfs,
+            1 << 30,
+            "commit=1"
+        ));
+        let (root, before) = heavy_box(&fs);
+        if i == 0 {
+            let m = Migrator::open(&root).unwrap();
+            let plan = m.schedule(&m.packages().unwrap(), &boot_opts()).unwrap();
+            for p in &plan {
+                let heavy = HEAVY.contains(&p.package.as_str());
+                let light = matches!(
+                    p.decision,
+                    Some(Decision::Clone(CloneReason::Light { heavy: 4, .. }))
+                );
+                assert_eq!(light, !heavy, "{p:?}");
+            }
+        }
+        let when = format!("killed at `{fp}`");
+        let (killed, out) = child(&root, fp);
+        assert!(killed, "{when}: not killed\n{out}");
+        let in_flight = root_names(&root)
+            .into_iter()
+            .filter(|n| n.ends_with(".migrate"))
+            .count();
+        eprintln!("{when}: {in_flight} clones in flight");
+        let finished: Vec<(String, [u8; 16])> = before
+            .keys()
+            .filter(|p| is_subvolume(&root.join(p)))
+            .map(|p| (p.clone(), uuid_of(&root.join(p))))
+            .collect();
+        let failed = boot_convert(&root);
+        assert!(
+            failed.is_empty(),
+            "{when}: failed on the next boot: {failed:?}"
+        );
+        Migrator::open(&root)
+            .unwrap()
+            .remove_all_old(&mut |_: &Progress| {})
+            .expect("the cleanup");
+        let (heavy, light): (Before, Before) = before
+            .clone()
+            .into_iter()
+            .partition(|(p, _)| HEAVY.contains(&p.as_str()));
+        assert_kept(&heavy, &root, &when);
+        for (p, (_, data)) in &light {
+            let dir = root.join(p);
+            assert!(is_subvolume(&dir), "{when}: {p} not converted");
+            assert_eq!(&contents(&dir), data, "{when}: {p}: contents");
             assert_eq!(root_names(&dir), ["assets", "data"], "{when}: {p}: top");
         }
         for (p, uuid) in &finished {
