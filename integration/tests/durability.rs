@@ -124,3 +124,65 @@ fn a_cut_writes_no_file_data_between_its_snapshot_and_its_exchange() {
     }
     assert_eq!(cuts, 3, "three cuts: {calls:?}");
 }
+
+/// A clone writes no file data and commits nothing before its exchange
+/// either: it only shares extents (FICLONE writes out the source's range
+/// itself, a file dirty in the page cache when the run starts included)
+/// and sets metadata, all ordered before the exchange by btrfs's
+/// transactions; the exchange is then committed by name.
+#[test]
+fn a_clone_writes_no_file_data_and_commits_nothing_before_its_exchange() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
+    let root = volumes_root(&fs);
+    for (name, files) in [("alpha", 3), ("beta", 40)] {
+        let main = root.join(name).join("data/main");
+        std::fs::create_dir_all(&main).expect("mkdir");
+        for i in 0..files {
+            std::fs::write(main.join(format!("f{i}")), i.to_string()).expect("write");
+        }
+    }
+    rustix::fs::sync();
+    let dirty = root.join("beta/data/main/late");
+    std::fs::write(&dirty, vec![7u8; 3 << 20]).expect("late");
+    let calls = trace(
+        "volume-migrate",
+        &root,
+        &["--json", "--keep-old", "--method", "clone"],
+    );
+    let data = ["write", "pwrite", "ftruncate"];
+    let commits = ["ioctl SYNC", "ioctl START_SYNC", "syncfs", "fsync"];
+    let mut clones = 0;
+    let mut i = 0;
+    while let Some(at) = calls[i..].iter().position(|c| c == "ioctl FICLONERANGE") {
+        let from = i + at;
+        let to = from
+            + calls[from..]
+                .iter()
+                .position(|c| c == "renameat_with")
+                .expect("an exchange after each clone");
+        let between = &calls[from..to];
+        let after = calls[to + 1..]
+            .iter()
+            .find(|c| commits.contains(&c.as_str()));
+        assert_eq!(
+            after.map(String::as_str),
+            Some("ioctl START_SYNC"),
+            "the exchange committed by name"
+        );
+        clones += 1;
+        assert!(
+            !between.iter().any(|c| data.contains(&c.as_str())),
+            "clone #{clones}: file data written before the exchange: {between:?}"
+        );
+        assert!(
+            !between.iter().any(|c| commits.contains(&c.as_str())),
+            "clone #{clones}: a commit or fsync before the exchange: {between:?}"
+        );
+        i = to + 1;
+    }
+    assert_eq!(clones, 2, "two clones: {calls:?}");
+    assert_eq!(
+        std::fs::read(&dirty).expect("the dirty file, cloned"),
+        vec![7u8; 3 << 20]
+    );
+}

@@ -430,7 +430,7 @@ impl Migrator {
         }
         match carved {
             Ok(carved) => {
-                job.swap_in(&names.migrate_parent, carved, false)?;
+                job.swap_in(&names.migrate_parent, carved)?;
                 Ok(true)
             }
             Err(failure) if forced || !failure.can_clone() => {

@@ -298,7 +298,7 @@ impl Job<'_, '_> {
         tracing::info!(package = %pkg, bytes = estimate.bytes, extents = estimate.extents, "volume cloned into a subvolume");
         self.ensure_unmounted()?;
         let tmp = self.names.migrate.clone();
-        self.swap_in(&tmp, dst, true)
+        self.swap_in(&tmp, dst)
     }
 
     /// Refuses the exchange if anything is mounted from inside `<pkg>` now,
@@ -373,13 +373,11 @@ impl Job<'_, '_> {
                 )),
             )
         })?;
-        // Committed before the first source entry is read: the transaction
-        // that created the copy is then closed, so every change the source
-        // sees from here on lands in a later one, which is what a resumed
-        // run compares each source inode against (`copy::SourceChanges`).
-        // One metadata commit (11-17 ms measured) before an O(extents) copy.
-        // A power cut before it loses only the empty subvolume.
-        sys::commit_metadata(root).with_ctx(step(pkg, "committing the new copy's creation"))?;
+        // Not committed before the first source entry is read: a resumed
+        // run counts every source inode written in the transaction that
+        // created the copy, or later, as changed (`copy::SourceChanges`).
+        // A power cut before that transaction commits loses only the empty
+        // subvolume.
         failpoint("migrate.created").with_ctx(step(pkg, "failpoint"))?;
         let fd = sys::open_dir_at(root, &self.names.migrate)
             .with_ctx(step(pkg, "opening the new subvolume"))?;
@@ -493,21 +491,23 @@ impl Job<'_, '_> {
         })
     }
 
-    /// The last steps of either method: make the new subvolume `tmp` (open
-    /// as `dst`) durable, exchange it with `<pkg>`, move the old directory
-    /// to `<pkg>.migrate-old`.
+    /// The last steps of either method: exchange the new subvolume `tmp`
+    /// (open as `dst`) with `<pkg>`, make the exchange durable, move the
+    /// old directory to `<pkg>.migrate-old`.
     ///
-    /// `copied`: the subvolume holds file data this process wrote (a
-    /// clone), which only a commit that writes out dirty data makes durable
-    /// before its name says "volume". A cut only renamed entries of a
-    /// snapshot whose creation wrote out and committed its data: every
-    /// change it made (and the rest's record, a symlink, and the quota
-    /// carried over) is metadata of the exchange's transaction or an
-    /// earlier one, and btrfs commits transactions in order, so no state a
-    /// crash leaves shows the exchange without them. It skips that commit,
-    /// which would also write out the dirty data of every service already
-    /// started.
-    pub fn swap_in(&mut self, tmp: &OsStr, dst: OwnedFd, copied: bool) -> Result<(), Error> {
+    /// Nothing is committed before the exchange: neither method writes file
+    /// data. A cut only renamed entries of a snapshot whose creation wrote
+    /// out and committed its data; a clone only shared extents
+    /// (`FICLONE`, which writes out the source's range and waits for its
+    /// extents first) and set metadata. Every change either made (and the
+    /// rest's record, a symlink, and the quota carried over) is metadata of
+    /// the exchange's transaction or an earlier one, and btrfs commits
+    /// transactions in order, so no state a crash leaves shows the exchange
+    /// without them (the power-cut sweep's `convert-parent` and
+    /// `convert-clone` check it state by state). A commit here would also
+    /// write out the dirty data of every service already started, and with
+    /// packages converted at once, it was one more commit each waits on.
+    pub fn swap_in(&mut self, tmp: &OsStr, dst: OwnedFd) -> Result<(), Error> {
         let pkg = self.pkg;
         let root = self.root.fd();
         // The limit and groups of the subvolume the directory sat in, on
@@ -516,21 +516,15 @@ impl Job<'_, '_> {
         if let Some(Err(e)) = self.quota()?.map(|c| c.apply(dst.as_fd())) {
             tracing::warn!(package = %pkg, "converting: qgroup limit and groups not carried to the new subvolume: {e}");
         }
-        // Sync: the copy must be durable before its name says "volume".
+        // The phase (and its failpoint) where the copy was made durable
+        // before: crash tests stop here.
         self.tracker.phase(Phase::Sync);
-        let committed = if copied {
-            sys::commit(dst.as_fd())
-        } else {
-            Ok(())
-        };
         drop(dst);
         let tracker = &mut self.tracker;
-        let exchanged = committed
-            .and_then(|()| failpoint("migrate.durable"))
-            .and_then(|()| {
-                tracker.phase(Phase::Exchange);
-                sys::rename_exchange(root, tmp, &self.names.live)
-            });
+        let exchanged = failpoint("migrate.durable").and_then(|()| {
+            tracker.phase(Phase::Exchange);
+            sys::rename_exchange(root, tmp, &self.names.live)
+        });
         if let Err(e) = exchanged {
             let what = format!(
                 "exchanging {} with {}",

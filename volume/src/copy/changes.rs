@@ -7,11 +7,13 @@
 //! between the two runs can carry a ctime older than the copy's birth (or
 //! the same ctime as before: a clock behind moves no time), and its stale
 //! prefix would be kept. btrfs records in each inode item the transaction
-//! that last wrote it, and transactions only go forward. The copy commits
-//! the transaction that created it before it reads the source
-//! (volume-migrate's clone does), so an entry whose item was written in a
-//! later transaction may have changed since the copy began, and every
-//! other one is as the copy found it. An access time written by a read
+//! that last wrote it, and transactions only go forward. The copy reads
+//! the source once the transaction that created it began, perhaps while
+//! it is still open, so an entry whose item was written in that
+//! transaction or a later one may have changed since the copy began (one
+//! changed in it before the copy read it is copied again: time, never
+//! data), and every other one is as the copy found it; no commit is
+//! needed between the copy's creation and its first read. An access time written by a read
 //! counts as a change too: the copy reads with O_NOATIME, so only another
 //! reader's makes it copy an entry again, which costs time, never data.
 
@@ -36,8 +38,8 @@ pub struct SourceChanges {
 
 impl SourceChanges {
     /// What changed in the subvolume holding `src` (a directory on btrfs)
-    /// after transaction `created`, the one that created the copy being
-    /// resumed and was committed before the copy read the source.
+    /// in transaction `created`, the one that created the copy being
+    /// resumed, or after it (the module docs).
     ///
     /// Commits the filesystem first, its dirty file data included
     /// ([`sys::commit`]): a write's inode item is updated when its data is
@@ -50,7 +52,7 @@ impl SourceChanges {
     pub fn since(src: BorrowedFd<'_>, created: u64) -> io::Result<SourceChanges> {
         sys::commit(src)?;
         let dev = sys::stat(src)?.dev;
-        let inodes = sys::inodes_written_since(src, created.saturating_add(1))?;
+        let inodes = sys::inodes_written_since(src, created)?;
         Ok(SourceChanges {
             created,
             by_dev: Mutex::new(HashMap::from([(dev, inodes)])),
@@ -70,7 +72,7 @@ impl SourceChanges {
             return Ok(true);
         }
         let nested = sys::open_dir_at(dir, name)?;
-        let inodes = sys::inodes_written_since(nested.as_fd(), self.created.saturating_add(1))?;
+        let inodes = sys::inodes_written_since(nested.as_fd(), self.created)?;
         let changed = inodes.contains(&st.ino);
         by_dev.insert(st.dev, inodes);
         Ok(changed)
