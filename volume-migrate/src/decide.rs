@@ -26,7 +26,11 @@
 //! (the `split` module, which weighs each package, up to
 //! [`crate::split::HEAVY_US`] of cutting, bounds the whole to about log2(n)
 //! boxes rather than n, and says why the threshold): a light package then
-//! waits for the cuts of its shares, which hold the heavy trees.
+//! waits for the cuts of its shares, which hold the heavy trees. At any
+//! count, in a box holding a heavy package, the light packages are cloned
+//! instead ([`CloneReason::Light`], the `split` module's `light_clones`):
+//! below [`crate::split::SPLIT_MIN`], those past the
+//! [`crate::split::PARENT_SNAPSHOTS_MAX`] heaviest.
 //!
 //! The rest outside the packages is shed by each snapshot of the parent:
 //! every package's below [`crate::split::SPLIT_MIN`], the dominant
@@ -125,7 +129,7 @@ pub enum CloneReason {
     /// A light package in a box holding a heavy one: its snapshot would
     /// shed the heavy trees, or wait for a share's cut of them, past the
     /// bounds on the background work and the wait; a clone copies only its
-    /// own entries (the `split` module's [`crate::split::light_clones`]).
+    /// own entries (the `split` module's `light_clones`).
     Light {
         /// What cutting its own tree costs (its clone, about as much).
         weight: Cost,

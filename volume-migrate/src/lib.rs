@@ -140,7 +140,7 @@ pub use pool::{Converted, WORKERS};
 #[cfg(target_os = "linux")]
 pub use report::{Outcome, PackageReport, Planned, ReportError, ShareUse};
 #[cfg(target_os = "linux")]
-pub use split::{HEAVY_US, ORDER_US, SPLIT_DIR, SPLIT_MIN, Share};
+pub use split::{HEAVY_US, LIGHT_US, ORDER_US, PARENT_SNAPSHOTS_MAX, SPLIT_DIR, SPLIT_MIN, Share};
 
 use std::time::Duration;
 

@@ -27,7 +27,7 @@
 //!
 //! Only conversions by snapshot run at once, each waiting mostly on
 //! commits, and the clones of light packages in their place (the `split`
-//! module's `light_clones`: a few dozen entries each, two commits). The
+//! module's `light_clones`: a few dozen entries each, one commit). The
 //! other clones after them in the schedule run one at a time, in order: a
 //! clone reads and writes O(its extents), and several at once would only
 //! interleave their I/O and add up their memory.

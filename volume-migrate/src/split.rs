@@ -26,6 +26,18 @@
 //! ones, so that the light ones' share sheds every heavy tree once and no
 //! level below it sheds one again; the halves by weight start below that.
 //!
+//! Light packages beside heavy ones are cloned instead ([`light_clones`]):
+//! whatever holds the heavy trees, a light package's snapshot either sheds
+//! them in the background (of the parent: the whole box for its few dozen
+//! entries) or waits for a share's cut of them before its service may
+//! start, and neither is within the bounds (0.2x upstream's wait,
+//! 2x its work) at 8, 30 or 150 packages; a clone copies only its own
+//! entries, at the cost of their identity, and the report names each with
+//! why. What is left to snapshot is the heavy packages (and those between
+//! [`LIGHT_US`] and the cap): no more than [`PARENT_SNAPSHOTS_MAX`], each
+//! is a snapshot of the parent, ready in milliseconds, as below
+//! [`SPLIT_MIN`]; more, and they share cuts as follows.
+//!
 //! What a member waits for is the cut of every share above it that is not
 //! made yet: the share's first member makes it, and the members after it in
 //! the schedule's order (the tree's, depth first, the heavier half first:
