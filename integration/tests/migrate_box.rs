@@ -1,9 +1,10 @@
 //! The first boot of a real node (issue 12), in miniature: a box of eight
 //! plain package directories on one subvolume, one dominant database among
-//! them ([`integration::node`]). It converts losslessly: the three heavy
-//! packages by a snapshot of the parent, every file keeping its identity,
-//! the five light ones beside them cloned and named with why (issue 31:
-//! each snapshot of the parent sheds the whole box); a run killed
+//! them ([`integration::node`]). It converts losslessly: the heavy packages
+//! and the heaviest light ones, four in all, by a snapshot of the parent,
+//! every file keeping its identity, the other light ones cloned and named
+//! with why (issue 31: each snapshot of the parent sheds the whole box); a
+//! run killed
 //! at any step, the removal of the rests included, then run again, loses
 //! nothing and redoes no finished package.
 
@@ -23,7 +24,8 @@ use integration::{LoopFs, TreeDigest, fs_or_skip, tree_digest};
 use volume::{SnapshotOutcome, VolumeStore};
 use volume_migrate::cost::CUT_ENTRY_US;
 use volume_migrate::{
-    CloneReason, Decision, Method, MigrateOptions, Migrator, Outcome, Planned, Progress,
+    CloneReason, Decision, Method, MigrateOptions, Migrator, Outcome, PARENT_SNAPSHOTS_MAX,
+    Planned, Progress,
 };
 
 fn no_progress(_: &Progress) {}
@@ -87,6 +89,14 @@ fn assert_lossless(root: &Path, shape: &NodeShape, before: &Packages, when: &str
     assert_eq!(leftovers(root, shape), Vec::<String>::new(), "{when}");
 }
 
+/// The packages `plan` clones as light ones (`CloneReason::Light`).
+fn light_cloned(plan: &[Planned]) -> Vec<String> {
+    plan.iter()
+        .filter(|p| matches!(p.decision, Some(Decision::Clone(CloneReason::Light { .. }))))
+        .map(|p| p.package.to_string())
+        .collect()
+}
+
 fn planned_of<'a>(plan: &'a [Planned], p: &str) -> &'a Planned {
     plan.iter()
         .find(|e| e.package.as_str() == p)
@@ -133,20 +143,23 @@ fn every_package_of_the_box_keeps_every_files_identity() {
 
     let plan = m.schedule(&all, &auto).expect("schedule");
     assert_eq!(plan.len(), all.len(), "{plan:?}");
+    let cloned = light_cloned(&plan);
+    let is_cloned = |p: &str| cloned.iter().any(|c| c == p);
+    assert_eq!(cloned.len(), all.len() - PARENT_SNAPSHOTS_MAX, "{plan:?}");
     for p in &plan {
-        let light = SMALL_PACKAGES.contains(&p.package.as_str());
         match &p.decision {
-            Some(Decision::SnapshotParent) => assert!(!light, "{p:?}"),
-            Some(Decision::Clone(CloneReason::Light { heavy, .. })) => {
-                assert!(light && *heavy >= 2, "{p:?}")
-            }
+            Some(Decision::SnapshotParent) => {}
+            Some(Decision::Clone(CloneReason::Light { heavy, .. })) => assert!(
+                SMALL_PACKAGES.contains(&p.package.as_str()) && *heavy >= 2,
+                "{p:?}"
+            ),
             _ => panic!("{p:?}"),
         }
     }
     let mut names: Vec<&str> = plan.iter().map(|p| p.package.as_str()).collect();
     assert_eq!(names[0], DOMINANT, "the heaviest first: {names:?}");
     assert!(
-        names[3..].iter().all(|p| SMALL_PACKAGES.contains(p)),
+        names[PARENT_SNAPSHOTS_MAX..].iter().all(|p| is_cloned(p)),
         "the snapshots first, then the light clones: {names:?}"
     );
     names.sort_unstable();
@@ -215,7 +228,7 @@ fn every_package_of_the_box_keeps_every_files_identity() {
     let snapshot_parent = |plan: &[Planned]| -> Vec<(String, Option<Method>)> {
         let mut d = decisions(plan);
         for (p, m) in d.iter_mut() {
-            if !SMALL_PACKAGES.contains(&p.as_str()) {
+            if !is_cloned(p) {
                 *m = Some(Method::SnapshotParent);
             } else {
                 *m = Some(Method::Clone);
@@ -255,7 +268,7 @@ fn every_package_of_the_box_keeps_every_files_identity() {
         assert_eq!(r.fallback, None, "{p}");
     }
     for (p, method, outcome) in &order {
-        let method_of = match SMALL_PACKAGES.contains(&p.as_str()) {
+        let method_of = match is_cloned(p) {
             true => Method::Clone,
             false => Method::SnapshotParent,
         };
@@ -269,7 +282,7 @@ fn every_package_of_the_box_keeps_every_files_identity() {
     // holding the rest of the parent set aside, root's and closed, and every
     // file the very same inode.
     for (p, (digest, _)) in &before {
-        if SMALL_PACKAGES.contains(&p.as_str()) {
+        if is_cloned(p) {
             let now = tree_digest(&root.join(p)).unwrap();
             assert_same(digest, &now, &format!("{p}, cloned"));
             continue;
@@ -295,7 +308,7 @@ fn every_package_of_the_box_keeps_every_files_identity() {
     assert_eq!(cleaned.len(), all.len(), "{cleaned:?}");
     assert_lossless(&root, &shape, &before, "after the old trees went");
     for p in shape.packages() {
-        if !SMALL_PACKAGES.contains(&p) {
+        if !is_cloned(p) {
             assert_eq!(identities(&root.join(p)), ids[p], "{p}, after the cleanup");
         }
     }
@@ -463,6 +476,11 @@ fn a_cleanup_that_fails_for_one_package_cleans_the_others() {
     fs::create_dir_all(&root).unwrap();
     node::build(&root, &shape).expect("building the box");
     let before = snapshot_of(&root, &shape);
+    let m = Migrator::open(&root).unwrap();
+    let cloned = light_cloned(
+        &m.schedule(&m.packages().unwrap(), &MigrateOptions::default())
+            .unwrap(),
+    );
     let (killed, code, out) = cli_run_with(&root, &["--keep-old"], None);
     assert!(!killed && code == 0, "the conversion ({code}):\n{out}");
     let with_rest = |root: &Path| -> Vec<&str> {
@@ -475,7 +493,7 @@ fn a_cleanup_that_fails_for_one_package_cleans_the_others() {
     let snapshotted: Vec<&str> = shape
         .packages()
         .into_iter()
-        .filter(|p| !SMALL_PACKAGES.contains(p))
+        .filter(|p| !cloned.iter().any(|c| c == p))
         .collect();
     assert_eq!(with_rest(&root), snapshotted, "every rest set aside");
 
