@@ -178,7 +178,8 @@ impl Migrator {
             false => Some(self.turn_to_clone(&mut job, flushed)?),
         };
         if let Err(e) = job.clone_volume(resume) {
-            if !self.carve_after_unclonable(&mut job, resume, &e)? {
+            let replan = resume || is_light(planned);
+            if !self.carve_after_unclonable(&mut job, replan, &e)? {
                 return Err(e);
             }
             let report = job.report;
@@ -230,20 +231,22 @@ impl Migrator {
     }
 
     /// After a clone failed with `error`: where [`Method::Auto`] cloned to
-    /// resume a partial copy, and that copy was discarded as unclonable
-    /// ([`Job::unclonable`]), plans the package again as it now is and, if
-    /// that says to snapshot the parent, converts it so; returns whether
-    /// it did. `false`: the clone's error stands (a snapshot does not
-    /// apply either, or the clone was not resuming). So a partial copy
-    /// never jams Auto: it is gone, and the method a fresh run would pick
-    /// is tried.
+    /// resume a partial copy, or cloned a light package in a snapshot's
+    /// place ([`CloneReason::Light`]), and that copy was discarded as
+    /// unclonable ([`Job::unclonable`]), plans the package again as it now
+    /// is (alone: no package is light then) and, if that says to snapshot
+    /// the parent, converts it so; returns whether it did. `false`: the
+    /// clone's error stands (a snapshot does not apply either, or the
+    /// clone was `Auto`'s choice for no such reason: `replan` false). So a
+    /// partial copy never jams Auto, and a light package a snapshot can
+    /// serve is not failed for its clone.
     fn carve_after_unclonable(
         &self,
         job: &mut Job<'_, '_>,
-        resume: bool,
+        replan: bool,
         error: &Error,
     ) -> Result<bool, Error> {
-        if !(job.unclonable && resume && job.opts.method == Method::Auto) {
+        if !(job.unclonable && replan && job.opts.method == Method::Auto) {
             return Ok(false);
         }
         let fresh = self.schedule_for(std::slice::from_ref(job.pkg), job.opts, false, false)?;
