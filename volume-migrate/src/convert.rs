@@ -516,7 +516,13 @@ impl Migrator {
         match &planned.decision {
             Some(Decision::SnapshotParent) if forced || !resume => {}
             Some(Decision::SnapshotParent) => return Ok(Err(Some(CloneReason::Resume))),
-            _ => return Ok(Err(None)),
+            Some(Decision::Clone(why)) => {
+                // Said where a service waits on it (start-core's boot logs
+                // outcomes only): its files get new inode numbers.
+                tracing::info!(package = %job.pkg, "cloning, not snapshotting the parent: {why}");
+                return Ok(Err(None));
+            }
+            None => return Ok(Err(None)),
         }
         let pkg = job.pkg;
         let prepared = ParentPlan::prepare(

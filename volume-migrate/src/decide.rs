@@ -353,11 +353,12 @@ pub(crate) fn decide(
         return all_clone(candidates, &CloneReason::Forced);
     }
     // The rest is shed by each snapshot of the parent: with shares, the
-    // dominant package's and the top share's (the `split` module), or,
-    // the light packages cloned, at most PARENT_SNAPSHOTS_MAX; else every
-    // package's.
+    // dominant package's and the top share's (the `split` module, which
+    // makes shares rather than more snapshots of the parent where the
+    // light packages are cloned and the rest would pass this bound over
+    // those left); else every package's.
     let sheds = if carved >= crate::split::SPLIT_MIN as u64 {
-        crate::split::PARENT_SNAPSHOTS_MAX as u64
+        2
     } else {
         carved
     };

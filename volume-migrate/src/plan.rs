@@ -6,7 +6,7 @@
 //! the page cache has its extents): a crash while planning leaves nothing
 //! behind.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::AtomicBool;
@@ -221,7 +221,7 @@ impl Migrator {
         } else {
             split::HEAVY_US
         };
-        let costs = pool::at_once(
+        let weights = pool::at_once(
             &names,
             pool::WORKERS,
             &mut |_: &crate::Progress| {},
@@ -231,12 +231,22 @@ impl Migrator {
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.weigh(p, cap)))
                     .unwrap_or_else(|_| {
                         tracing::error!(package = %p, "weighing the volume panicked: taken as heavy");
-                        heavy(cap)
+                        (heavy(cap), false)
                     })
             },
         );
-        let weighed: Vec<(PackageId, Cost)> = names.into_iter().cloned().zip(costs).collect();
-        let ranks = Self::place(planned, &weighed, rest);
+        let pinned: HashSet<PackageId> = names
+            .iter()
+            .zip(&weights)
+            .filter(|(_, (_, in_place))| *in_place)
+            .map(|(p, _)| (*p).clone())
+            .collect();
+        let weighed: Vec<(PackageId, Cost)> = names
+            .into_iter()
+            .cloned()
+            .zip(weights.into_iter().map(|(c, _)| c))
+            .collect();
+        let ranks = Self::place(planned, &weighed, &pinned, rest);
         // An earlier run's share must not serve this one's (its members'
         // trees may have changed since). Left where it cannot be deleted,
         // no share is made this run: each package is snapshotted from the
@@ -255,16 +265,26 @@ impl Migrator {
     }
 
     /// Files the `weighed` packages of `planned` by the `split` module: the
-    /// light ones it clones (their trees then shed with `rest`), the others'
-    /// sources; returns each one's rank in the order, the clones after the
-    /// snapshots (by name).
+    /// light ones it clones (their trees then shed with `rest`) but those
+    /// `pinned` (holding NOCOW or preallocated files), the others' sources;
+    /// returns each one's rank in the order, the clones after the snapshots
+    /// (by name).
     fn place(
         planned: &mut [Planned],
         weighed: &[(PackageId, Cost)],
+        pinned: &HashSet<PackageId>,
         rest: Cost,
     ) -> HashMap<PackageId, usize> {
-        let light = split::light_clones(weighed);
+        // A package with NOCOW or preallocated files stays a snapshot: its
+        // clone's files would share their extents with the old copies that
+        // the snapshots and shares taken meanwhile hold, until they are
+        // cut, and each first write would copy.
+        let light: Vec<PackageId> = split::light_clones(weighed)
+            .into_iter()
+            .filter(|p| !pinned.contains(p))
+            .collect();
         let heavy = weighed.iter().filter(|(_, c)| c.at_least).count();
+        let outside = rest;
         let mut rest = rest;
         let mut snaps = Vec::with_capacity(weighed.len());
         for (pkg, cost) in weighed {
@@ -274,7 +294,8 @@ impl Migrator {
                 snaps.push((pkg.clone(), *cost));
             }
         }
-        let placed = split::layout(&snaps, rest, weighed.len());
+        let shares = split::shared(weighed.len(), snaps.len(), &outside);
+        let placed = split::layout(&snaps, rest, shares);
         let mut ranks = HashMap::new();
         for (rank, (pkg, placed)) in placed.into_iter().enumerate() {
             if let Some(p) = planned.iter_mut().find(|p| p.package == pkg) {
@@ -300,10 +321,10 @@ impl Migrator {
     }
 
     /// What cutting the tree of the plain directory `pkg` out of a snapshot
-    /// costs, counted up to [`split::HEAVY_US`] (then a lower bound). A
-    /// tree that cannot be counted weighs as heavy: the conversion reports
-    /// its own errors.
-    fn weigh(&self, pkg: &PackageId, cap: u64) -> Cost {
+    /// costs, counted up to `cap` (then a lower bound), and whether what
+    /// was counted holds a NOCOW or preallocated file. A tree that cannot
+    /// be counted weighs as heavy: the conversion reports its own errors.
+    fn weigh(&self, pkg: &PackageId, cap: u64) -> (Cost, bool) {
         let stop = AtomicBool::new(false);
         let counted = sys::open_dir_at(self.root_fd(), OsStr::new(pkg.as_str())).and_then(|dir| {
             scan::scan_within(
@@ -314,15 +335,15 @@ impl Migrator {
                     weights: crate::cost::CUT,
                     skip: None,
                     one_device: true,
-                    in_place: false,
+                    in_place: true,
                 },
             )
         });
         match counted {
-            Ok(c) => Cost::cut_of(&c.est, 0, c.complete),
+            Ok(c) => (Cost::cut_of(&c.est, 0, c.complete), c.in_place > 0),
             Err(e) => {
                 tracing::info!(package = %pkg, error = %e, "weighing the volume failed: taken as heavy");
-                heavy(cap)
+                (heavy(cap), false)
             }
         }
     }

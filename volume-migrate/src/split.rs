@@ -158,6 +158,21 @@ pub const PARENT_SNAPSHOTS_MAX: usize = 4;
 /// much; its snapshot, in a box with a heavy package, sheds that package.
 pub const LIGHT_US: u64 = ORDER_US;
 
+/// Whether the `snapshots` packages left to snapshot of a box of
+/// `packages` (the light ones cloned, [`light_clones`]) share cuts: from
+/// [`SPLIT_MIN`] packages on, unless they are no more than
+/// [`PARENT_SNAPSHOTS_MAX`] and the parent's `rest` outside the packages,
+/// which each of them would shed, stays within
+/// [`crate::decide::REST_MAX_US`] over them all: each is then a snapshot of
+/// the parent, ready in milliseconds, the shedding bounded as below
+/// [`SPLIT_MIN`]. (Deciding bounded the rest over the two snapshots of the
+/// parent shares take.) Pure.
+pub(crate) fn shared(packages: usize, snapshots: usize, rest: &Cost) -> bool {
+    let over =
+        rest.at_least || rest.micros.saturating_mul(snapshots as u64) > crate::decide::REST_MAX_US;
+    packages >= SPLIT_MIN && (snapshots > PARENT_SNAPSHOTS_MAX || over)
+}
+
 /// The light packages of `weighed` (each with what cutting its tree costs,
 /// counted up to the cap) to clone rather than snapshot, by name; pure.
 ///
@@ -234,21 +249,18 @@ pub(crate) struct Placed {
 /// The schedule's order of `weighed` (each package with what cutting its
 /// tree costs, counted up to [`HEAVY_US`]) and where each one's snapshot
 /// comes from; `rest`: what the parent holds outside them (with the
-/// trees of the packages cloned instead, [`light_clones`]); `packages`:
-/// how many the box has, clones included. Shares are made from
-/// [`SPLIT_MIN`] packages on, unless the packages left to snapshot are no
-/// more than [`PARENT_SNAPSHOTS_MAX`] (the heavy ones, the light ones
-/// cloned): each is then a snapshot of the parent, ready in milliseconds,
-/// the shedding bounded as below [`SPLIT_MIN`]. Pure.
+/// trees of the packages cloned instead, [`light_clones`]); `shares`:
+/// whether to make shares ([`shared`]). Pure.
 pub(crate) fn layout(
     weighed: &[(PackageId, Cost)],
     rest: Cost,
-    packages: usize,
+    shares: bool,
 ) -> Vec<(PackageId, Placed)> {
     let total = weighed.iter().fold(rest, |acc, (_, c)| plus(acc, *c));
     let mut sorted: Vec<(PackageId, Cost)> = weighed.to_vec();
     sorted.sort_by(|a, b| rank(&b.1).cmp(&rank(&a.1)).then_with(|| a.0.cmp(&b.0)));
-    if packages < SPLIT_MIN || weighed.len() <= PARENT_SNAPSHOTS_MAX {
+    // A share of one member sheds what its snapshot of the parent would.
+    if !shares || weighed.len() < 3 {
         // Each a snapshot of the parent, heaviest first: the dominant
         // package ready first.
         return sorted
@@ -604,7 +616,7 @@ mod tests {
         let weighed: Vec<_> = (0..60)
             .map(|i| w(&format!("p{i:02}"), 3500, false))
             .collect();
-        let placed = layout(&weighed, Cost::default(), weighed.len());
+        let placed = layout(&weighed, Cost::default(), weighed.len() >= SPLIT_MIN);
         assert_eq!(placed.len(), 60);
         let total: u64 = placed.iter().map(|(_, p)| p.cost.micros).sum();
         // 60 entries each, about: the box is 210,000; one snapshot of the
@@ -638,7 +650,7 @@ mod tests {
         for i in 0..4 {
             weighed.push(w(&format!("h{i}"), 50_000, true));
         }
-        let placed = layout(&weighed, Cost::default(), weighed.len());
+        let placed = layout(&weighed, Cost::default(), weighed.len() >= SPLIT_MIN);
         assert!(placed[0].0.as_str().starts_with('h'));
         let heavy: Vec<_> = placed[1..4].iter().map(|(p, _)| p.as_str()).collect();
         assert!(heavy.iter().all(|p| p.starts_with('h')), "{heavy:?}");
@@ -662,7 +674,7 @@ mod tests {
             .map(|i| w(&format!("a{i:02}"), 10 + i as u64, false))
             .collect();
         weighed.insert(1, w("b", 50_000, true));
-        let placed = layout(&weighed, Cost::default(), weighed.len());
+        let placed = layout(&weighed, Cost::default(), weighed.len() >= SPLIT_MIN);
         assert_eq!(placed[0].0.as_str(), "b");
         assert!(placed[0].1.shares.is_empty());
         for (_, p) in &placed[1..] {
@@ -679,7 +691,7 @@ mod tests {
             .map(|i| w(&format!("a{i:02}"), 2000, false))
             .collect();
         weighed.push(w("b", 50_000, true));
-        let placed = layout(&weighed, w("rest", 100, false).1, weighed.len());
+        let placed = layout(&weighed, w("rest", 100, false).1, false);
         let names: Vec<_> = placed.iter().map(|(p, _)| p.as_str()).collect();
         assert_eq!(names[0], "b", "the heaviest first");
         let mut sorted = names[1..].to_vec();
@@ -742,11 +754,20 @@ mod tests {
         let heavy: Vec<_> = (0..PARENT_SNAPSHOTS_MAX + 2)
             .map(|i| w(&format!("heavy{i}"), HEAVY_US, true))
             .collect();
-        let placed = layout(&heavy, Cost::default(), 150);
+        let n = heavy.len();
+        assert!(shared(150, n, &Cost::default()));
+        let placed = layout(&heavy, Cost::default(), true);
         assert!(placed[0].1.shares.is_empty());
         assert!(placed[1..].iter().all(|(_, p)| p.shares[0].id == "s"));
-        let few = layout(&heavy[..PARENT_SNAPSHOTS_MAX], Cost::default(), 30);
+        let few = PARENT_SNAPSHOTS_MAX;
+        assert!(!shared(30, few, &Cost::default()));
+        assert!(!shared(SPLIT_MIN - 1, n, &Cost::default()));
+        let few = layout(&heavy[..few], Cost::default(), false);
         assert_eq!(few.len(), PARENT_SNAPSHOTS_MAX);
         assert!(few.iter().all(|(_, p)| p.shares.is_empty()));
+        // A rest each of the few would shed past the bound: shares.
+        let rest = w("rest", crate::decide::REST_MAX_US / 3, false).1;
+        assert!(shared(30, PARENT_SNAPSHOTS_MAX, &rest));
+        assert!(!shared(30, 2, &rest));
     }
 }
