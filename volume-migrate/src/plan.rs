@@ -294,7 +294,7 @@ impl Migrator {
                 snaps.push((pkg.clone(), *cost));
             }
         }
-        let shares = split::shared(weighed.len(), snaps.len(), &outside);
+        let shares = split::shared(weighed.len(), snaps.len(), &outside, decide::REST_MAX_US);
         let placed = split::layout(&snaps, rest, shares);
         let mut ranks = HashMap::new();
         for (rank, (pkg, placed)) in placed.into_iter().enumerate() {

@@ -162,14 +162,13 @@ pub const LIGHT_US: u64 = ORDER_US;
 /// `packages` (the light ones cloned, [`light_clones`]) share cuts: from
 /// [`SPLIT_MIN`] packages on, unless they are no more than
 /// [`PARENT_SNAPSHOTS_MAX`] and the parent's `rest` outside the packages,
-/// which each of them would shed, stays within
-/// [`crate::decide::REST_MAX_US`] over them all: each is then a snapshot of
+/// which each of them would shed, stays within `rest_max` over them all
+/// (the bound deciding sets, `REST_MAX_US`): each is then a snapshot of
 /// the parent, ready in milliseconds, the shedding bounded as below
 /// [`SPLIT_MIN`]. (Deciding bounded the rest over the two snapshots of the
 /// parent shares take.) Pure.
-pub(crate) fn shared(packages: usize, snapshots: usize, rest: &Cost) -> bool {
-    let over =
-        rest.at_least || rest.micros.saturating_mul(snapshots as u64) > crate::decide::REST_MAX_US;
+pub(crate) fn shared(packages: usize, snapshots: usize, rest: &Cost, rest_max: u64) -> bool {
+    let over = rest.at_least || rest.micros.saturating_mul(snapshots as u64) > rest_max;
     packages >= SPLIT_MIN && (snapshots > PARENT_SNAPSHOTS_MAX || over)
 }
 
@@ -755,19 +754,20 @@ mod tests {
             .map(|i| w(&format!("heavy{i}"), HEAVY_US, true))
             .collect();
         let n = heavy.len();
-        assert!(shared(150, n, &Cost::default()));
+        const MAX: u64 = 2_000_000;
+        assert!(shared(150, n, &Cost::default(), MAX));
         let placed = layout(&heavy, Cost::default(), true);
         assert!(placed[0].1.shares.is_empty());
         assert!(placed[1..].iter().all(|(_, p)| p.shares[0].id == "s"));
         let few = PARENT_SNAPSHOTS_MAX;
-        assert!(!shared(30, few, &Cost::default()));
-        assert!(!shared(SPLIT_MIN - 1, n, &Cost::default()));
+        assert!(!shared(30, few, &Cost::default(), MAX));
+        assert!(!shared(SPLIT_MIN - 1, n, &Cost::default(), MAX));
         let few = layout(&heavy[..few], Cost::default(), false);
         assert_eq!(few.len(), PARENT_SNAPSHOTS_MAX);
         assert!(few.iter().all(|(_, p)| p.shares.is_empty()));
         // A rest each of the few would shed past the bound: shares.
-        let rest = w("rest", crate::decide::REST_MAX_US / 3, false).1;
-        assert!(shared(30, PARENT_SNAPSHOTS_MAX, &rest));
-        assert!(!shared(30, 2, &rest));
+        let rest = w("rest", MAX / 3, false).1;
+        assert!(shared(30, PARENT_SNAPSHOTS_MAX, &rest, MAX));
+        assert!(!shared(30, 2, &rest, MAX));
     }
 }
