@@ -79,14 +79,6 @@ impl VolumeStore {
             if matches!(self.entry(OsStr::new(pkg.as_str())), Ok(Entry::Other(_))) {
                 continue;
             }
-            // Nothing under its names a crash could have left (what a crash
-            // leaves does not change while it is read): its lock is not
-            // taken. A boot of 150 packages spent 17 ms locking each.
-            if let Ok(names) = Names::new(&pkg)
-                && let Ok(false) = self.may_need_recovery(&pkg, &names)
-            {
-                continue;
-            }
             match self.recover(&pkg) {
                 Ok(r) if r.actions.is_empty() => {}
                 Ok(r) => out.push(r),
