@@ -1636,3 +1636,86 @@ fn a_cleanup_that_fails_for_one_package_still_cleans_the_others() {
         assert_same(&expected_after(b), &raw(&root.join(p)), p);
     }
 }
+
+/// The running transaction's id (`fs_info->generation`) of the btrfs on
+/// `device`, from sysfs.
+fn running_transaction(device: &Path) -> u64 {
+    let out = Command::new("blkid")
+        .args(["-s", "UUID", "-o", "value"])
+        .arg(device)
+        .output()
+        .expect("blkid");
+    let uuid = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    fs::read_to_string(format!("/sys/fs/btrfs/{uuid}/generation"))
+        .expect("the filesystem's generation")
+        .trim()
+        .parse()
+        .expect("a number")
+}
+
+/// Nothing is committed between a clone's creation and its first read, so
+/// a source file written in the very transaction that created the partial
+/// copy, after the copy cloned it, must count as changed when the copy is
+/// resumed. Killed with files copied, every source file is rewritten before
+/// that transaction commits (`commit=300`; checked from the filesystem's
+/// generation, attempts repeated if something else committed meanwhile);
+/// the resumed clone holds the new bytes.
+#[test]
+fn a_resumed_clone_copies_again_what_changed_in_its_creating_transaction() {
+    // noatime: the test's own reads must mark nothing changed, or the
+    // resume starts over and proves nothing.
+    let fs = fs_or_skip!(LoopFs::with_mount_options(
+        integration::FsKind::Btrfs,
+        512 << 20,
+        "commit=300,noatime"
+    ));
+    let root = volumes_root(&fs);
+    let mut same_transaction = 0;
+    for attempt in 0..4 {
+        let name = format!("app{attempt}");
+        let main = root.join(&name).join("data/main");
+        fs::create_dir_all(&main).expect("mkdir");
+        for i in 0..60 {
+            fs::write(
+                main.join(format!("f{i}")),
+                bytes(i, 5000 + i as usize * 997),
+            )
+            .expect("write");
+        }
+        integration::run(&mut Command::new("sync")).expect("sync");
+        let (killed, _, out) =
+            common::cli::cli_run_with(&root, &["--method", "clone"], Some("migrate.entry@30"));
+        assert!(killed, "{out}");
+        for i in 0..60 {
+            let f = fs::OpenOptions::new()
+                .write(true)
+                .open(main.join(format!("f{i}")))
+                .expect("open");
+            std::os::unix::fs::FileExt::write_all_at(&f, b"CHANGED", 0).expect("rewrite");
+        }
+        let copy = fs::File::open(root.join(format!("{name}.migrate"))).expect("the partial copy");
+        let created = volume::sys::subvolume_info(copy.as_fd())
+            .expect("subvolume info")
+            .created_transid;
+        drop(copy);
+        if running_transaction(fs.device()) == created {
+            same_transaction += 1;
+        }
+        let (killed, _, out) = common::cli::cli_run_with(&root, &["--method", "clone"], None);
+        assert!(!killed, "{out}");
+        assert!(out.contains("\"resumed\":true"), "{out}");
+        for i in 0..60 {
+            let mut want = bytes(i, 5000 + i as usize * 997);
+            want[..7].copy_from_slice(b"CHANGED");
+            let got = fs::read(main.join(format!("f{i}"))).expect("read");
+            assert!(got == want, "{name}/f{i}: the resumed clone lost a write");
+        }
+        if same_transaction > 0 {
+            break;
+        }
+    }
+    assert!(
+        same_transaction > 0,
+        "no attempt wrote in the creating transaction"
+    );
+}
