@@ -1394,3 +1394,25 @@ fn a_bounded_change_wait_fails_naming_the_holder_and_changes_nothing() {
         SnapshotOutcome::Snapshot
     );
 }
+
+/// What recovery reclaims beyond a crash's names is reclaimed by the boot's
+/// `recover_all` too, which takes no lock of a package with nothing
+/// pending: a conversion's old directory whose volume an earlier version
+/// uninstalled (beside a package with nothing to do, which stays as it is).
+#[test]
+fn recover_all_deletes_a_conversions_old_directory_whose_volume_is_gone() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    fs::create_dir_all(root.join("gone.migrate-old/data/main")).expect("mkdir");
+    fs::write(root.join("gone.migrate-old/data/main/db"), b"old").expect("write");
+    fs::create_dir_all(root.join("kept/data/main")).expect("mkdir");
+    let store = VolumeStore::open_without_recovery(&root).expect("open");
+    let done = store.recover_all().expect("recover_all");
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert_eq!(done[0].package.as_str(), "gone");
+    assert_eq!(
+        done[0].actions,
+        ["deleted the old directory of a conversion whose volume is gone"]
+    );
+    assert_eq!(root_names(&root), ["kept"]);
+}
