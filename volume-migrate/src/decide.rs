@@ -182,10 +182,14 @@ impl fmt::Display for CloneReason {
             ),
             CloneReason::Light { weight, heavy } => write!(
                 f,
-                "a light volume ({weight} of cutting) in a box with {heavy} heavy ones: its \
+                "a light volume ({} entries, {} extents: {:.1} ms of cutting) in a box with \
+                 {heavy} heavy ones: its \
                  snapshot would shed their trees or wait for a shared cut of them, past the \
                  bounds on the background work and on the wait; cloned, its files get new \
-                 inode numbers"
+                 inode numbers",
+                weight.entries,
+                weight.extents,
+                weight.duration().as_secs_f64() * 1000.0
             ),
             CloneReason::Space { why } | CloneReason::Failed { why } => f.write_str(why),
         }
