@@ -11,22 +11,22 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 
-use common::{is_subvolume, root_names, uuid_of};
+use common::{boot_opts, converted, is_subvolume, root_names, uuid_of};
 use integration::identity::{Identity, identities};
 use integration::{FsKind, LoopFs, fs_or_skip};
-use volume_migrate::{CloneReason, Decision, MigrateOptions, Migrator, Planned, Progress};
+use volume_migrate::{CloneReason, Decision, Migrator, Planned, Progress};
 
 const CHILD_ROOT_ENV: &str = "LIGHT_CLONES_ROOT";
 
-fn boot_opts() -> MigrateOptions {
-    MigrateOptions {
-        remove_old: false,
-        defer_cut: true,
-        ..MigrateOptions::default()
-    }
+/// The boot's schedule of every package of `m`'s root, those to convert.
+fn boot_plan(m: &Migrator) -> Vec<Planned> {
+    m.schedule(&m.packages().unwrap(), &boot_opts())
+        .unwrap()
+        .into_iter()
+        .filter(|p| p.decision.is_some())
+        .collect()
 }
 
 /// `heavy` packages `h<i>` of `heavy_files` files and `light` packages
@@ -76,12 +76,7 @@ fn before_of(root: &Path) -> Before {
 fn boot_convert(root: &Path) -> Vec<(Planned, Result<volume_migrate::PackageReport, String>)> {
     let m = Migrator::open(root).unwrap();
     let opts = boot_opts();
-    let planned: Vec<_> = m
-        .schedule(&m.packages().unwrap(), &opts)
-        .unwrap()
-        .into_iter()
-        .filter(|p| p.decision.is_some())
-        .collect();
+    let planned = boot_plan(&m);
     let outs = m.convert_each(&planned, &opts, &mut |_: &Progress| {}, &|_, _| {});
     planned
         .into_iter()
@@ -106,22 +101,10 @@ fn light_clones_child() {
 }
 
 fn child(root: &Path, failpoint: &str) -> (bool, String) {
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "light_clones_child",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_ROOT_ENV, root)
-        .env(volume::FAILPOINT_ENV, failpoint)
-        .env_remove("RUST_LOG")
-        .stdin(std::process::Stdio::null())
-        .output()
-        .expect("the child");
-    (
-        out.status.signal() == Some(libc::SIGKILL),
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    common::cli::child_test(
+        "light_clones_child",
+        &[(CHILD_ROOT_ENV, root.as_os_str())],
+        failpoint,
     )
 }
 
@@ -164,11 +147,7 @@ fn kill_sweep(heavy: usize, heavy_files: usize, light: usize, kills: &[&str]) {
             .collect();
         let in_flight: Vec<&String> = names.iter().filter(|n| n.contains(".migrate")).collect();
         eprintln!("{when}: left {in_flight:?}");
-        let finished: Vec<(String, [u8; 16])> = before
-            .keys()
-            .filter(|p| is_subvolume(&root.join(p)))
-            .map(|p| (p.clone(), uuid_of(&root.join(p))))
-            .collect();
+        let finished = converted(&root, before.keys());
         let again = boot_convert(&root);
         for (p, r) in &again {
             let r = r
@@ -309,12 +288,7 @@ fn light_clone_holds_unsynced_writes() {
     build(&root, 2, 900, 16, 40);
     let m = Migrator::open(&root).unwrap();
     let opts = boot_opts();
-    let planned: Vec<_> = m
-        .schedule(&m.packages().unwrap(), &opts)
-        .unwrap()
-        .into_iter()
-        .filter(|p| p.decision.is_some())
-        .collect();
+    let planned = boot_plan(&m);
     let mut before = before_of(&root);
     for (i, p) in planned.iter().filter(|p| is_light(p)).enumerate() {
         let want = dirty(&root.join(p.package.as_str()), i as u64 * 10);
@@ -329,7 +303,13 @@ fn light_clone_holds_unsynced_writes() {
         }
     }
     m.remove_all_old(&mut |_: &Progress| {}).unwrap();
-    for (p, (_, data)) in &before {
+    assert_holds(&root, &before);
+}
+
+/// Every package of `before` under `root` a subvolume holding every file
+/// `before` says it must, byte for byte.
+fn assert_holds(root: &Path, before: &Before) {
+    for (p, (_, data)) in before {
         assert!(is_subvolume(&root.join(p)), "{p}");
         let now = contents(&root.join(p));
         for (f, want) in data {
@@ -373,13 +353,7 @@ fn resumed_light_clone_holds_writes_made_since() {
         .unwrap()
         .remove_all_old(&mut |_: &Progress| {})
         .unwrap();
-    for (p, (_, data)) in &before {
-        assert!(is_subvolume(&root.join(p)), "{p}");
-        let now = contents(&root.join(p));
-        for (f, want) in data {
-            assert!(now.get(f) == Some(want), "{p}/{}: differs", f.display());
-        }
-    }
+    assert_holds(&root, &before);
 }
 
 /// A light package with a NOCOW file stays a snapshot of the parent (its
@@ -402,12 +376,7 @@ fn a_light_package_with_a_nocow_file_stays_a_snapshot() {
     let before = before_of(&root);
     let m = Migrator::open(&root).unwrap();
     let opts = boot_opts();
-    let planned: Vec<_> = m
-        .schedule(&m.packages().unwrap(), &opts)
-        .unwrap()
-        .into_iter()
-        .filter(|p| p.decision.is_some())
-        .collect();
+    let planned = boot_plan(&m);
     assert!(planned.iter().any(|p| !p.shares.is_empty()), "{planned:?}");
     for p in &planned {
         let name = p.package.as_str();

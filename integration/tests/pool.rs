@@ -9,23 +9,14 @@
 mod common;
 
 use std::fs;
-use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 
 use common::box48::{Before, PACKAGES, assert_kept, before_of, boxed, contents, spawn_stopped};
-use common::{is_subvolume, root_names, uuid_of};
+use common::{boot_opts, converted, is_subvolume, root_names, uuid_of};
 use integration::{FsKind, LoopFs, fs_or_skip};
 use volume_migrate::{CloneReason, Decision, MigrateOptions, Migrator, Progress};
 
 const CHILD_ROOT_ENV: &str = "POOL_PROBE_ROOT";
-
-fn boot_opts() -> MigrateOptions {
-    MigrateOptions {
-        remove_old: false,
-        defer_cut: true,
-        ..MigrateOptions::default()
-    }
-}
 
 /// The boot's conversion, as start-core calls it: a schedule, then
 /// `convert_each`; prints each package's outcome.
@@ -62,17 +53,10 @@ fn pool_child() {
 }
 
 fn child(root: &Path, failpoint: &str) -> (bool, String) {
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "pool_child", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ROOT_ENV, root)
-        .env(volume::FAILPOINT_ENV, failpoint)
-        .env_remove("RUST_LOG")
-        .stdin(std::process::Stdio::null())
-        .output()
-        .expect("the child");
-    (
-        out.status.signal() == Some(libc::SIGKILL),
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    common::cli::child_test(
+        "pool_child",
+        &[(CHILD_ROOT_ENV, root.as_os_str())],
+        failpoint,
     )
 }
 
@@ -103,42 +87,57 @@ fn a_pool_killed_in_flight_loses_nothing() {
             "commit=1"
         ));
         let (root, _, before) = boxed(&fs);
-        let when = format!("killed at `{fp}`");
-        let (killed, out) = child(&root, fp);
-        assert!(killed, "{when}: not killed\n{out}");
-        let in_flight: Vec<String> = root_names(&root)
-            .into_iter()
-            .filter(|n| n.contains(".migrate"))
-            .collect();
-        eprintln!("{when}: left {in_flight:?}");
-        let finished: Vec<(String, [u8; 16])> = before
-            .keys()
-            .filter(|p| is_subvolume(&root.join(p)))
-            .map(|p| (p.clone(), uuid_of(&root.join(p))))
-            .collect();
-        let failed = boot_convert(&root);
-        assert!(
-            failed.is_empty(),
-            "{when}: failed on the next boot: {failed:?}"
-        );
-        Migrator::open(&root)
-            .unwrap()
-            .remove_all_old(&mut |_: &Progress| {})
-            .expect("the cleanup");
+        let (when, finished) = kill_then_boot(&root, fp, &before);
         assert_kept(&before, &root, &when);
-        for p in before.keys() {
-            let dir = root.join(p);
-            assert_eq!(root_names(&dir), ["assets", "data"], "{when}: {p}: top");
-        }
-        for (p, uuid) in &finished {
-            assert_eq!(&uuid_of(&root.join(p)), uuid, "{when}: {p} converted again");
-        }
-        let left: Vec<_> = root_names(&root)
-            .into_iter()
-            .filter(|n| !n.starts_with("pkg") || n.contains('.'))
-            .collect();
-        assert!(left.is_empty(), "{when}: left over: {left:?}");
+        assert_nothing_redone(&root, &before, &finished, &when);
     }
+}
+
+/// Kills the boot's pool of the box under `root` (which held `before`) at
+/// `fp`, then boots again and cleans up; returns the case's name and the
+/// packages the kill found converted, with their subvolumes' UUIDs.
+fn kill_then_boot(root: &Path, fp: &str, before: &Before) -> (String, Vec<(String, [u8; 16])>) {
+    let when = format!("killed at `{fp}`");
+    let (killed, out) = child(root, fp);
+    assert!(killed, "{when}: not killed\n{out}");
+    let in_flight: Vec<String> = root_names(root)
+        .into_iter()
+        .filter(|n| n.contains(".migrate"))
+        .collect();
+    eprintln!("{when}: left {in_flight:?}");
+    let finished = converted(root, before.keys());
+    let failed = boot_convert(root);
+    assert!(
+        failed.is_empty(),
+        "{when}: failed on the next boot: {failed:?}"
+    );
+    Migrator::open(root)
+        .unwrap()
+        .remove_all_old(&mut |_: &Progress| {})
+        .expect("the cleanup");
+    (when, finished)
+}
+
+/// After [`kill_then_boot`]: every package's top as built, none `finished`
+/// before the kill converted again, nothing left over.
+fn assert_nothing_redone(
+    root: &Path,
+    before: &Before,
+    finished: &[(String, [u8; 16])],
+    when: &str,
+) {
+    for p in before.keys() {
+        let dir = root.join(p);
+        assert_eq!(root_names(&dir), ["assets", "data"], "{when}: {p}: top");
+    }
+    for (p, uuid) in finished {
+        assert_eq!(&uuid_of(&root.join(p)), uuid, "{when}: {p} converted again");
+    }
+    let left: Vec<_> = root_names(root)
+        .into_iter()
+        .filter(|n| !n.starts_with("pkg") || n.contains('.'))
+        .collect();
+    assert!(left.is_empty(), "{when}: left over: {left:?}");
 }
 
 /// The 48-package box with four packages made heavy (past the weighing's
@@ -192,28 +191,7 @@ fn light_clones_killed_in_flight_lose_nothing() {
                 assert_eq!(light, !heavy, "{p:?}");
             }
         }
-        let when = format!("killed at `{fp}`");
-        let (killed, out) = child(&root, fp);
-        assert!(killed, "{when}: not killed\n{out}");
-        let in_flight = root_names(&root)
-            .into_iter()
-            .filter(|n| n.ends_with(".migrate"))
-            .count();
-        eprintln!("{when}: {in_flight} clones in flight");
-        let finished: Vec<(String, [u8; 16])> = before
-            .keys()
-            .filter(|p| is_subvolume(&root.join(p)))
-            .map(|p| (p.clone(), uuid_of(&root.join(p))))
-            .collect();
-        let failed = boot_convert(&root);
-        assert!(
-            failed.is_empty(),
-            "{when}: failed on the next boot: {failed:?}"
-        );
-        Migrator::open(&root)
-            .unwrap()
-            .remove_all_old(&mut |_: &Progress| {})
-            .expect("the cleanup");
+        let (when, finished) = kill_then_boot(&root, fp, &before);
         let (heavy, light): (Before, Before) = before
             .clone()
             .into_iter()
@@ -223,16 +201,8 @@ fn light_clones_killed_in_flight_lose_nothing() {
             let dir = root.join(p);
             assert!(is_subvolume(&dir), "{when}: {p} not converted");
             assert_eq!(&contents(&dir), data, "{when}: {p}: contents");
-            assert_eq!(root_names(&dir), ["assets", "data"], "{when}: {p}: top");
         }
-        for (p, uuid) in &finished {
-            assert_eq!(&uuid_of(&root.join(p)), uuid, "{when}: {p} converted again");
-        }
-        let left: Vec<_> = root_names(&root)
-            .into_iter()
-            .filter(|n| !n.starts_with("pkg") || n.contains('.'))
-            .collect();
-        assert!(left.is_empty(), "{when}: left over: {left:?}");
+        assert_nothing_redone(&root, &before, &finished, &when);
     }
 }
 

@@ -203,3 +203,22 @@ pub fn cli_run_with(root: &Path, args: &[&str], failpoint: Option<&str>) -> (boo
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
     )
 }
+
+/// Runs the test `name` of this test binary alone as a child process, with
+/// `env` set and the failpoint `failpoint` armed: whether SIGKILL ended it
+/// (a failpoint's kill), and its stdout then stderr.
+pub fn child_test(name: &str, env: &[(&str, &std::ffi::OsStr)], failpoint: &str) -> (bool, String) {
+    let mut cmd = Command::new(std::env::current_exe().expect("the test binary"));
+    cmd.args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env(volume::FAILPOINT_ENV, failpoint)
+        .env_remove("RUST_LOG")
+        .stdin(std::process::Stdio::null());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("the child");
+    (
+        out.status.signal() == Some(libc::SIGKILL),
+        text(&out.stdout) + &text(&out.stderr),
+    )
+}

@@ -368,3 +368,26 @@ pub fn trash_entries(root: &Path) -> Vec<String> {
     names.sort();
     names
 }
+
+/// The options start-core's boot converts with: the cut deferred, the old
+/// trees left to the background cleanup.
+pub fn boot_opts() -> volume_migrate::MigrateOptions {
+    volume_migrate::MigrateOptions {
+        remove_old: false,
+        defer_cut: true,
+        ..volume_migrate::MigrateOptions::default()
+    }
+}
+
+/// Which of `packages` under `root` are subvolumes now, each with its
+/// UUID: what a rerun must not convert again.
+pub fn converted<'a>(
+    root: &std::path::Path,
+    packages: impl IntoIterator<Item = &'a String>,
+) -> Vec<(String, [u8; 16])> {
+    packages
+        .into_iter()
+        .filter(|p| is_subvolume(&root.join(p)))
+        .map(|p| (p.clone(), uuid_of(&root.join(p))))
+        .collect()
+}
