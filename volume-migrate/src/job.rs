@@ -222,12 +222,14 @@ impl Job<'_, '_> {
         // extent reference; starting commits in the background as the clone
         // goes leaves it only the tail to wait for.
         let mut last_commit = Instant::now();
+        let mut background = false;
         let dst_fd = dst.as_fd();
         let (tracker, report, room) = (&mut self.tracker, &mut self.report, &self.room);
         let copied = copy::reflink_into(self.src.as_fd(), dst.as_fd(), &copy_opts, &mut |ev| {
             if last_commit.elapsed() >= BACKGROUND_COMMIT_EVERY {
                 sys::start_commit(dst_fd)?;
                 last_commit = Instant::now();
+                background = true;
             }
             match ev {
                 CopyEvent::Data {
@@ -297,6 +299,15 @@ impl Job<'_, '_> {
         let estimate = self.report.estimate.unwrap_or_default();
         tracing::info!(package = %pkg, bytes = estimate.bytes, extents = estimate.extents, "volume cloned into a subvolume");
         self.ensure_unmounted()?;
+        // Not for durability (see `swap_in`): a commit start right after
+        // the background ones waited out this kernel's missed wake-up
+        // (`sys::COMMIT_START_PATIENCE`, 2 s) in every run of the bench's
+        // 500k-extent clone; a full commit here takes the tail (27 ms),
+        // and the exchange's own commit is then short. A clone too short
+        // to have started one (a light package's) goes without.
+        if background {
+            sys::commit(dst.as_fd()).with_ctx(step(pkg, "committing the clone"))?;
+        }
         let tmp = self.names.migrate.clone();
         self.swap_in(&tmp, dst)
     }
