@@ -299,14 +299,20 @@ impl Job<'_, '_> {
         let estimate = self.report.estimate.unwrap_or_default();
         tracing::info!(package = %pkg, bytes = estimate.bytes, extents = estimate.extents, "volume cloned into a subvolume");
         self.ensure_unmounted()?;
-        // Not for durability (see `swap_in`): a commit start right after
-        // the background ones waited out this kernel's missed wake-up
-        // (`sys::COMMIT_START_PATIENCE`, 2 s) in every run of the bench's
-        // 500k-extent clone; a full commit here takes the tail (27 ms),
-        // and the exchange's own commit is then short. A clone too short
-        // to have started one (a light package's) goes without.
+        self.swap_in_clone(dst, background)
+    }
+
+    /// Swaps the finished clone `dst` in; `background`: the clone started
+    /// commits in the background as it went. Then a full commit first, not
+    /// for durability (see `swap_in`): a commit start right after the
+    /// background ones waited out this kernel's missed wake-up
+    /// (`sys::COMMIT_START_PATIENCE`, 2 s) in every run of the bench's
+    /// 500k-extent clone; the full commit takes the tail, and the
+    /// exchange's own commit is then short. A clone too short to have
+    /// started one (a light package's) goes without.
+    fn swap_in_clone(&mut self, dst: OwnedFd, background: bool) -> Result<(), Error> {
         if background {
-            sys::commit(dst.as_fd()).with_ctx(step(pkg, "committing the clone"))?;
+            sys::commit(dst.as_fd()).with_ctx(step(self.pkg, "committing the clone"))?;
         }
         let tmp = self.names.migrate.clone();
         self.swap_in(&tmp, dst)
