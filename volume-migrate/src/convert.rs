@@ -173,12 +173,12 @@ impl Migrator {
         // A light package's clone (a few dozen entries, weighed by the
         // schedule) takes no turn and no commit first: it waits on its one
         // commit mostly, with the others cloned at once.
-        let _turn = match is_light(planned) {
+        let _turn = match planned.is_light() {
             true => None,
             false => Some(self.turn_to_clone(&mut job, flushed)?),
         };
         if let Err(e) = job.clone_volume(resume) {
-            let replan = resume || is_light(planned);
+            let replan = resume || planned.is_light();
             if !self.carve_after_unclonable(&mut job, replan, &e)? {
                 return Err(e);
             }
@@ -658,18 +658,9 @@ const OTHER_LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(
 fn cuts_uncounted(planned: &Planned, resume: bool) -> bool {
     let weighed = match planned.decision {
         Some(Decision::SnapshotParent) => planned.cut.is_some(),
-        _ => is_light(planned),
+        _ => planned.is_light(),
     };
     weighed && !resume
-}
-
-/// Whether `planned` is a light package cloned in a snapshot's place
-/// ([`CloneReason::Light`]).
-fn is_light(planned: &Planned) -> bool {
-    matches!(
-        planned.decision,
-        Some(Decision::Clone(CloneReason::Light { .. }))
-    )
 }
 
 /// Commits the filesystem holding `src`, the volume of `pkg` (see

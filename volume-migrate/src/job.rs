@@ -218,9 +218,9 @@ impl Job<'_, '_> {
             nested_subvolumes: true,
             changed_since: since.as_ref(),
         };
-        // The commit before the exchange must write out every cloned
-        // extent reference; starting commits in the background as the clone
-        // goes leaves it only the tail to wait for.
+        // The exchange's commit carries every cloned extent reference;
+        // starting commits in the background as the clone goes leaves the
+        // last one only the tail (see `swap_in_clone`).
         let mut last_commit = Instant::now();
         let mut background = false;
         let dst_fd = dst.as_fd();

@@ -40,13 +40,13 @@
 //!
 //! 2. **Sync**: the qgroup limit and groups of the subvolume the
 //!    directory sat in given to the new one, with quotas on
-//!    (`volume::quota`); for a clone, a commit that writes its data out,
-//!    so the new subvolume is durable before its name says "volume" (a
-//!    cut wrote no data: everything it changed is metadata, committed
-//!    with the exchange or before it, in order; `Job::swap_in`).
+//!    (`volume::quota`). Nothing is committed: neither method writes file
+//!    data (a clone only shares extents), so everything either changed is
+//!    metadata committed with the exchange or before it, in order
+//!    (`Job::swap_in`).
 //! 3. **Exchange**: swap it and `<pkg>` with one
-//!    `renameat2(RENAME_EXCHANGE)`, then rename the old directory to
-//!    `<pkg>.migrate-old`.
+//!    `renameat2(RENAME_EXCHANGE)`, committed, then rename the old
+//!    directory to `<pkg>.migrate-old`.
 //! 4. **RemoveOld** ([`Migrator::remove_old`]), a separate call that can run
 //!    after services start: remove a deferred cut's rest from the new
 //!    subvolume, then unlink the old directory, O(their extents).

@@ -279,23 +279,19 @@ impl Migrator {
         // clone's files would share their extents with the old copies that
         // the snapshots and shares taken meanwhile hold, until they are
         // cut, and each first write would copy.
-        let light: Vec<PackageId> = split::light_clones(weighed)
+        let light: HashSet<PackageId> = split::light_clones(weighed)
             .into_iter()
             .filter(|p| !pinned.contains(p))
             .collect();
         let heavy = weighed.iter().filter(|(_, c)| c.at_least).count();
-        let outside = rest;
-        let mut rest = rest;
-        let mut snaps = Vec::with_capacity(weighed.len());
-        for (pkg, cost) in weighed {
-            if light.contains(pkg) {
-                rest = split::plus(rest, *cost);
-            } else {
-                snaps.push((pkg.clone(), *cost));
-            }
-        }
-        let shares = split::shared(weighed.len(), snaps.len(), &outside, decide::REST_MAX_US);
-        let placed = split::layout(&snaps, rest, shares);
+        let (mut light, snaps): (Vec<_>, Vec<_>) = weighed
+            .iter()
+            .cloned()
+            .partition(|(p, _)| light.contains(p));
+        light.sort_by(|a, b| a.0.cmp(&b.0));
+        let shed = light.iter().fold(rest, |r, (_, c)| split::plus(r, *c));
+        let shares = split::shared(weighed.len(), snaps.len(), &rest, decide::REST_MAX_US);
+        let placed = split::layout(&snaps, shed, shares);
         let mut ranks = HashMap::new();
         for (rank, (pkg, placed)) in placed.into_iter().enumerate() {
             if let Some(p) = planned.iter_mut().find(|p| p.package == pkg) {
@@ -305,11 +301,7 @@ impl Migrator {
             }
             ranks.insert(pkg, rank);
         }
-        for pkg in light {
-            let weight = weighed
-                .iter()
-                .find(|(p, _)| *p == pkg)
-                .map_or_else(Cost::default, |(_, c)| *c);
+        for (pkg, weight) in light {
             if let Some(p) = planned.iter_mut().find(|p| p.package == pkg) {
                 p.decision = Some(Decision::Clone(CloneReason::Light { weight, heavy }));
                 p.cut = None;

@@ -41,7 +41,6 @@ use std::sync::{Mutex, PoisonError};
 
 use models::{Error, ErrorKind};
 
-use crate::decide::Decision;
 use crate::migrate::Migrator;
 use crate::options::MigrateOptions;
 use crate::report::{PackageReport, Planned};
@@ -91,15 +90,13 @@ impl Migrator {
         // with would take the cores and fill the commits it waits on.
         // Light packages cloned in their place wait on commits mostly:
         // at once too, each commit serving several.
-        let together = first
-            .iter()
-            .any(|p| !p.shares.is_empty() || p.decision != Some(Decision::SnapshotParent));
+        let together = first.iter().any(|p| !p.shares.is_empty() || p.is_light());
         let workers = if together { WORKERS } else { 1 };
         let alone = usize::from(
             together
-                && first.first().is_some_and(|p| {
-                    p.shares.is_empty() && p.decision == Some(Decision::SnapshotParent)
-                }),
+                && first
+                    .first()
+                    .is_some_and(|p| p.shares.is_empty() && !p.is_light()),
         );
         let (dominant, first) = first.split_at(alone);
         // A panic fails its package only: the others go on (and in the

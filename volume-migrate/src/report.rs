@@ -193,9 +193,15 @@ impl Planned {
     /// package cloned in a snapshot's place ([`crate::CloneReason::Light`]),
     /// which is cheap.
     pub(crate) fn scheduled(&self) -> bool {
+        self.decision == Some(Decision::SnapshotParent) || self.is_light()
+    }
+
+    /// Whether it is a light package cloned in a snapshot's place
+    /// ([`crate::CloneReason::Light`]).
+    pub(crate) fn is_light(&self) -> bool {
         matches!(
             self.decision,
-            Some(Decision::SnapshotParent | Decision::Clone(CloneReason::Light { .. }))
+            Some(Decision::Clone(CloneReason::Light { .. }))
         )
     }
 
