@@ -40,7 +40,7 @@ struct Survey {
     /// needs it and then reused: one pass over `/proc` for the whole plan,
     /// not one per package before the first service may start. The
     /// conversion checks each package again just before it converts it.
-    mounts: Option<volume::mounts::MountTables>,
+    mounts: Option<std::sync::Arc<volume::mounts::MountTables>>,
 }
 
 impl Migrator {
@@ -485,10 +485,13 @@ fn heavy(cap: u64) -> Cost {
     }
 }
 
-/// Every mount namespace's mount table as it is now, for the refusal of
-/// `pkg` (and, in a plan, of the packages after it).
-pub(crate) fn read_mount_tables(pkg: &PackageId) -> Result<volume::mounts::MountTables, Error> {
-    volume::mounts::MountTables::read().with_ctx(|_| {
+/// Every mount namespace's mount table as it is now (a read begun after
+/// this call, shared with the packages converted at once), for the refusal
+/// of `pkg` (and, in a plan, of the packages after it).
+pub(crate) fn read_mount_tables(
+    pkg: &PackageId,
+) -> Result<std::sync::Arc<volume::mounts::MountTables>, Error> {
+    volume::mounts::MountTables::read_fresh().with_ctx(|_| {
         (
             ErrorKind::Filesystem,
             pkg.context("reading the mount tables of every mount namespace"),

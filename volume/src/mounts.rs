@@ -14,6 +14,7 @@ use std::fmt;
 use std::io;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use crate::sys;
 
@@ -188,6 +189,29 @@ impl MountTables {
         })
     }
 
+    /// [`MountTables::read`], shared with the threads of this process that
+    /// ask meanwhile: the tables of a read begun after this call, this
+    /// thread's own or another's ([`Fresh`]). Such a read sees every mount
+    /// made before the call, as a read of the caller's own would, so a
+    /// step that must see the mounts as they are now (a conversion about to
+    /// replace a volume's data) may take it. The cost it saves grows with
+    /// the box: each read passes over every process and formats every
+    /// namespace's table, and a box whose services each hold a namespace
+    /// of their own makes a boot converting its packages several at once
+    /// read them all once per package, twice for a clone (150 packages
+    /// through start-core's call sites, each service's container in a
+    /// namespace: about half a second of a core).
+    ///
+    /// Nothing of a read is kept past it: a namespace's table names each
+    /// mount's root by its path now, which a rename changes without any
+    /// mount or unmount the kernel would report (a rollback moves a tree
+    /// a dependent's container holds aside), so an older table may name a
+    /// tree where it no longer is.
+    pub fn read_fresh() -> io::Result<Arc<MountTables>> {
+        static SHARED: Fresh<MountTables> = Fresh::new();
+        SHARED.get(MountTables::read)
+    }
+
     /// Every mount, in every namespace read, that exposes something inside
     /// `path` (an absolute path with no symlinks, as this process sees
     /// it): bind mounts of it or of anything below it, wherever they are
@@ -219,7 +243,88 @@ impl MountTables {
 /// is about to go (a tree a rollback or a delete took off a volume's name,
 /// kept while mounted; a conversion, refused).
 pub fn uses_of(path: &Path) -> io::Result<Vec<MountUse>> {
-    Ok(MountTables::read()?.uses_of(path))
+    Ok(MountTables::read_fresh()?.uses_of(path))
+}
+
+/// A value read now and then, each read shared by the threads that asked
+/// while it had not begun: a caller gets the outcome of the first read
+/// begun after its call, never an older one (see
+/// [`MountTables::read_fresh`]). One read runs at a time; the others wait
+/// for it, then take it if it began after them or begin the next one
+/// themselves. A read that fails is its own thread's error: the threads
+/// waiting for it begin another (an error is not a value to share, and the
+/// next read may succeed).
+struct Fresh<T> {
+    state: Mutex<FreshState<T>>,
+    done: Condvar,
+}
+
+struct FreshState<T> {
+    /// Reads begun so far.
+    begun: u64,
+    /// Whether one is running (the `begun`th).
+    running: bool,
+    /// The newest read that succeeded, and its number.
+    last: Option<(u64, Arc<T>)>,
+}
+
+impl<T> Fresh<T> {
+    const fn new() -> Fresh<T> {
+        Fresh {
+            state: Mutex::new(FreshState {
+                begun: 0,
+                running: false,
+                last: None,
+            }),
+            done: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, FreshState<T>> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn get(&self, read: impl FnOnce() -> io::Result<T>) -> io::Result<Arc<T>> {
+        let mut state = self.lock();
+        // Any read begun from now on is numbered past this.
+        let after = state.begun;
+        loop {
+            if let Some((n, value)) = &state.last
+                && *n > after
+            {
+                return Ok(Arc::clone(value));
+            }
+            if !state.running {
+                break;
+            }
+            state = self
+                .done
+                .wait(state)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        state.begun += 1;
+        state.running = true;
+        let n = state.begun;
+        drop(state);
+        // Whatever becomes of the read (a panic included), it is over and
+        // the waiters are woken.
+        struct Over<'a, T>(&'a Fresh<T>);
+        impl<T> Drop for Over<'_, T> {
+            fn drop(&mut self) {
+                self.0.lock().running = false;
+                self.0.done.notify_all();
+            }
+        }
+        let over = Over(self);
+        let value = Arc::new(read()?);
+        let mut state = self.lock();
+        if state.last.as_ref().is_none_or(|(m, _)| *m < n) {
+            state.last = Some((n, Arc::clone(&value)));
+        }
+        drop(state);
+        drop(over);
+        Ok(value)
+    }
 }
 
 /// Reads this process's mount table and returns the mount points strictly
@@ -356,5 +461,57 @@ mod tests {
     fn unescapes_octal() {
         let e = parse_mountinfo(SAMPLE.as_bytes());
         assert_eq!(e[6].mount_point, PathBuf::from("/mnt/with space"));
+    }
+
+    /// Eight threads asking at once, each read taking 50 ms: each gets a
+    /// read begun after it asked, and a few reads serve them all (eight
+    /// without sharing).
+    #[test]
+    fn fresh_reads_are_shared_and_never_older_than_the_call() {
+        use std::sync::Barrier;
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let shared: Fresh<u64> = Fresh::new();
+        let begun = AtomicU64::new(0);
+        let barrier = Barrier::new(8);
+        let read = || {
+            let n = begun.fetch_add(1, Ordering::SeqCst) + 1;
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            Ok(n)
+        };
+        std::thread::scope(|scope| {
+            for _ in 0..8 {
+                scope.spawn(|| {
+                    barrier.wait();
+                    let before = begun.load(Ordering::SeqCst);
+                    let got = *shared.get(read).expect("the read succeeds");
+                    assert!(
+                        got > before,
+                        "read {got} began before the call (after {before})"
+                    );
+                });
+            }
+        });
+        let reads = begun.load(Ordering::SeqCst);
+        assert!(reads <= 3, "{reads} reads for 8 callers");
+        // Later, alone: a read of its own, not the last one kept.
+        let before = begun.load(Ordering::SeqCst);
+        assert_eq!(*shared.get(read).expect("the read succeeds"), before + 1);
+    }
+
+    /// A failed read is its caller's error; the next caller reads again,
+    /// and a read that panics leaves no one waiting for it.
+    #[test]
+    fn a_failed_or_panicking_read_is_not_shared() {
+        let shared: Fresh<u32> = Fresh::new();
+        let failed = shared.get(|| Err(io::Error::other("unreadable")));
+        assert_eq!(
+            failed.expect_err("the read failed").to_string(),
+            "unreadable"
+        );
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            shared.get(|| panic!("a read that panics"))
+        }));
+        assert!(panicked.is_err());
+        assert_eq!(*shared.get(|| Ok(7)).expect("the read succeeds"), 7);
     }
 }

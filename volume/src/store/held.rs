@@ -193,7 +193,7 @@ impl VolumeStore {
         let base = self.root.path().join(&names.held);
         let mut kept = 0;
         if !entries.is_empty() {
-            let tables = match MountTables::read() {
+            let tables = match MountTables::read_fresh() {
                 Ok(t) => t,
                 Err(e) => {
                     tracing::warn!(package = %pkg, "kept {}: reading the mount tables failed: {e}", base.display());
