@@ -224,3 +224,7 @@ pub(super) fn start_commit(fd: BorrowedFd<'_>) -> io::Result<u64> {
     check(unsafe { bu::btrfs_util_start_sync_fd(fd.as_raw_fd(), &mut transid) })?;
     Ok(transid)
 }
+
+pub(super) fn ask_commit(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    start_commit(fd)
+}

@@ -77,10 +77,11 @@ pub use qgroup::{
 pub use search::{Batch, EXTENT_DATA_KEY, INODE_ITEM_KEY, ItemKey, KeyRange, Searcher, search};
 pub use space::{MetadataSpace, metadata_space};
 pub use subvolume::{
-    COMMIT_START_PATIENCE, commit, commit_metadata, create_snapshot, create_snapshot_with,
-    create_subvolume, create_subvolume_with, delete_subvolume, forced_commit_starts, is_read_only,
-    is_subvolume, make_tree_read_only, make_tree_writable, nested_paths, nested_subvolumes,
-    set_read_only, snapshot, snapshot_tree, snapshot_tree_with, start_commit, subvolume_root_of,
+    COMMIT_START_NUDGE, COMMIT_START_PATIENCE, commit, commit_metadata, create_snapshot,
+    create_snapshot_with, create_subvolume, create_subvolume_with, delete_subvolume,
+    forced_commit_starts, is_read_only, is_subvolume, make_tree_read_only, make_tree_writable,
+    nested_paths, nested_subvolumes, nudged_commit_starts, set_read_only, snapshot, snapshot_tree,
+    snapshot_tree_with, start_commit, subvolume_root_of,
 };
 pub use subvolume_info::{Nested, SUBVOLUME_ROOT_INO, SubvolumeInfo, subvolume_info};
 

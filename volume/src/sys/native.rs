@@ -315,6 +315,13 @@ pub(super) fn commit(fd: BorrowedFd<'_>) -> io::Result<()> {
 pub(super) fn start_commit(fd: BorrowedFd<'_>) -> io::Result<u64> {
     ensure_btrfs(fd)?;
     super::fault::check("ioctl START_SYNC")?;
+    ask_commit(fd)
+}
+
+/// START_SYNC again for a start already asked for and counted: no call of
+/// the caller's for the I/O-error sweep (it changes nothing on disk that
+/// the first would not).
+pub(super) fn ask_commit(fd: BorrowedFd<'_>) -> io::Result<u64> {
     // SAFETY: START_SYNC is _IOR(0x94, 24, __u64) and writes the transid.
     Ok(unsafe { rustix::ioctl::ioctl(fd, Getter::<START_SYNC, u64>::new()) }?)
 }

@@ -11,6 +11,8 @@ use std::ffi::{OsStr, OsString};
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::Duration;
 
 #[cfg(feature = "btrfsutil")]
 use super::btrfsutil as backend;
@@ -305,53 +307,69 @@ pub fn commit(fd: BorrowedFd<'_>) -> io::Result<()> {
 /// 3 runs of 8. Waits that end well were 2-66 ms (one boot's clones,
 /// traced); a start also waits for the commit before it, which slow
 /// storage stretches, so two seconds leave every start that would end
-/// alone and still cut the stall fifteenfold.
+/// alone and still cut the stall fifteenfold. Before that, at
+/// [`COMMIT_START_NUDGE`], the commit is asked for again.
 pub const COMMIT_START_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How long BTRFS_IOC_START_SYNC may wait for its commit to start before
+/// another thread asks for it again, with a second BTRFS_IOC_START_SYNC
+/// (then again at twice the wait, and so on). The missed wake-up, as the
+/// kernel's transaction thread reads (its loop in
+/// `fs/btrfs/transaction.c`): it checks for a commit request, then sleeps
+/// for up to its commit interval (30 s); a request whose wake-up comes
+/// between the two finds the thread still awake, and is seen only when
+/// the thread next wakes. Another request's wake-up finds it asleep. An
+/// ask while the first still waits joins the same transaction (its commit
+/// has not started, or the first would have returned) and asks for the
+/// same commit: it costs a thread and a wait (and a commit more only where
+/// the first's began just before the ask), and writes out no file data,
+/// unlike the commit at
+/// [`COMMIT_START_PATIENCE`], which stays for misses past every ask.
+/// Waits that end well were 2-66 ms (above); a miss costs about this much.
+pub const COMMIT_START_NUDGE: Duration = Duration::from_millis(25);
 
 /// Commit starts [`start_commit_bounded`] forced, since the process
 /// started.
 static FORCED_COMMIT_STARTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
+/// Commit starts [`start_commit_bounded`] asked for again, since the
+/// process started.
+static NUDGED_COMMIT_STARTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// How many commit starts ([`start_commit`], [`commit_metadata`]) waited
 /// past [`COMMIT_START_PATIENCE`] and were forced by a commit from another
-/// thread, in this process so far: missed wake-ups, or starts that were
-/// merely that slow.
+/// thread, in this process so far: missed wake-ups that asking again did
+/// not end, or starts that were merely that slow.
 pub fn forced_commit_starts() -> u64 {
     FORCED_COMMIT_STARTS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// How many commit starts waited past [`COMMIT_START_NUDGE`] and were
+/// asked for again, in this process so far.
+pub fn nudged_commit_starts() -> u64 {
+    NUDGED_COMMIT_STARTS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// BTRFS_IOC_START_SYNC, bounded: once it has waited
-/// [`COMMIT_START_PATIENCE`], another thread commits the transaction
-/// itself (BTRFS_IOC_SYNC, which first writes out the filesystem's dirty
-/// file data), and that commit starting releases this one. The other
-/// thread holds its own descriptor and is not waited for: the caller goes
-/// on once its own ioctl returns. Returns the transaction's id. If the
-/// thread or its descriptor cannot be had, the ioctl waits unbounded, as
-/// it would anyway.
+/// [`COMMIT_START_NUDGE`], another thread asks for the commit again (a
+/// second BTRFS_IOC_START_SYNC, on a thread of its own: it may miss its
+/// wake-up too); once it has waited [`COMMIT_START_PATIENCE`], another
+/// thread commits the transaction itself (BTRFS_IOC_SYNC, which first
+/// writes out the filesystem's dirty file data), and that commit starting
+/// releases this one. The other threads hold their own descriptors and
+/// are not waited for: the caller goes on once its own ioctl returns.
+/// Returns the transaction's id. If a thread or its descriptor cannot be
+/// had, the ioctl waits unbounded (or until the commit), as it would
+/// anyway.
 fn start_commit_bounded(fd: BorrowedFd<'_>) -> io::Result<u64> {
-    use std::sync::{Arc, Condvar, Mutex, PoisonError};
     ensure_btrfs(fd)?;
-    let started = Arc::new((Mutex::new(false), Condvar::new()));
+    let started: Arc<Started> = Arc::default();
     if let Ok(own) = fd.try_clone_to_owned() {
         let started = Arc::clone(&started);
-        // The kick's own error is not the caller's: the ioctl's is.
+        // The kick's own errors are not the caller's: the ioctl's is.
         let _ = std::thread::Builder::new()
             .name("btrfs-commit-kick".to_owned())
-            .spawn(move || {
-                let (lock, wake) = &*started;
-                let done = lock.lock().unwrap_or_else(PoisonError::into_inner);
-                let (done, waited) = wake
-                    .wait_timeout_while(done, COMMIT_START_PATIENCE, |done| !*done)
-                    .unwrap_or_else(PoisonError::into_inner);
-                drop(done);
-                if waited.timed_out() {
-                    FORCED_COMMIT_STARTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    tracing::debug!(
-                        "a btrfs commit start waited {COMMIT_START_PATIENCE:?}; committing here"
-                    );
-                    let _ = backend::commit(own.as_fd());
-                }
-            });
+            .spawn(move || kick(&own, &started));
     }
     let transid = backend::start_commit(fd);
     let (lock, wake) = &*started;
@@ -360,11 +378,64 @@ fn start_commit_bounded(fd: BorrowedFd<'_>) -> io::Result<u64> {
     transid
 }
 
+/// Whether a commit start returned, and its wake-up.
+type Started = (Mutex<bool>, Condvar);
+
+/// Watches a commit start (`started`) on the filesystem open as `fd`: asks
+/// for the commit again at [`COMMIT_START_NUDGE`], then at twice that and
+/// so on while it waits (each ask on a thread of its own, as it may miss
+/// its wake-up too), and commits at [`COMMIT_START_PATIENCE`].
+fn kick(fd: &OwnedFd, started: &Started) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let ask = |waited: Duration| {
+        NUDGED_COMMIT_STARTS.fetch_add(1, Relaxed);
+        tracing::debug!("a btrfs commit start waited {waited:?}; asking again");
+        if let Ok(again) = fd.try_clone() {
+            let _ = std::thread::Builder::new()
+                .name("btrfs-commit-ask".to_owned())
+                .spawn(move || backend::ask_commit(again.as_fd()));
+        }
+    };
+    let force = || {
+        FORCED_COMMIT_STARTS.fetch_add(1, Relaxed);
+        tracing::debug!("a btrfs commit start waited {COMMIT_START_PATIENCE:?}; committing here");
+        let _ = backend::commit(fd.as_fd());
+    };
+    kick_with(started, ask, force);
+}
+
+/// [`kick`]'s schedule: `ask` at [`COMMIT_START_NUDGE`], twice that and so
+/// on, `force` at [`COMMIT_START_PATIENCE`], while `started` is not set.
+fn kick_with(started: &Started, ask: impl Fn(Duration), force: impl FnOnce()) {
+    let (lock, wake) = started;
+    let mut done = lock.lock().unwrap_or_else(PoisonError::into_inner);
+    let (mut waited, mut next) = (Duration::ZERO, COMMIT_START_NUDGE);
+    loop {
+        let until = next.min(COMMIT_START_PATIENCE);
+        let timeout;
+        (done, timeout) = wake
+            .wait_timeout_while(done, until.saturating_sub(waited), |done| !*done)
+            .unwrap_or_else(PoisonError::into_inner);
+        if !timeout.timed_out() {
+            return;
+        }
+        waited = until;
+        if waited >= COMMIT_START_PATIENCE {
+            break;
+        }
+        ask(waited);
+        next = next.saturating_mul(2);
+    }
+    drop(done);
+    force();
+}
+
 /// Starts committing the current btrfs transaction of the filesystem
 /// holding `fd` (BTRFS_IOC_START_SYNC) and returns once the commit has
 /// started: long copies call it now and then so that the commit they must
 /// wait for at the end has little left to write. A start past
-/// [`COMMIT_START_PATIENCE`] is forced, and then also waits for the
+/// [`COMMIT_START_NUDGE`] is asked for again, and one past
+/// [`COMMIT_START_PATIENCE`] forced, which then also waits for the
 /// filesystem's dirty data to be written out. ENOTTY off btrfs.
 pub fn start_commit(fd: BorrowedFd<'_>) -> io::Result<()> {
     start_commit_bounded(fd).map(drop)
@@ -386,4 +457,54 @@ pub fn commit_metadata(fd: BorrowedFd<'_>) -> io::Result<()> {
     // SAFETY: WAIT_SYNC is _IOW(0x94, 22, __u64) and reads the transid.
     unsafe { rustix::ioctl::ioctl(fd, Setter::<WAIT_SYNC, u64>::new(transid)) }?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    /// A start that never returns is asked for again at 25, 50, 100 ms and
+    /// so on, then forced at two seconds.
+    #[test]
+    fn a_start_that_waits_is_asked_for_again_then_forced() {
+        let started = Started::default();
+        let asks = Mutex::new(Vec::new());
+        let begun = Instant::now();
+        let mut forced = None;
+        kick_with(
+            &started,
+            |w| asks.lock().expect("asks").push(w),
+            || forced = Some(begun.elapsed()),
+        );
+        let asks = asks.into_inner().expect("asks");
+        assert_eq!(asks, [25, 50, 100, 200, 400, 800, 1600].map(ms));
+        assert!(forced.expect("forced") >= COMMIT_START_PATIENCE);
+    }
+
+    /// One that returns meanwhile is asked for no more, and not forced.
+    #[test]
+    fn a_start_that_returns_is_left_alone() {
+        let started: Arc<Started> = Arc::default();
+        let set = Arc::clone(&started);
+        let returns = std::thread::spawn(move || {
+            std::thread::sleep(ms(60));
+            *set.0.lock().expect("started") = true;
+            set.1.notify_all();
+        });
+        let asks = Mutex::new(Vec::new());
+        kick_with(
+            &started,
+            |w| asks.lock().expect("asks").push(w),
+            || panic!("forced"),
+        );
+        returns.join().expect("the start returns");
+        let asks = asks.into_inner().expect("asks");
+        assert!(asks.starts_with(&[ms(25), ms(50)]), "{asks:?}");
+        assert!(asks.len() < 7, "{asks:?}");
+    }
 }

@@ -121,6 +121,7 @@ pub fn run(rounds: u32) -> Result<Report> {
     let (mut bare, mut ours) = (Vec::new(), Vec::new());
     let mut bare_released = 0;
     let forced_before = volume::sys::forced_commit_starts();
+    let nudged_before = volume::sys::nudged_commit_starts();
     let started = Instant::now();
     for i in 0..rounds {
         for turn in 0..2 {
@@ -147,6 +148,7 @@ pub fn run(rounds: u32) -> Result<Report> {
     drop(dir);
     fs.close()?;
     let forced = volume::sys::forced_commit_starts() - forced_before;
+    let nudged = volume::sys::nudged_commit_starts() - nudged_before;
     let (bare, ours) = (Tail::of(bare, bare_released), Tail::of(ours, forced));
     let targets = vec![Verdict::new(
         format!(
@@ -156,9 +158,10 @@ pub fn run(rounds: u32) -> Result<Report> {
         ),
         ours.stalls == 0,
         format!(
-            "ours worst {}, {} stalls, {} starts forced; the bare ioctl worst {}, {} stalls",
+            "ours worst {}, {} stalls, {} starts asked for again, {} forced; the bare ioctl worst {}, {} stalls",
             fmt_duration(Duration::from_secs_f64(ours.worst)),
             ours.stalls,
+            nudged,
             ours.released,
             fmt_duration(Duration::from_secs_f64(bare.worst)),
             bare.stalls
