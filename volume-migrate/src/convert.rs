@@ -177,7 +177,7 @@ impl Migrator {
             true => None,
             false => Some(self.turn_to_clone(&mut job, flushed)?),
         };
-        if let Err(e) = job.clone_volume(resume) {
+        if let Err(e) = job.clone_volume(resume, !planned.is_light()) {
             let replan = resume || planned.is_light();
             if !self.carve_after_unclonable(&mut job, replan, &e)? {
                 return Err(e);

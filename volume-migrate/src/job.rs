@@ -178,13 +178,18 @@ impl Job<'_, '_> {
     }
 
     /// Clones `<pkg>` into the subvolume `<pkg>.migrate` (resuming the one
-    /// there if `resume`), then swaps it in. On ENOSPC, or when the scan
+    /// there if `resume`), then swaps it in; with `recheck`, once the copy
+    /// is made, only if nothing is mounted from inside `<pkg>` now
+    /// ([`Job::ensure_unmounted`]). Without, the refusal's check before it
+    /// stands, as it does for a snapshot: for a clone that starts at once
+    /// and copies a few dozen entries (a light package's), a window no
+    /// longer than a snapshot's. On ENOSPC, or when the scan
     /// finds the space short, the partial subvolume is removed and `<pkg>`
     /// is untouched; on other errors the partial copy is kept for the next
     /// run, but for a file no clone can copy ([`copy::is_unclonable`]: a
     /// resume would meet it again), which discards it too and sets
     /// [`Job::unclonable`].
-    pub fn clone_volume(&mut self, resume: bool) -> Result<(), Error> {
+    pub fn clone_volume(&mut self, resume: bool, recheck: bool) -> Result<(), Error> {
         let stop_scan = AtomicBool::new(false);
         let scan_fd = self
             .src
@@ -199,13 +204,18 @@ impl Job<'_, '_> {
                 handle: Some(handle),
                 failure: None,
             };
-            let result = self.clone_with(resume, &mut watch);
+            let result = self.clone_with(resume, recheck, &mut watch);
             stop_scan.store(true, std::sync::atomic::Ordering::Relaxed);
             result
         })
     }
 
-    fn clone_with(&mut self, resume: bool, watch: &mut ScanWatch<'_>) -> Result<(), Error> {
+    fn clone_with(
+        &mut self,
+        resume: bool,
+        recheck: bool,
+        watch: &mut ScanWatch<'_>,
+    ) -> Result<(), Error> {
         let pkg = self.pkg;
         let tmp_path = self.root.path().join(&self.names.migrate);
         let (dst, since) = self.open_clone_target(resume)?;
@@ -288,18 +298,25 @@ impl Job<'_, '_> {
                 )
             })?,
         };
+        self.note_copy(&stats);
+        failpoint("migrate.copied").with_ctx(step(pkg, "failpoint"))?;
+        let estimate = self.report.estimate.unwrap_or_default();
+        tracing::info!(package = %pkg, bytes = estimate.bytes, extents = estimate.extents, "volume cloned into a subvolume");
+        if recheck {
+            self.ensure_unmounted()?;
+        }
+        self.swap_in_clone(dst, background)
+    }
+
+    /// What the copy made goes in the report.
+    fn note_copy(&mut self, stats: &copy::CopyStats) {
         self.report.bytes_cloned = stats.bytes_cloned;
         self.report.entries_reused = stats.entries_reused;
         self.report.nocow_files = stats.nocow_files;
         if stats.nodatasum_nocow > 0 {
             // No other state shares their extents on a checksumming mount.
-            tracing::warn!(package = %pkg, files = stats.nodatasum_nocow, "files without data checksums (written under nodatasum) were copied as NOCOW files");
+            tracing::warn!(package = %self.pkg, files = stats.nodatasum_nocow, "files without data checksums (written under nodatasum) were copied as NOCOW files");
         }
-        failpoint("migrate.copied").with_ctx(step(pkg, "failpoint"))?;
-        let estimate = self.report.estimate.unwrap_or_default();
-        tracing::info!(package = %pkg, bytes = estimate.bytes, extents = estimate.extents, "volume cloned into a subvolume");
-        self.ensure_unmounted()?;
-        self.swap_in_clone(dst, background)
     }
 
     /// Swaps the finished clone `dst` in; `background`: the clone started

@@ -117,8 +117,14 @@ pub(crate) fn settle_exchanged(
                     copy::remove_tree_at(root.fd(), &names.migrate_old, &mut |_| Ok(()))
                         .with_ctx(step(pkg, "removing an older old directory"))?;
                 }
+                // Not made durable: a plain `<pkg>.migrate` beside a
+                // converted `<pkg>` is a state this call settles the same
+                // way at the next conversion or cleanup, and btrfs commits
+                // the rename before any removal in the old tree after it.
+                // An fsync here is a whole commit (its transaction holds a
+                // subvolume's exchange, which btrfs's log cannot record):
+                // one more per package, before its service may start.
                 sys::rename_noreplace(root.fd(), tmp, &names.migrate_old)
-                    .and_then(|()| sys::fsync(root.fd()))
                     .with_ctx(step(pkg, "moving the old directory aside"))?;
                 failpoint("migrate.old-renamed").with_ctx(step(pkg, "failpoint"))?;
                 moved = true;
