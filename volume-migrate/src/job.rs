@@ -183,7 +183,10 @@ impl Job<'_, '_> {
     /// ([`Job::ensure_unmounted`]). Without, the refusal's check before it
     /// stands, as it does for a snapshot: for a clone that starts at once
     /// and copies a few dozen entries (a light package's), a window no
-    /// longer than a snapshot's. On ENOSPC, or when the scan
+    /// longer than a snapshot's; but one that took long enough to start a
+    /// commit in the background (many at once on few cores, its commit
+    /// starts waiting) is checked again all the same, its window no longer
+    /// a snapshot's. On ENOSPC, or when the scan
     /// finds the space short, the partial subvolume is removed and `<pkg>`
     /// is untouched; on other errors the partial copy is kept for the next
     /// run, but for a file no clone can copy ([`copy::is_unclonable`]: a
@@ -302,7 +305,7 @@ impl Job<'_, '_> {
         failpoint("migrate.copied").with_ctx(step(pkg, "failpoint"))?;
         let estimate = self.report.estimate.unwrap_or_default();
         tracing::info!(package = %pkg, bytes = estimate.bytes, extents = estimate.extents, "volume cloned into a subvolume");
-        if recheck {
+        if recheck || background {
             self.ensure_unmounted()?;
         }
         self.swap_in_clone(dst, background)
