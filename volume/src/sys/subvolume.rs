@@ -314,15 +314,20 @@ pub const COMMIT_START_PATIENCE: std::time::Duration = std::time::Duration::from
 /// How long BTRFS_IOC_START_SYNC may wait for its commit to start before
 /// another thread asks for it again, with a second BTRFS_IOC_START_SYNC
 /// (then again at twice the wait, and so on). The missed wake-up, as the
-/// kernel's transaction thread reads (its loop in
-/// `fs/btrfs/transaction.c`): it checks for a commit request, then sleeps
-/// for up to its commit interval (30 s); a request whose wake-up comes
-/// between the two finds the thread still awake, and is seen only when
-/// the thread next wakes. Another request's wake-up finds it asleep. An
-/// ask while the first still waits joins the same transaction (its commit
-/// has not started, or the first would have returned) and asks for the
-/// same commit: it costs a thread and a wait (and a commit more only where
-/// the first's began just before the ask), and writes out no file data,
+/// kernel reads: START_SYNC (`btrfs_commit_transaction_async`, in
+/// `fs/btrfs/transaction.c`) sets the commit request bit and wakes the
+/// transaction thread (`transaction_kthread`, in `fs/btrfs/disk-io.c`),
+/// which tests that bit at the top of its loop and, once done, sleeps for
+/// up to its commit interval (30 s) without testing it again: a wake-up
+/// that finds it awake (between its test and its sleep, or all through a
+/// commit of the transaction before) is lost, and the request is seen
+/// only when the thread next wakes. Another request's wake-up finds it
+/// asleep. An ask while the first still waits joins the same transaction
+/// (its commit has not started, or the first would have returned), or
+/// waits with it for the commit before to end, and asks for no other
+/// commit: it costs a thread and a descriptor until that commit starts
+/// (an ask made just as the first's began may join the next transaction,
+/// a commit more, and wait for it unkicked), and writes out no file data,
 /// unlike the commit at
 /// [`COMMIT_START_PATIENCE`], which stays for misses past every ask.
 /// Waits that end well were 2-66 ms (above); a miss costs about this much.
