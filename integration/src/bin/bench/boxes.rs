@@ -270,11 +270,23 @@ fn loads_after(shape: &Shape, fs: &LoopFs, took: f64) -> Result<Vec<(String, f64
     settle(fs.mount_point())?;
     crate::drop_caches()?;
     let boot = call_sites::first_boot(&bin, fs.mount_point(), Order::Upstream)?;
+    upstream_times(&boot, took)
+}
+
+/// Each package's time in upstream's way from `boot` (its loads in
+/// upstream's order): its load's volume calls returned, from the first
+/// load's start, put after `took`. An error for a package that did not
+/// load, or with no load seen starting: nothing to time from (each time
+/// would be minus infinity, and every ratio to it pass).
+fn upstream_times(boot: &call_sites::BootLoads, took: f64) -> Result<Vec<(String, f64)>> {
     let first = boot
         .packages
         .iter()
         .filter_map(|p| p.load_started)
         .fold(f64::INFINITY, f64::min);
+    if !first.is_finite() {
+        return Err("upstream's order: no load seen starting, nothing to time from".into());
+    }
     boot.packages
         .iter()
         .map(|p| match (&p.loaded, p.volumes_ready) {
@@ -629,5 +641,43 @@ pub fn print(cases: &[BoxCase], verdicts: &[Verdict]) {
     }
     for v in verdicts {
         v.print();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use integration::call_sites::boot_loads::{BootLoads, PackageLoad};
+
+    fn load(package: &str, started: Option<f64>, ready: f64) -> PackageLoad {
+        PackageLoad {
+            package: package.to_owned(),
+            exchanged: None,
+            exchanged_seen: None,
+            load_started: started,
+            volumes_ready: Some(ready),
+            loaded: Ok(true),
+            lock_waits: Vec::new(),
+            held_after_exchange: None,
+        }
+    }
+
+    /// Times from the first load's start, after the maintenance; and none
+    /// at all when no load was seen starting (each would be minus
+    /// infinity, and ours within any bound of it).
+    #[test]
+    fn upstream_times_count_from_the_first_load_or_fail() {
+        let boot = |packages| BootLoads {
+            order: Order::Upstream,
+            packages,
+        };
+        let timed = upstream_times(
+            &boot(vec![load("a", Some(100.0), 300.0), load("b", Some(150.0), 600.0)]),
+            2.0,
+        )
+        .expect("timed");
+        assert_eq!(timed, [("a".to_owned(), 2.2), ("b".to_owned(), 2.5)]);
+        let unseen = upstream_times(&boot(vec![load("a", None, 300.0)]), 2.0);
+        assert!(unseen.is_err(), "{unseen:?}");
     }
 }
