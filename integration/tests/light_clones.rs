@@ -510,7 +510,10 @@ fn light_clone_one_child() {
         .expect("the package planned");
     assert!(is_light(p), "{p:?}");
     let r = m.convert_planned(p, &boot_opts(), &mut |_: &Progress| {});
-    println!("CHILD {:?}", r.map(|r| r.outcome).map_err(|e| e.to_string()));
+    println!(
+        "CHILD {:?}",
+        r.map(|r| r.outcome).map_err(|e| e.to_string())
+    );
 }
 
 /// A light clone has no mount check of its own before its exchange (its

@@ -672,7 +672,10 @@ mod tests {
             packages,
         };
         let timed = upstream_times(
-            &boot(vec![load("a", Some(100.0), 300.0), load("b", Some(150.0), 600.0)]),
+            &boot(vec![
+                load("a", Some(100.0), 300.0),
+                load("b", Some(150.0), 600.0),
+            ]),
             2.0,
         )
         .expect("timed");
