@@ -327,8 +327,10 @@ pub const COMMIT_START_PATIENCE: std::time::Duration = std::time::Duration::from
 /// waits with it for the commit before to end, and asks for no other
 /// commit: it costs a thread and a descriptor until that commit starts
 /// (an ask made just as the first's began may join the next transaction,
-/// a commit more, and wait for it unkicked), and writes out no file data,
-/// unlike the commit at
+/// a commit more; it is watched in its turn, forced at
+/// [`COMMIT_START_PATIENCE`] and never asked again, so that no ask waits
+/// out the commit interval), and writes out no file data, unlike the
+/// commit at
 /// [`COMMIT_START_PATIENCE`], which stays for misses past every ask.
 /// Waits that end well were 2-66 ms (above); a miss costs about this much.
 pub const COMMIT_START_NUDGE: Duration = Duration::from_millis(25);
@@ -368,15 +370,26 @@ pub fn nudged_commit_starts() -> u64 {
 /// anyway.
 fn start_commit_bounded(fd: BorrowedFd<'_>) -> io::Result<u64> {
     ensure_btrfs(fd)?;
+    watched(fd, backend::start_commit, true)
+}
+
+/// `start` (a BTRFS_IOC_START_SYNC) on `fd`, watched from a thread of its
+/// own ([`kick`]): asked for again if `asks`, forced at
+/// [`COMMIT_START_PATIENCE`]. Returns `start`'s outcome.
+fn watched(
+    fd: BorrowedFd<'_>,
+    start: fn(BorrowedFd<'_>) -> io::Result<u64>,
+    asks: bool,
+) -> io::Result<u64> {
     let started: Arc<Started> = Arc::default();
     if let Ok(own) = fd.try_clone_to_owned() {
         let started = Arc::clone(&started);
         // The kick's own errors are not the caller's: the ioctl's is.
         let _ = std::thread::Builder::new()
             .name("btrfs-commit-kick".to_owned())
-            .spawn(move || kick(&own, &started));
+            .spawn(move || kick(&own, &started, asks));
     }
-    let transid = backend::start_commit(fd);
+    let transid = start(fd);
     let (lock, wake) = &*started;
     *lock.lock().unwrap_or_else(PoisonError::into_inner) = true;
     wake.notify_all();
@@ -386,11 +399,13 @@ fn start_commit_bounded(fd: BorrowedFd<'_>) -> io::Result<u64> {
 /// Whether a commit start returned, and its wake-up.
 type Started = (Mutex<bool>, Condvar);
 
-/// Watches a commit start (`started`) on the filesystem open as `fd`: asks
-/// for the commit again at [`COMMIT_START_NUDGE`], then at twice that and
-/// so on while it waits (each ask on a thread of its own, as it may miss
-/// its wake-up too), and commits at [`COMMIT_START_PATIENCE`].
-fn kick(fd: &OwnedFd, started: &Started) {
+/// Watches a commit start (`started`) on the filesystem open as `fd`: with
+/// `asks`, asks for the commit again at [`COMMIT_START_NUDGE`], then at
+/// twice that and so on while it waits, each ask on a thread of its own
+/// and watched in its turn, without asks (it may miss its wake-up too, and
+/// may have joined the next transaction, which nothing else may commit
+/// for 30 s); and commits at [`COMMIT_START_PATIENCE`].
+fn kick(fd: &OwnedFd, started: &Started, asks: bool) {
     use std::sync::atomic::Ordering::Relaxed;
     let ask = |waited: Duration| {
         NUDGED_COMMIT_STARTS.fetch_add(1, Relaxed);
@@ -398,7 +413,7 @@ fn kick(fd: &OwnedFd, started: &Started) {
         if let Ok(again) = fd.try_clone() {
             let _ = std::thread::Builder::new()
                 .name("btrfs-commit-ask".to_owned())
-                .spawn(move || backend::ask_commit(again.as_fd()));
+                .spawn(move || watched(again.as_fd(), backend::ask_commit, false));
         }
     };
     let force = || {
@@ -406,15 +421,20 @@ fn kick(fd: &OwnedFd, started: &Started) {
         tracing::debug!("a btrfs commit start waited {COMMIT_START_PATIENCE:?}; committing here");
         let _ = backend::commit(fd.as_fd());
     };
-    kick_with(started, ask, force);
+    kick_with(started, asks, ask, force);
 }
 
-/// [`kick`]'s schedule: `ask` at [`COMMIT_START_NUDGE`], twice that and so
-/// on, `force` at [`COMMIT_START_PATIENCE`], while `started` is not set.
-fn kick_with(started: &Started, ask: impl Fn(Duration), force: impl FnOnce()) {
+/// [`kick`]'s schedule: with `asks`, `ask` at [`COMMIT_START_NUDGE`], twice
+/// that and so on; `force` at [`COMMIT_START_PATIENCE`]; while `started`
+/// is not set.
+fn kick_with(started: &Started, asks: bool, ask: impl Fn(Duration), force: impl FnOnce()) {
     let (lock, wake) = started;
     let mut done = lock.lock().unwrap_or_else(PoisonError::into_inner);
-    let (mut waited, mut next) = (Duration::ZERO, COMMIT_START_NUDGE);
+    let mut waited = Duration::ZERO;
+    let mut next = match asks {
+        true => COMMIT_START_NUDGE,
+        false => COMMIT_START_PATIENCE,
+    };
     loop {
         let until = next.min(COMMIT_START_PATIENCE);
         let timeout;
@@ -483,11 +503,28 @@ mod tests {
         let mut forced = None;
         kick_with(
             &started,
+            true,
             |w| asks.lock().expect("asks").push(w),
             || forced = Some(begun.elapsed()),
         );
         let asks = asks.into_inner().expect("asks");
         assert_eq!(asks, [25, 50, 100, 200, 400, 800, 1600].map(ms));
+        assert!(forced.expect("forced") >= COMMIT_START_PATIENCE);
+    }
+
+    /// An ask is watched without asks of its own: forced at two seconds,
+    /// never asked again.
+    #[test]
+    fn an_ask_that_waits_is_forced_not_asked_again() {
+        let started = Started::default();
+        let begun = Instant::now();
+        let mut forced = None;
+        kick_with(
+            &started,
+            false,
+            |w| panic!("asked again after {w:?}"),
+            || forced = Some(begun.elapsed()),
+        );
         assert!(forced.expect("forced") >= COMMIT_START_PATIENCE);
     }
 
@@ -504,6 +541,7 @@ mod tests {
         let asks = Mutex::new(Vec::new());
         kick_with(
             &started,
+            true,
             |w| asks.lock().expect("asks").push(w),
             || panic!("forced"),
         );
