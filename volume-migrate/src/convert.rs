@@ -425,13 +425,22 @@ impl Migrator {
                 .with_ctx(step(pkg, "removing a partial copy"))?;
         }
         let plan = self.take_from_share(pkg, plan, planned, &mut job.report);
-        let carved = job.carve_parent(plan);
+        // A member's wait for its share's cut (a second or more at 150
+        // packages) came after the refusal's check, with services started
+        // meanwhile: a dependent's mount of this volume made then would
+        // show the old tree after the exchange, as for a clone.
+        let carved = match planned.shares.is_empty() {
+            true => Ok(job.carve_parent(plan)),
+            false => job
+                .refuse_if_mounted("its shared cut was made", "")
+                .map(|()| job.carve_parent(plan)),
+        };
         // Whatever became of this package, the shares it was the last
         // member of serve no one now.
         if let Err(e) = split::drop_shares(self.root_fd(), &planned.drop_shares) {
             tracing::warn!(package = %pkg, error = %e, "deleting the shared cuts it was the last member of");
         }
-        match carved {
+        match carved? {
             Ok(carved) => {
                 job.swap_in(&names.migrate_parent, carved)?;
                 Ok(true)

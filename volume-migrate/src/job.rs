@@ -345,6 +345,15 @@ impl Job<'_, '_> {
     /// removal would take the writes made through it. The copy is kept, so
     /// the conversion once unmounted goes on from it.
     fn ensure_unmounted(&self) -> Result<(), Error> {
+        self.refuse_if_mounted("it was cloned", ", and the copy is kept for the next run")
+    }
+
+    /// Refuses the conversion if anything is mounted from inside `<pkg>`
+    /// now, in any mount namespace, saying it was mounted while `during`
+    /// and what else is left (`kept`): where a step since the refusal's
+    /// check took long (a clone, a share's cut), as [`Job::ensure_unmounted`]
+    /// says why.
+    pub(crate) fn refuse_if_mounted(&self, during: &str, kept: &str) -> Result<(), Error> {
         let live = self.live_path();
         let busy = crate::plan::read_mount_tables(self.pkg)?.uses_of(&live);
         if busy.is_empty() {
@@ -354,8 +363,8 @@ impl Job<'_, '_> {
             self.pkg,
             ErrorKind::InvalidRequest,
             format!(
-                "{} was mounted at {} while it was cloned, so it is in use; unmount it and \
-                 convert again (it is untouched, and the copy is kept for the next run)",
+                "{} was mounted at {} while {during}, so it is in use; unmount it and \
+                 convert again (it is untouched{kept})",
                 live.display(),
                 volume::mounts::describe(&busy)
             ),
