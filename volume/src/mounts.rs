@@ -202,11 +202,12 @@ impl MountTables {
     /// through start-core's call sites, each service's container in a
     /// namespace: about half a second of a core).
     ///
-    /// Nothing of a read is kept past it: a namespace's table names each
-    /// mount's root by its path now, which a rename changes without any
-    /// mount or unmount the kernel would report (a rollback moves a tree
-    /// a dependent's container holds aside), so an older table may name a
-    /// tree where it no longer is.
+    /// No read serves a call made after it began (the last one is held
+    /// only for the callers that waited for it): a namespace's table names
+    /// each mount's root by its path now, which a rename changes without
+    /// any mount or unmount the kernel would report (a rollback moves a
+    /// tree a dependent's container holds aside), so an older table may
+    /// name a tree where it no longer is.
     pub fn read_fresh() -> io::Result<Arc<MountTables>> {
         static SHARED: Fresh<MountTables> = Fresh::new();
         SHARED.get(MountTables::read)
@@ -463,7 +464,7 @@ mod tests {
         assert_eq!(e[6].mount_point, PathBuf::from("/mnt/with space"));
     }
 
-    /// Eight threads asking at once, each read taking 50 ms: each gets a
+    /// Eight threads asking at once, each read taking 200 ms: each gets a
     /// read begun after it asked, and a few reads serve them all (eight
     /// without sharing).
     #[test]
@@ -475,7 +476,7 @@ mod tests {
         let barrier = Barrier::new(8);
         let read = || {
             let n = begun.fetch_add(1, Ordering::SeqCst) + 1;
-            std::thread::sleep(std::time::Duration::from_millis(50));
+            std::thread::sleep(std::time::Duration::from_millis(200));
             Ok(n)
         };
         std::thread::scope(|scope| {
