@@ -191,7 +191,7 @@ impl MountTables {
 
     /// [`MountTables::read`], shared with the threads of this process that
     /// ask meanwhile: the tables of a read begun after this call, this
-    /// thread's own or another's ([`Fresh`]). Such a read sees every mount
+    /// thread's own or another's. Such a read sees every mount
     /// made before the call, as a read of the caller's own would, so a
     /// step that must see the mounts as they are now (a conversion about to
     /// replace a volume's data) may take it. The cost it saves grows with
