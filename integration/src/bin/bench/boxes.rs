@@ -166,6 +166,10 @@ pub struct BoxCase {
     pub decisions: Vec<(String, usize)>,
     /// Shares the schedule makes.
     pub shares: usize,
+    /// Ours through the call sites: the latest load of a package the
+    /// schedule clones, and of one it snapshots (the dominant's
+    /// excluded), each with whose.
+    pub last_loads: [(String, f64); 2],
 }
 
 /// A fresh filesystem with the box, settled and out of the page cache.
@@ -189,7 +193,7 @@ fn ids(shape: &Shape) -> Result<BTreeSet<PackageId>> {
 
 /// The schedule's decisions for the box under `root` (a dry run's), and
 /// how many shares it makes.
-fn decisions(root: &Path, ids: &BTreeSet<PackageId>) -> Result<(Vec<(String, usize)>, usize)> {
+fn decisions(root: &Path, ids: &BTreeSet<PackageId>) -> Result<Decisions> {
     let m = Migrator::open(root).map_err(|e| e.to_string())?;
     let all: Vec<PackageId> = ids.iter().cloned().collect();
     let opts = MigrateOptions {
@@ -200,7 +204,11 @@ fn decisions(root: &Path, ids: &BTreeSet<PackageId>) -> Result<(Vec<(String, usi
     let plan = m.schedule(&all, &opts).map_err(|e| e.to_string())?;
     let mut out: Vec<(String, usize)> = Vec::new();
     let mut shares = BTreeSet::new();
+    let mut cloned = BTreeSet::new();
     for p in &plan {
+        if matches!(p.decision, Some(Decision::Clone(_))) {
+            cloned.insert(p.package.to_string());
+        }
         let how = match (&p.decision, p.shares.last()) {
             (Some(Decision::SnapshotParent), None) => "a snapshot of the parent".to_owned(),
             (Some(Decision::SnapshotParent), Some(_)) => "a snapshot of a share".to_owned(),
@@ -213,8 +221,12 @@ fn decisions(root: &Path, ids: &BTreeSet<PackageId>) -> Result<(Vec<(String, usi
             None => out.push((how, 1)),
         }
     }
-    Ok((out, shares.len()))
+    Ok((out, shares.len(), cloned))
 }
+
+/// How the schedule converts the box: (how, packages), the shares it
+/// makes, the packages it clones.
+type Decisions = (Vec<(String, usize)>, usize, BTreeSet<String>);
 
 /// What upstream's way measured, with the box's entries and the
 /// schedule's decisions (a dry run's, on its box before it ran).
@@ -225,13 +237,14 @@ struct UpstreamRun {
     loads: Vec<(String, f64)>,
     decisions: Vec<(String, usize)>,
     shares: usize,
+    cloned: BTreeSet<String>,
 }
 
 /// Upstream's way: its whole maintenance, and its inline removals.
 fn upstream(shape: &Shape) -> Result<UpstreamRun> {
     let (fs, root, entries) = fresh(shape)?;
     let ids = ids(shape)?;
-    let (decisions, shares) = decisions(&root, &ids)?;
+    let (decisions, shares, cloned) = decisions(&root, &ids)?;
     crate::drop_caches()?;
     let mut progress = Progress::new();
     let started = Instant::now();
@@ -255,6 +268,7 @@ fn upstream(shape: &Shape) -> Result<UpstreamRun> {
         loads,
         decisions,
         shares,
+        cloned,
     })
 }
 
@@ -455,6 +469,14 @@ fn case(shape: &Shape) -> Result<BoxCase> {
         load_ratio,
         ours_total,
         identity_kept,
+        last_loads: [true, false].map(|cloned| {
+            loads
+                .iter()
+                .filter(|(p, _)| *p != dominant && up.cloned.contains(p) == cloned)
+                .max_by(|a, b| a.1.total_cmp(&b.1))
+                .cloned()
+                .unwrap_or_default()
+        }),
         decisions: up.decisions,
         shares: up.shares,
     })
@@ -637,6 +659,13 @@ pub fn print(cases: &[BoxCase], verdicts: &[Verdict]) {
                 .collect::<Vec<_>>()
                 .join(", "),
             c.shares
+        );
+        println!(
+            "          last loads (call sites): of a cloned package {} ({}), of a snapshotted one {} ({})",
+            secs(c.last_loads[0].1),
+            c.last_loads[0].0,
+            secs(c.last_loads[1].1),
+            c.last_loads[1].0
         );
     }
     for v in verdicts {
