@@ -1396,9 +1396,10 @@ fn a_bounded_change_wait_fails_naming_the_holder_and_changes_nothing() {
 }
 
 /// What recovery reclaims beyond a crash's names is reclaimed by the boot's
-/// `recover_all` too, which takes no lock of a package with nothing
-/// pending: a conversion's old directory whose volume an earlier version
-/// uninstalled (beside a package with nothing to do, which stays as it is).
+/// `recover_all` too (a check without the lock that passed over packages
+/// with no crash's names once lost it): a conversion's old directory whose
+/// volume an earlier version uninstalled (beside a package with nothing to
+/// do, which stays as it is).
 #[test]
 fn recover_all_deletes_a_conversions_old_directory_whose_volume_is_gone() {
     let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));

@@ -309,7 +309,7 @@ pub fn commit(fd: BorrowedFd<'_>) -> io::Result<()> {
 /// storage stretches, so two seconds leave every start that would end
 /// alone and still cut the stall fifteenfold. Before that, at
 /// [`COMMIT_START_NUDGE`], the commit is asked for again.
-pub const COMMIT_START_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
+pub const COMMIT_START_PATIENCE: Duration = Duration::from_secs(2);
 
 /// How long BTRFS_IOC_START_SYNC may wait for its commit to start before
 /// another thread asks for it again, with a second BTRFS_IOC_START_SYNC
@@ -330,8 +330,8 @@ pub const COMMIT_START_PATIENCE: std::time::Duration = std::time::Duration::from
 /// a commit more; it is watched in its turn, forced at
 /// [`COMMIT_START_PATIENCE`] and never asked again, so that no ask waits
 /// out the commit interval), and writes out no file data, unlike the
-/// commit at
-/// [`COMMIT_START_PATIENCE`], which stays for misses past every ask.
+/// commit at [`COMMIT_START_PATIENCE`], which stays for misses past every
+/// ask.
 /// Waits that end well were 2-66 ms (above); a miss costs about this much.
 pub const COMMIT_START_NUDGE: Duration = Duration::from_millis(25);
 
