@@ -431,12 +431,17 @@ fn case(shape: &Shape) -> Result<BoxCase> {
             .find(|(q, _)| q == p)
             .map(|(_, t)| t.as_secs_f64())
     };
-    let last_load = loads
-        .iter()
-        .filter(|(p, _)| *p != dominant)
-        .max_by(|a, b| a.1.total_cmp(&b.1))
-        .cloned()
-        .unwrap_or_default();
+    // The latest load but the dominant's, of the packages `keep` keeps.
+    let latest = |keep: &dyn Fn(&String) -> bool| {
+        loads
+            .iter()
+            .filter(|(p, _)| *p != dominant && keep(p))
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .cloned()
+            .unwrap_or_default()
+    };
+    let last_load = latest(&|_| true);
+    let last_loads = [true, false].map(|cloned| latest(&|p| up.cloned.contains(p) == cloned));
     let load_ratio = loads
         .iter()
         .filter(|(p, _)| *p != dominant)
@@ -469,14 +474,7 @@ fn case(shape: &Shape) -> Result<BoxCase> {
         load_ratio,
         ours_total,
         identity_kept,
-        last_loads: [true, false].map(|cloned| {
-            loads
-                .iter()
-                .filter(|(p, _)| *p != dominant && up.cloned.contains(p) == cloned)
-                .max_by(|a, b| a.1.total_cmp(&b.1))
-                .cloned()
-                .unwrap_or_default()
-        }),
+        last_loads,
         decisions: up.decisions,
         shares: up.shares,
     })
