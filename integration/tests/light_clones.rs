@@ -516,12 +516,34 @@ fn light_clone_one_child() {
     );
 }
 
-/// Converts `pkg` of `root` in a child stopped at `failpoint`, makes a bind
-/// mount of its `data` directory meanwhile, lets it go on 400 ms later;
-/// asserts the conversion was refused naming the mount and saying
-/// `while`, and left the volume and the mount untouched.
-fn mounted_while_stopped(fs: &LoopFs, root: &Path, pkg: &str, failpoint: &str, while_: &str) {
+/// Builds a box of `heavy` packages of 900 files and `light` of 40, and
+/// converts the first package of its boot's plan that `pick` picks, in a
+/// child stopped at `failpoint`, making a bind mount of its `data`
+/// directory meanwhile and letting it go on 400 ms later; asserts the
+/// conversion was refused naming the mount and saying `while_`, and left
+/// the volume and the mount untouched.
+fn mounted_while_stopped(
+    (heavy, light): (usize, usize),
+    pick: impl Fn(&Planned) -> bool,
+    failpoint: &str,
+    while_: &str,
+) {
     use std::process::{Command, Stdio};
+    let fs = fs_or_skip!(LoopFs::btrfs(1 << 30));
+    let root = fs.path("volumes");
+    fs::create_dir_all(&root).unwrap();
+    build(&root, heavy, 900, light, 40);
+    let pkg = {
+        let m = Migrator::open(&root).unwrap();
+        boot_plan(&m)
+            .into_iter()
+            .find(|p| pick(p))
+            .expect("a package to pick")
+            .package
+            .to_string()
+    };
+    let pkg = pkg.as_str();
+    let root = root.as_path();
     let data = root.join(pkg).join("data");
     let before = contents(&root.join(pkg));
     let child = Command::new(std::env::current_exe().unwrap())
@@ -577,20 +599,7 @@ fn mounted_while_stopped(fs: &LoopFs, root: &Path, pkg: &str, failpoint: &str, w
 /// tree that the cleanup removes.
 #[test]
 fn a_slow_light_clone_checks_the_mounts_again() {
-    let fs = fs_or_skip!(LoopFs::btrfs(1 << 30));
-    let root = fs.path("volumes");
-    fs::create_dir_all(&root).unwrap();
-    build(&root, 2, 900, 16, 40);
-    let light = {
-        let m = Migrator::open(&root).unwrap();
-        boot_plan(&m)
-            .into_iter()
-            .find(is_light)
-            .expect("a light package")
-            .package
-            .to_string()
-    };
-    mounted_while_stopped(&fs, &root, &light, "migrate.entry@2", "it was cloned");
+    mounted_while_stopped((2, 16), is_light, "migrate.entry@2", "it was cloned");
 }
 
 /// A share's member is checked for mounts when its conversion starts, then
@@ -602,23 +611,9 @@ fn a_slow_light_clone_checks_the_mounts_again() {
 /// removes.
 #[test]
 fn a_share_member_checks_the_mounts_again_after_its_cut() {
-    let fs = fs_or_skip!(LoopFs::btrfs(1 << 30));
-    let root = fs.path("volumes");
-    fs::create_dir_all(&root).unwrap();
-    build(&root, 5, 900, 11, 40);
-    let member = {
-        let m = Migrator::open(&root).unwrap();
-        boot_plan(&m)
-            .into_iter()
-            .find(|p| !p.shares.is_empty())
-            .expect("a share's member")
-            .package
-            .to_string()
-    };
     mounted_while_stopped(
-        &fs,
-        &root,
-        &member,
+        (5, 11),
+        |p| !p.shares.is_empty(),
         "migrate.share-removed@1",
         "its shared cut was made",
     );
