@@ -29,9 +29,10 @@ mod upstream;
 /// is a lock taken and a dozen lookups, each a synchronous read at boot
 /// when the cache is cold: one after another, 150 packages took 23-35 ms
 /// of the boot before any conversion could start (the boxes bench's
-/// dominant package waits for it). The reads overlap across threads; a
-/// package whose lock another holds waits its patience on one thread
-/// while the others go on.
+/// dominant package waits for it), eight at once 16-20 ms (the loop
+/// device's reads bound it more than threads do). A package whose lock
+/// another holds waits its patience on one thread while the others go on
+/// (`integration/tests/recover_all.rs`).
 const RECOVER_AT_ONCE: usize = 8;
 
 /// What kind of entry a leftover name of a package is.
@@ -91,7 +92,8 @@ impl VolumeStore {
     pub fn recover_all(&self) -> Result<Vec<Recovery>, Error> {
         let packages = self.packages()?;
         let next = AtomicUsize::new(0);
-        let slots: Vec<Mutex<Option<Recovery>>> = packages.iter().map(|_| Mutex::new(None)).collect();
+        let slots: Vec<Mutex<Option<Recovery>>> =
+            packages.iter().map(|_| Mutex::new(None)).collect();
         let each = || {
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
