@@ -478,83 +478,11 @@ fn the_lock_is_held_a_few_milliseconds_at_a_time_over_a_20k_file_tree() {
 
 /// `app`'s lock under `root`, taken as every operation takes it.
 fn hold_app(root: &Path) -> volume::lock::PackageLock {
-    hold(root, "app")
-}
-
-/// `name`'s lock under `root`, taken as every operation takes it.
-fn hold(root: &Path, name: &str) -> volume::lock::PackageLock {
     let dir = volume::sys::open_dir_path(root).expect("opening the root");
     volume::lock::LockDir::for_root(std::os::fd::AsFd::as_fd(&dir))
         .expect("the lock dir")
-        .lock(&pkg(name))
-        .expect("the package's lock")
-}
-
-// Today: the rests go one at a time in name order, so beta's waits behind alpha's, whose package the test holds: "beta's rest still there after 30s".
-/// The rests are removed two at a time (`RESTS_AT_ONCE`), each holding
-/// its own package a batch at a time: a package another operation holds
-/// (here the test, for as long as beta's rest takes) holds up its own rest
-/// only, and both are removed once it is let go, the data untouched.
-#[test]
-fn a_rest_whose_package_is_held_holds_up_no_other_rest() {
-    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
-    let root = volumes_root(&fs);
-    filler(&fs);
-    for p in ["alpha", "beta"] {
-        let dir = root.join(p).join("data");
-        fs::create_dir_all(&dir).unwrap();
-        for i in 0..200 {
-            fs::write(dir.join(format!("f{i}")), bytes(i, 64)).unwrap();
-        }
-    }
-    must_succeed(
-        &migrate(&root, &["--method", "snapshot-parent", "--keep-old"]),
-        "the conversion by parent snapshots, keeping their rests",
-    );
-    let digests = ["alpha", "beta"].map(|p| digest(&root.join(p).join("data")));
-    for p in ["alpha", "beta"] {
-        assert!(
-            exists(&root.join(format!("{p}.migrate-rest"))),
-            "{p}: a deferred cut"
-        );
-    }
-    let held = hold(&root, "alpha");
-    // start-core's cleanup after a boot's conversions.
-    let cleanup = {
-        let root = root.clone();
-        thread::spawn(move || {
-            volume_migrate::Migrator::open(&root)
-                .and_then(|m| m.remove_all_old(&mut |_: &volume_migrate::Progress| {}))
-                .map_err(|e| e.to_string())
-        })
-    };
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while exists(&root.join("beta.migrate-rest")) {
-        assert!(
-            Instant::now() < deadline,
-            "beta's rest still there after 30s, alpha held: {:?}",
-            root_names(&root)
-        );
-        thread::sleep(Duration::from_millis(20));
-    }
-    assert!(
-        exists(&root.join("alpha.migrate-rest")),
-        "alpha's rest went while the test held alpha"
-    );
-    drop(held);
-    let cleaned = cleanup.join().expect("the cleanup thread");
-    assert_eq!(cleaned.as_ref().map(Vec::len), Ok(2), "{cleaned:?}");
-    for (p, before) in ["alpha", "beta"].iter().zip(digests) {
-        assert!(!exists(&root.join(format!("{p}.migrate-rest"))), "{p}");
-        assert!(
-            !root
-                .join(p)
-                .join(integration::identity::CARVE_REST)
-                .exists(),
-            "{p}: its rest left"
-        );
-        assert_eq!(digest(&root.join(p).join("data")), before, "{p}");
-    }
+        .lock(&pkg("app"))
+        .expect("app's lock")
 }
 
 // Today: `ensure` always takes the lock first: "VolumeStore::ensure of a settled volume still waiting after 10s".

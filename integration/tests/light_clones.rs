@@ -189,13 +189,13 @@ fn kill_sweep(heavy: usize, heavy_files: usize, light: usize, kills: &[&str]) {
     }
 }
 
-/// Below SPLIT_MIN: one heavy package, nine light (five cloned).
+/// Below SPLIT_MIN: one heavy package, seven light (five cloned).
 #[test]
 fn small_box_killed_with_light_clones_in_flight() {
     kill_sweep(
         1,
         200,
-        9,
+        7,
         &[
             "migrate.entry@60",
             "migrate.copied@3",
@@ -415,7 +415,7 @@ fn unclonable_light_package_falls_back_to_its_snapshot() {
     let fs = fs_or_skip!(LoopFs::btrfs(1 << 30));
     let root = fs.path("volumes");
     fs::create_dir_all(&root).unwrap();
-    build(&root, 1, 200, 9, 40);
+    build(&root, 1, 200, 7, 40);
     let before = before_of(&root);
     let planned = {
         let m = Migrator::open(&root).unwrap();
@@ -612,7 +612,7 @@ fn a_slow_light_clone_checks_the_mounts_again() {
 #[test]
 fn a_share_member_checks_the_mounts_again_after_its_cut() {
     mounted_while_stopped(
-        (6, 10),
+        (5, 11),
         |p| !p.shares.is_empty(),
         "migrate.share-removed@1",
         "its shared cut was made",

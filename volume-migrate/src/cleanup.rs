@@ -38,23 +38,6 @@ use crate::{Estimate, Phase, ProgressSink};
 /// operation changed the package between two of its batches.
 const ATTEMPTS: usize = 3;
 
-/// How many packages' rests are removed at once. Each rest is the cut of
-/// a snapshot of the parent, in a subvolume of its own: its removal is
-/// entry by entry on one tree, so one thread's removal leaves the second
-/// core idle, and with a few heavy packages snapshotted from the parent
-/// the rests are most of the background work (each holds every other
-/// package's tree). Two: measured by the boxes bench (150 packages, five
-/// of 10,000 files each snapshotted from the parent), the start to the
-/// cleanup's end 4.8-5.1 s against 6.1-6.2 s one at a time, the services'
-/// loads no later (0.81-0.94 s against 0.88 s). More were tried when the
-/// dominant package's rest was the whole box and the loads came during
-/// the cleanup: six at once (every package, old trees too) made the loads
-/// meet the cleanup's package locks six times as often for 6% less time.
-/// Each removal holds its own package, a batch at a time (the `shed`
-/// module), so two at once never hold one package, and a package another
-/// operation holds stops only its own rest.
-const RESTS_AT_ONCE: usize = 2;
-
 impl Migrator {
     /// Removes every old tree left under the root ([`Migrator::remove_old`]
     /// for each package); the second phase, fine to run while services run.
@@ -74,9 +57,8 @@ impl Migrator {
     /// tried, and the first error is returned once all were.
     ///
     /// The calling thread does it in the idle I/O class
-    /// ([`sys::IdleIo`]), back at its own priority on return, and so do the
-    /// threads removing [`RESTS_AT_ONCE`] rests at once: the services that
-    /// started meanwhile come first.
+    /// ([`sys::IdleIo`]), back at its own priority on return: the services
+    /// that started meanwhile come first.
     pub fn remove_all_old(&self, sink: &mut dyn ProgressSink) -> Result<Vec<PackageId>, Error> {
         let _idle = sys::IdleIo::enter()
             .inspect_err(|e| tracing::warn!(error = %e, "entering the idle I/O class"))
@@ -98,19 +80,8 @@ impl Migrator {
             });
         let mut done = Vec::new();
         let mut failed: Vec<(PackageId, Error)> = Vec::new();
-        let rests = crate::pool::at_once(
-            &cut,
-            RESTS_AT_ONCE,
-            sink,
-            &|pkg: &PackageId, sink: &mut dyn ProgressSink| {
-                // The class is each thread's own (the caller's guard above
-                // covers only its own thread).
-                let _idle = sys::IdleIo::enter().ok();
-                self.remove_parts(pkg, false, sink)
-            },
-        );
-        for (pkg, removed) in cut.iter().zip(rests) {
-            match removed {
+        for pkg in &cut {
+            match self.remove_parts(pkg, false, sink) {
                 Ok(true) => done.push(pkg.clone()),
                 Ok(false) => {}
                 Err(e) => failed.push((pkg.clone(), e)),

@@ -46,11 +46,10 @@
 //! copied, and reads the free metadata space again: still below the
 //! reserve, it stops with [`io::ErrorKind::StorageFull`], and what is left
 //! stays garbage for the next cleanup (a rest is removed by its record, an
-//! old tree by its name, so a stop anywhere loses nothing). What one
-//! removal takes at once is thus bounded by the blocks of that many
+//! old tree by its name, so a stop anywhere loses nothing). What the
+//! cleanup takes at once is thus bounded by the blocks of that many
 //! entries (one entry may be a file of millions of extents, removed in one
-//! call), and the cleanup's by that times the removals it runs at once
-//! (two rests: the `cleanup` module's `RESTS_AT_ONCE`). A removal starts below the reserve too: removing is what frees
+//! call). A removal starts below the reserve too: removing is what frees
 //! space, and the first commit tells whether it did.
 
 use std::fmt;
