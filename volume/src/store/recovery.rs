@@ -78,10 +78,10 @@ impl VolumeStore {
     }
 
     /// [`VolumeStore::recover`] for every package with anything under the
-    /// root, [`RECOVER_AT_ONCE`] at a time, then the trash emptied (unless
-    /// the caller does: [`VolumeStore::with_deferred_purge`]). Returns the
-    /// packages' recoveries that did something or failed, in the order of
-    /// [`VolumeStore::packages`].
+    /// root, eight at a time, then the trash emptied (unless the caller
+    /// does: [`VolumeStore::with_deferred_purge`]). Returns the packages'
+    /// recoveries that did something or failed, in the order of the
+    /// packages' names.
     ///
     /// One package's failure does not stop the others: it is logged and
     /// returned as a [`Recovery`] with its `error` set, and that package's
