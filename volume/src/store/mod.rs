@@ -207,7 +207,8 @@ fn with_cleanup(e: Error, cleanup: io::Result<()>, what: &str) -> Error {
 impl VolumeStore {
     /// Opens the store at `root` (which must be an existing directory) and
     /// finishes or undoes every operation a crash interrupted, for all
-    /// packages, taking each package's lock in turn.
+    /// packages, each under its own lock, several at once
+    /// ([`VolumeStore::recover_all`]).
     pub fn open(root: impl AsRef<Path>) -> Result<Self, Error> {
         let store = Self::open_without_recovery(root)?;
         store.recover_all()?;

@@ -22,7 +22,10 @@
 //!   package's readiness event, then the background cleanup to its end.
 //!   Its whole work (every share's cut, every snapshot, the rests and the
 //!   old trees) is timed from the start to the cleanup's end, against
-//!   upstream's whole maintenance (its inline clones and removals);
+//!   upstream's whole maintenance (its inline clones and removals); and
+//!   this process's CPU time over each (every thread's user and system
+//!   time: two threads removing at once shorten the wall time, not the
+//!   CPU time), reported beside it;
 //! - ours through start-core's call sites (the readiness step,
 //!   [`crate::boot_loads`]): each package's `Service::load` volume calls
 //!   timed from the boot's start.
@@ -159,6 +162,10 @@ pub struct BoxCase {
     pub load_ratio: (String, f64, f64, f64),
     /// Ours: from the start to the end of the background cleanup.
     pub ours_total: f64,
+    /// This process's CPU time (user and system, every thread) over
+    /// upstream's maintenance and over ours to the cleanup's end, seconds:
+    /// beside the wall times, which a second core shortens for ours.
+    pub cpu: (f64, f64),
     /// Ours: packages whose every entry kept its inode number and birth
     /// time, of all.
     pub identity_kept: (usize, usize),
@@ -233,6 +240,8 @@ type Decisions = (Vec<(String, usize)>, usize, BTreeSet<String>);
 struct UpstreamRun {
     entries: u64,
     took: f64,
+    /// This process's CPU time over the maintenance.
+    cpu: f64,
     removal: f64,
     loads: Vec<(String, f64)>,
     decisions: Vec<(String, usize)>,
@@ -247,10 +256,12 @@ fn upstream(shape: &Shape) -> Result<UpstreamRun> {
     let (decisions, shares, cloned) = decisions(&root, &ids)?;
     crate::drop_caches()?;
     let mut progress = Progress::new();
+    let cpu = crate::usage::cpu(libc::RUSAGE_SELF);
     let started = Instant::now();
     let report = integration::upstream::boot_volume_maintenance(&root, &ids, &ids, &mut progress)
         .map_err(|e| format!("upstream's boot: {e}"))?;
     let took = started.elapsed().as_secs_f64();
+    let cpu = (crate::usage::cpu(libc::RUSAGE_SELF) - cpu).as_secs_f64();
     if let Some(c) = report.conversions.iter().find(|c| c.error.is_some()) {
         return Err(format!("upstream's boot: {}: {:?}", c.package, c.error).into());
     }
@@ -264,6 +275,7 @@ fn upstream(shape: &Shape) -> Result<UpstreamRun> {
     Ok(UpstreamRun {
         entries,
         took,
+        cpu,
         removal,
         loads,
         decisions,
@@ -324,6 +336,8 @@ struct OursRun {
     ready: Vec<(String, Duration)>,
     /// From the start to the cleanup's end.
     total: f64,
+    /// This process's CPU time over the same.
+    cpu: f64,
     /// Packages that kept every identity, of all.
     kept: (usize, usize),
 }
@@ -341,6 +355,7 @@ fn ours(shape: &Shape) -> Result<OursRun> {
     let mut progress = Progress::new();
     let forced = volume::sys::forced_commit_starts();
     let nudged = volume::sys::nudged_commit_starts();
+    let cpu = crate::usage::cpu(libc::RUSAGE_SELF);
     let started = Instant::now();
     let total = block_on(async {
         let mut b =
@@ -357,6 +372,7 @@ fn ours(shape: &Shape) -> Result<OursRun> {
         }
         Ok::<_, String>(started.elapsed().as_secs_f64())
     })?;
+    let cpu = (crate::usage::cpu(libc::RUSAGE_SELF) - cpu).as_secs_f64();
     // A commit start this kernel left waiting past its patience, forced
     // (`volume::sys::COMMIT_START_PATIENCE`): seconds of a run's time.
     let forced = volume::sys::forced_commit_starts() - forced;
@@ -385,6 +401,7 @@ fn ours(shape: &Shape) -> Result<OursRun> {
     Ok(OursRun {
         ready: progress.ready,
         total,
+        cpu,
         kept: (kept, before.len()),
     })
 }
@@ -420,6 +437,7 @@ fn case(shape: &Shape) -> Result<BoxCase> {
     let OursRun {
         ready,
         total: ours_total,
+        cpu: ours_cpu,
         kept: identity_kept,
     } = ours(shape)?;
     eprintln!("boxes: {n} packages: ours through the call sites");
@@ -473,6 +491,7 @@ fn case(shape: &Shape) -> Result<BoxCase> {
         last_load,
         load_ratio,
         ours_total,
+        cpu: (up.cpu, ours_cpu),
         identity_kept,
         last_loads,
         decisions: up.decisions,
@@ -606,7 +625,7 @@ fn verdicts(cases: &[BoxCase]) -> Vec<Verdict> {
     });
     v.push(Verdict::new(
         format!(
-            "boxes: all our work (cuts, rests, old trees; from the start to the cleanup's end) <= {WORK_AT_MOST} x upstream's inline clone and removal"
+            "boxes: all our work (cuts, rests, old trees; wall time from the start to the cleanup's end; the CPU time is each box's cpu line) <= {WORK_AT_MOST} x upstream's inline clone and removal"
         ),
         ok,
         d,
@@ -664,6 +683,12 @@ pub fn print(cases: &[BoxCase], verdicts: &[Verdict]) {
             c.last_loads[0].0,
             secs(c.last_loads[1].1),
             c.last_loads[1].0
+        );
+        println!(
+            "          cpu (this process, user + system, kernel threads not counted): upstream's {}, ours {}: {:.2}x",
+            secs(c.cpu.0),
+            secs(c.cpu.1),
+            c.cpu.1 / c.cpu.0
         );
     }
     for v in verdicts {

@@ -297,13 +297,21 @@ impl Runner<'_> {
 }
 
 /// User plus system time of every waited-for child process so far.
-#[allow(unsafe_code)] // getrusage
 fn children_cpu() -> Duration {
+    cpu(libc::RUSAGE_CHILDREN)
+}
+
+/// User plus system time so far of `who` (`RUSAGE_SELF`: this process's
+/// threads; `RUSAGE_CHILDREN`: its waited-for children). Kernel threads'
+/// work on its behalf (btrfs commits, delayed references) is not counted.
+#[allow(unsafe_code)] // getrusage
+pub(crate) fn cpu(who: libc::c_int) -> Duration {
     let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: getrusage fills the rusage it is given; RUSAGE_CHILDREN is a
-    // valid `who`, so it cannot fail, and a zeroed rusage is valid anyway.
+    // SAFETY: getrusage fills the rusage it is given; RUSAGE_SELF and
+    // RUSAGE_CHILDREN are valid `who`s, so it cannot fail, and a zeroed
+    // rusage is valid anyway.
     let usage = unsafe {
-        libc::getrusage(libc::RUSAGE_CHILDREN, usage.as_mut_ptr());
+        libc::getrusage(who, usage.as_mut_ptr());
         usage.assume_init()
     };
     let tv = |t: libc::timeval| {
