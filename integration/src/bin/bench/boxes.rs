@@ -289,14 +289,20 @@ fn upstream(shape: &Shape) -> Result<UpstreamRun> {
 /// every load after the maintenance, timed from the first load's start and
 /// put after `took`.
 fn loads_after(shape: &Shape, fs: &LoopFs, took: f64) -> Result<Vec<(String, f64)>> {
+    upstream_times(&first_boot_on(shape, fs, Order::Upstream)?, took)
+}
+
+/// The call sites' first boot of `shape`'s packages on `fs`, in `order`:
+/// the state store seeded with them, the filesystem settled and out of
+/// the page cache first.
+fn first_boot_on(shape: &Shape, fs: &LoopFs, order: Order) -> Result<call_sites::BootLoads> {
     let bin = call_sites_bin()?;
     let packages = shape.packages();
     let names: Vec<&str> = packages.iter().map(String::as_str).collect();
     call_sites::seed(&bin, fs.mount_point(), &names)?;
     settle(fs.mount_point())?;
     crate::drop_caches()?;
-    let boot = call_sites::first_boot(&bin, fs.mount_point(), Order::Upstream)?;
-    upstream_times(&boot, took)
+    Ok(call_sites::first_boot(&bin, fs.mount_point(), order)?)
 }
 
 /// Each package's time in upstream's way from `boot` (its loads in
@@ -409,14 +415,8 @@ fn ours(shape: &Shape) -> Result<OursRun> {
 /// Ours through the call sites' readiness step: each package's load's
 /// volume calls returned, from the boot's start.
 fn loads(shape: &Shape) -> Result<Vec<(String, f64)>> {
-    let bin = call_sites_bin()?;
     let (fs, _, _) = fresh(shape)?;
-    let packages = shape.packages();
-    let names: Vec<&str> = packages.iter().map(String::as_str).collect();
-    call_sites::seed(&bin, fs.mount_point(), &names)?;
-    settle(fs.mount_point())?;
-    crate::drop_caches()?;
-    let loads = call_sites::first_boot(&bin, fs.mount_point(), Order::Readiness)?;
+    let loads = first_boot_on(shape, &fs, Order::Readiness)?;
     fs.close()?;
     loads
         .packages
