@@ -47,16 +47,19 @@ use crate::report::{PackageReport, Planned};
 use crate::{Progress, ProgressSink, split};
 
 /// How many packages are converted (or weighed) at once: each waits
-/// mostly on commits (or cold reads), so more threads than cores.
-/// Measured at 150 packages (the boxes bench, the dominant package alone
-/// first): the last load through the call sites after 3.65-3.74 s with 12
-/// against 4.69-6.16 s with 6. The cost: more commit starts at once, and
-/// this kernel now and then leaves one waiting until another thread
-/// forces it (`volume::sys::COMMIT_START_PATIENCE`, 2 s): seen once in
-/// three bench runs with 12 (a 30-package boot's last load 0.83 s ->
-/// 2.92 s), and a killed run's threads left in such waits in 4 of 6 kill
-/// tests with 12, none seen with 6.
-pub const WORKERS: usize = 12;
+/// mostly on commits, cold reads and the mount tables' reads (one read of
+/// every namespace's table serves the conversions that asked before it
+/// began), so many more threads than cores. Measured at 150 packages (the
+/// boxes bench, the dominant package alone first, through the call sites,
+/// each service's container a namespace of its own), 2026-12-07: the last
+/// light package's load after 0.72-0.85 s with 24 (five runs), 0.75-0.77 s
+/// with 36, 0.94-1.09 s with 12; the heavy ones' within the same 1.1-1.4 s
+/// each way. An older build: 3.65-3.74 s with 12 against 4.69-6.16 s with
+/// 6. The cost: more commit starts at once, and this kernel now and then
+/// leaves one waiting for its wake-up, asked for again 25 ms late
+/// ([`volume::sys::COMMIT_START_NUDGE`]): 1-5 asks a boxes run with 24,
+/// 0-4 with 12, none forced.
+pub const WORKERS: usize = 24;
 
 /// One package's outcome, as [`Migrator::convert_planned`] returns it.
 pub type Converted = Result<PackageReport, Error>;
