@@ -35,8 +35,6 @@
 use std::any::Any;
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc;
 use std::sync::{Mutex, PoisonError};
 
 use models::{Error, ErrorKind};
@@ -140,65 +138,25 @@ impl Migrator {
 }
 
 /// Calls `work` on each of `items`, up to `workers` at once on threads of
-/// their own, taken in order; what they report to their sink reaches
-/// `sink` on the caller's thread. Returns the results in `items`' order.
-/// One worker, or where no thread can be started: the caller's thread
-/// does it all.
+/// their own, taken in order ([`volume::at_once::at_once`]); what they
+/// report to their sink reaches `sink` on the caller's thread. Returns the
+/// results in `items`' order. One worker, or where no thread can be
+/// started: the caller's thread does it all.
 pub(crate) fn at_once<T: Sync, R: Send>(
     items: &[T],
     workers: usize,
     sink: &mut dyn ProgressSink,
     work: &(dyn Fn(&T, &mut dyn ProgressSink) -> R + Sync),
 ) -> Vec<R> {
-    let next = AtomicUsize::new(0);
-    let slots: Vec<Mutex<Option<R>>> = items.iter().map(|_| Mutex::new(None)).collect();
-    let each = |sink: &mut dyn ProgressSink| {
-        loop {
-            let i = next.fetch_add(1, Ordering::Relaxed);
-            let Some(item) = items.get(i) else { break };
-            let r = work(item, sink);
-            *slots[i].lock().unwrap_or_else(PoisonError::into_inner) = Some(r);
-        }
-    };
-    std::thread::scope(|scope| {
-        let (tx, rx) = mpsc::channel::<Progress>();
-        let mut started = 0;
-        let threads = if workers > 1 {
-            workers.min(items.len())
-        } else {
-            0
-        };
-        for k in 0..threads {
-            let tx = tx.clone();
-            let thread = std::thread::Builder::new()
-                .name(format!("volume-migrate-{k}"))
-                .spawn_scoped(scope, move || {
-                    each(&mut |p: &Progress| {
-                        let _ = tx.send(p.clone());
-                    })
-                });
-            match thread {
-                Ok(_) => started += 1,
-                Err(e) => {
-                    tracing::warn!(error = %e, "starting a thread: fewer packages at once");
-                    break;
-                }
-            }
-        }
-        drop(tx);
-        // Until every thread is done and has dropped its sender.
-        for p in rx {
-            sink.progress(&p);
-        }
-        if started == 0 {
-            each(sink);
-        }
-    });
-    slots
-        .into_iter()
-        .map(|s| s.into_inner().unwrap_or_else(PoisonError::into_inner))
-        .collect::<Option<Vec<R>>>()
-        .unwrap_or_else(|| unreachable!("every item's slot is filled once its threads are done"))
+    volume::at_once::at_once(
+        items,
+        workers,
+        "volume-migrate",
+        &|item: &T, report: &mut dyn FnMut(Progress)| {
+            work(item, &mut |p: &Progress| report(p.clone()))
+        },
+        &mut |p: Progress| sink.progress(&p),
+    )
 }
 
 /// The error of a conversion of `p` that panicked with `panic`; its lock

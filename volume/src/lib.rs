@@ -32,6 +32,8 @@ use std::path::{Path, PathBuf};
 // The error type every fallible call returns, and the ids it names.
 pub use models::{Error, ErrorKind, PackageId, VolumeId};
 
+// Work over a list spread across threads, results in the list's order.
+pub mod at_once;
 // The lossless reflink copy and the tree removal the conversion uses.
 #[cfg(target_os = "linux")]
 pub mod copy;

@@ -8,8 +8,6 @@
 use std::ffi::OsStr;
 use std::io;
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, PoisonError};
 
 use models::{Error, ErrorKind, PackageId, ResultExt};
 
@@ -24,8 +22,8 @@ use crate::sys;
 
 mod upstream;
 
-/// How many packages [`VolumeStore::recover_all`] recovers at once (the
-/// calling thread one of them). With nothing pending, a package's recovery
+/// How many packages [`VolumeStore::recover_all`] recovers at once, each
+/// on a thread of its own ([`crate::at_once`]). With nothing pending, a package's recovery
 /// is a lock taken and a dozen lookups, each a synchronous read at boot
 /// when the cache is cold: one after another, 150 packages took 23-35 ms
 /// of the boot before any conversion could start (the boxes bench's
@@ -91,41 +89,17 @@ impl VolumeStore {
     /// a crash leaves: each package is in one of its own states.
     pub fn recover_all(&self) -> Result<Vec<Recovery>, Error> {
         let packages = self.packages()?;
-        let next = AtomicUsize::new(0);
-        let slots: Vec<Mutex<Option<Recovery>>> =
-            packages.iter().map(|_| Mutex::new(None)).collect();
-        let each = || {
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let (Some(pkg), Some(slot)) = (packages.get(i), slots.get(i)) else {
-                    break;
-                };
-                let r = self.recover_listed(pkg);
-                *slot.lock().unwrap_or_else(PoisonError::into_inner) = r;
-            }
-        };
-        let each = &each;
-        std::thread::scope(|scope| {
-            // Threads that cannot be made leave the work to the others and
-            // to this one.
-            for k in 1..RECOVER_AT_ONCE.min(packages.len()) {
-                let spawned = std::thread::Builder::new()
-                    .name(format!("volume-recover-{k}"))
-                    .spawn_scoped(scope, each);
-                if let Err(e) = spawned {
-                    tracing::warn!(error = %e, "starting a recovery thread");
-                    break;
-                }
-            }
-            each();
-        });
+        let recovered = crate::at_once::at_once(
+            &packages,
+            RECOVER_AT_ONCE,
+            "volume-recover",
+            &|pkg: &PackageId, _: &mut dyn FnMut(())| self.recover_listed(pkg),
+            &mut |()| {},
+        );
         // What a crash left in the trash with no package name beside it
         // (each package's recovery above empties it too).
         self.purge_after();
-        Ok(slots
-            .into_iter()
-            .filter_map(|s| s.into_inner().unwrap_or_else(PoisonError::into_inner))
-            .collect())
+        Ok(recovered.into_iter().flatten().collect())
     }
 
     /// One package of [`VolumeStore::recover_all`]'s list: its recovery if
