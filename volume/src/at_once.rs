@@ -14,6 +14,8 @@
 //! be neither `Send` nor `Sync`. Nothing here touches the disk: a crash
 //! leaves whatever each item's own work leaves.
 
+use std::any::Any;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError, mpsc};
 
@@ -30,8 +32,9 @@ pub type Work<'w, T, M, R> = dyn Fn(&T, &mut dyn FnMut(M)) -> R + Sync + 'w;
 /// With fewer than two threads, or where none can be started, the calling
 /// thread does it all, each message passed on as it is sent; a thread that
 /// cannot be started leaves its share to those that were. A panic in
-/// `work` surfaces here once every thread is done: the other threads
-/// finish the items they took and go on taking the rest.
+/// `work` fails its item only: the thread goes on taking the rest, on the
+/// calling thread as on a worker, and once every item is done the panic
+/// is resumed here with its own payload (the first one, if several).
 pub fn at_once<T: Sync, R: Send, M: Send>(
     items: &[T],
     threads: usize,
@@ -41,14 +44,23 @@ pub fn at_once<T: Sync, R: Send, M: Send>(
 ) -> Vec<R> {
     let next = AtomicUsize::new(0);
     let slots: Vec<Mutex<Option<R>>> = items.iter().map(|_| Mutex::new(None)).collect();
+    let panicked: Mutex<Option<Box<dyn Any + Send>>> = Mutex::new(None);
     let each = |report: &mut dyn FnMut(M)| {
         loop {
             let i = next.fetch_add(1, Ordering::Relaxed);
             let (Some(item), Some(slot)) = (items.get(i), slots.get(i)) else {
                 break;
             };
-            let r = work(item, report);
-            *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(r);
+            // Caught so that the panic fails this item alone, whichever
+            // thread runs it, and reaches the caller with its own message
+            // (std's scope would replace it with its own).
+            match std::panic::catch_unwind(AssertUnwindSafe(|| work(item, report))) {
+                Ok(r) => *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(r),
+                Err(p) => {
+                    let mut first = panicked.lock().unwrap_or_else(PoisonError::into_inner);
+                    first.get_or_insert(p);
+                }
+            }
         }
     };
     std::thread::scope(|scope| {
@@ -88,6 +100,12 @@ pub fn at_once<T: Sync, R: Send, M: Send>(
             each(on_message);
         }
     });
+    if let Some(p) = panicked
+        .into_inner()
+        .unwrap_or_else(PoisonError::into_inner)
+    {
+        std::panic::resume_unwind(p);
+    }
     slots
         .into_iter()
         .map(|s| s.into_inner().unwrap_or_else(PoisonError::into_inner))
@@ -163,25 +181,75 @@ mod tests {
         );
     }
 
+    /// Whatever thread it panicked on, the caller's (one thread) or a
+    /// worker's: every other item done, then the panic resumed with its
+    /// own payload (std's scope would replace it with "a scoped thread
+    /// panicked").
     #[test]
-    fn a_panic_surfaces_after_the_other_items_are_done() {
+    fn a_panic_leaves_the_rest_done_and_surfaces_with_its_own_message() {
         let items: Vec<u32> = (0..20).collect();
-        let done = AtomicUsize::new(0);
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        for threads in [1, 3] {
+            let done = AtomicUsize::new(0);
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                at_once(
+                    &items,
+                    threads,
+                    "test",
+                    &|i: &u32, _: &mut dyn FnMut(())| {
+                        if *i == 0 {
+                            panic!("item 0");
+                        }
+                        done.fetch_add(1, Ordering::Relaxed);
+                    },
+                    &mut |()| {},
+                )
+            }));
+            let payload = r.expect_err("the panic surfaces");
+            assert_eq!(
+                payload.downcast_ref::<&str>().copied(),
+                Some("item 0"),
+                "{threads} threads: the payload"
+            );
+            assert_eq!(
+                done.load(Ordering::Relaxed),
+                items.len() - 1,
+                "{threads} threads: the other items"
+            );
+        }
+    }
+
+    /// Every message reaches the caller, each worker's in the order it
+    /// sent them, with one thread (the caller's own) as with several.
+    #[test]
+    fn each_workers_messages_reach_the_caller_in_order() {
+        let items: Vec<u32> = (0..16).collect();
+        for threads in [0, 1, 4] {
+            let caller = std::thread::current().id();
+            let mut seen: Vec<(u32, u32)> = Vec::new();
             at_once(
                 &items,
-                3,
+                threads,
                 "test",
-                &|i: &u32, _: &mut dyn FnMut(())| {
-                    if *i == 0 {
-                        panic!("item 0");
+                &|i: &u32, report: &mut dyn FnMut((u32, u32))| {
+                    for k in 0..5 {
+                        report((*i, k));
+                        std::thread::yield_now();
                     }
-                    done.fetch_add(1, Ordering::Relaxed);
                 },
-                &mut |()| {},
-            )
-        }));
-        assert!(r.is_err());
-        assert_eq!(done.load(Ordering::Relaxed), items.len() - 1);
+                &mut |m: (u32, u32)| {
+                    assert_eq!(std::thread::current().id(), caller);
+                    seen.push(m);
+                },
+            );
+            assert_eq!(seen.len(), items.len() * 5, "{threads} threads");
+            for i in &items {
+                let of_i: Vec<u32> = seen
+                    .iter()
+                    .filter(|(j, _)| j == i)
+                    .map(|(_, k)| *k)
+                    .collect();
+                assert_eq!(of_i, [0, 1, 2, 3, 4], "{threads} threads: item {i}");
+            }
+        }
     }
 }
