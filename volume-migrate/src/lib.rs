@@ -136,7 +136,7 @@ pub use options::{
     default_reserve,
 };
 #[cfg(target_os = "linux")]
-pub use pool::{Converted, WORKERS};
+pub use pool::{Converted, DESCRIPTORS_EACH, WORKERS};
 #[cfg(target_os = "linux")]
 pub use report::{Outcome, PackageReport, Planned, ReportError, ShareUse};
 #[cfg(target_os = "linux")]

@@ -223,7 +223,7 @@ impl Migrator {
         };
         let weights = pool::at_once(
             &names,
-            pool::WORKERS,
+            pool::workers_within(pool::WORKERS),
             &mut |_: &crate::Progress| {},
             &|p: &&PackageId, _: &mut dyn crate::ProgressSink| {
                 // A count that panics weighs as heavy, as one that fails:

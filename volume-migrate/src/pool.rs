@@ -59,6 +59,40 @@ use crate::{Progress, ProgressSink, split};
 /// 0-4 with 12, none forced.
 pub const WORKERS: usize = 24;
 
+/// Descriptors one conversion (or weighing) at once is allowed for: its
+/// volume's and its target's, each walk's [`volume::walk::FD_BUDGET`], a
+/// lock's, a commit's. A hostile review's probe (150 packages, each light
+/// one ten directories deep) saw 246-396 open at the peak for 24
+/// conversions with one copy helper each, 363-505 with three (a machine
+/// of more cores): 10-21 a conversion.
+pub const DESCRIPTORS_EACH: usize = 24;
+
+/// How many of `most` conversions (or weighings) to run at once so that
+/// they fit in the descriptors this process may still open: its soft
+/// `RLIMIT_NOFILE` less those open now, [`DESCRIPTORS_EACH`] each; at
+/// least one. A service manager's default soft limit is 1024, and the
+/// process converting (start-core) holds descriptors of its own; a
+/// conversion that runs out fails its package ("Too many open files").
+/// Where the count cannot be read, `most`, and a warning says so.
+pub(crate) fn workers_within(most: usize) -> usize {
+    let (soft, _) = volume::sys::nofile_limit();
+    let open = match volume::sys::open_descriptors() {
+        Ok(n) => n as u64,
+        Err(e) => {
+            tracing::warn!(error = %e, "counting this process's open descriptors: {most} conversions at once, whatever the limit");
+            return most;
+        }
+    };
+    let fit = soft.saturating_sub(open) / DESCRIPTORS_EACH as u64;
+    let n = most.min(usize::try_from(fit).unwrap_or(usize::MAX)).max(1);
+    if n < most {
+        tracing::info!(
+            "{n} conversions at once, not {most}: {open} of {soft} descriptors open (RLIMIT_NOFILE)"
+        );
+    }
+    n
+}
+
 /// One package's outcome, as [`Migrator::convert_planned`] returns it.
 pub type Converted = Result<PackageReport, Error>;
 
@@ -92,7 +126,7 @@ impl Migrator {
         // Light packages cloned in their place wait on commits mostly:
         // at once too, each commit serving several.
         let together = first.iter().any(|p| !p.shares.is_empty() || p.is_light());
-        let workers = if together { WORKERS } else { 1 };
+        let workers = if together { workers_within(WORKERS) } else { 1 };
         let alone = usize::from(
             together
                 && first

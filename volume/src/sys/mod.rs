@@ -68,7 +68,7 @@ pub use fs::{
 };
 pub use inode::{dir_parent, inode_beneath, inode_item, inodes_written_since, open_subvolume};
 pub use ioprio::IdleIo;
-pub use proc::fd_path;
+pub use proc::{fd_path, open_descriptors};
 pub use qgroup::{
     LIMIT_MAX_EXCL, LIMIT_MAX_RFER, LIMIT_RSV_EXCL, LIMIT_RSV_RFER, QGROUP_LEVEL_SHIFT,
     QgroupInherit, QgroupLimit, QgroupUsage, QuotaMode, QuotaStatus, assign_qgroup, enable_quotas,

@@ -100,6 +100,19 @@ pub(crate) fn mount_namespaces() -> io::Result<Vec<MountNamespace>> {
     Ok(out)
 }
 
+/// How many descriptors this process has open, from `/proc/self/fd` (the
+/// one the count reads through not counted).
+pub fn open_descriptors() -> io::Result<usize> {
+    super::fault::check("read /proc/self/fd")?;
+    let mut n = 0usize;
+    for entry in std::fs::read_dir("/proc/self/fd")? {
+        entry?;
+        n += 1;
+    }
+    // The directory's own descriptor is one of the entries while it is read.
+    Ok(n.saturating_sub(1))
+}
+
 /// The processes holding a flock on the file open as `fd`, from
 /// `/proc/locks` (the process that took each lock; its children may hold
 /// it too). Empty if none, or if the kernel does not say.
@@ -150,5 +163,18 @@ mod tests {
         assert_eq!(parse_flock_holders(locks, (254, 0), 1234), [4242]);
         assert_eq!(parse_flock_holders(locks, (259, 31), 1234), [5]);
         assert!(parse_flock_holders("garbage\n", (254, 0), 1234).is_empty());
+    }
+
+    #[test]
+    fn open_descriptors_counts_what_this_process_opens() {
+        let before = open_descriptors().unwrap();
+        let files: Vec<std::fs::File> = (0..5)
+            .map(|_| std::fs::File::open("/proc/self/stat").unwrap())
+            .collect();
+        // Other test threads open and close files meanwhile: retried.
+        let during = (0..50)
+            .map(|_| open_descriptors().unwrap())
+            .find(|n| *n == before + files.len());
+        assert_eq!(during, Some(before + files.len()), "before {before}");
     }
 }
