@@ -741,9 +741,16 @@ pub fn set_nofile_limit(n: u64) -> io::Result<()> {
 
 /// Stops the calling process with SIGSTOP, until someone sends SIGCONT: a
 /// failpoint's pause, for a test to act at that step.
+///
+/// The signal goes to the calling thread, which takes it before it
+/// returns from the call: the process stops at the step itself. Sent to
+/// the process, it may go to another thread, and the caller runs on to
+/// its next system call (a batch's clock read in between would not see
+/// the pause).
 #[cfg(all(feature = "failpoints", startos_failpoints))]
 pub(crate) fn stop_self() {
-    let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::STOP);
+    // SAFETY: raise takes no pointer and has no precondition.
+    let _ = unsafe { libc::raise(libc::SIGSTOP) };
 }
 
 /// Kills the calling process with SIGKILL: a failpoint's crash, which no
