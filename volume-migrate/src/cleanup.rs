@@ -154,7 +154,9 @@ impl Migrator {
     }
 
     /// [`Migrator::remove_parts`] holding the package in `shed`; `None` if
-    /// another operation changed the package between two batches.
+    /// another operation changed the package between two batches (an old
+    /// tree found gone then is removed, not changed: whatever took its
+    /// last entries, nothing of it is left).
     fn shed_parts(
         &self,
         pkg: &PackageId,
@@ -190,6 +192,22 @@ impl Migrator {
             failpoint("migrate.remove")?;
             shed.removed(&mut still)
         });
+        // The last entry removed is the tree's own top: a batch that ends
+        // there (a slow last rmdir, a loaded box) finds nothing under the
+        // name, by this removal's doing, not another operation's. Nothing
+        // is left of the tree to start over on, whoever removed the last of
+        // it (a delete between two batches takes the rest): it is gone.
+        let removed = match removed {
+            Err(e)
+                if shed::interrupted(&e)
+                    && Kind::of(&self.root, &names.migrate_old)
+                        .with_ctx(step(pkg, "inspecting the old directory"))?
+                        == Kind::Absent =>
+            {
+                Ok(())
+            }
+            other => other,
+        };
         if stopped(pkg, &removed, shed) {
             return Ok(None);
         }
