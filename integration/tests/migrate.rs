@@ -11,8 +11,6 @@ use std::os::fd::AsFd;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::thread;
-use std::time::{Duration, Instant};
 
 use common::rich::{build_carve_tree, build_rich_tree, expected_after, flags_and_blocks, setflags};
 use common::*;
@@ -1720,93 +1718,4 @@ fn a_resumed_clone_copies_again_what_changed_in_its_creating_transaction() {
         same_transaction > 0,
         "no attempt wrote in the creating transaction"
     );
-}
-
-/// The last entry an old tree's removal removes is the tree's own top: a
-/// batch that ends there (here the removal stops there for longer than a
-/// batch lasts, as a loaded box may make it) finds nothing under
-/// `<pkg>.migrate-old`, which no other operation did. The cleanup goes no
-/// further than it had, and says it cleaned the package.
-// Today: "CHILD-RESULT ok cleaned []": the removal took its own last
-// rmdir for another operation's, started over, found nothing and said so.
-#[test]
-fn a_batch_ending_at_the_old_trees_top_still_cleans_it() {
-    let Some((_fs, root)) = new_fs() else { return };
-    let vol = root.join("db");
-    fs::create_dir_all(vol.join("data/main")).unwrap();
-    fs::write(vol.join("data/main/db"), b"data").unwrap();
-    let before = raw(&vol);
-    let m = Migrator::open(&root).unwrap();
-    let options = MigrateOptions {
-        method: Method::Clone,
-        remove_old: false,
-        ..opts(1 << 20)
-    };
-    let r = m.convert(&pkg("db"), &options, &mut no_progress).unwrap();
-    assert_eq!(r.outcome, Outcome::Converted);
-    assert!(root.join("db.migrate-old").is_dir(), "the old tree kept");
-
-    // Its entries, removed in this order: data/main/db, data/main, data,
-    // the top: the fourth. A batch lasts 2 ms at most.
-    let said = stopped_cleanup(&root, "migrate.remove@4=stop", Duration::from_millis(20));
-    assert!(
-        said.contains(r#"CHILD-RESULT ok cleaned [PackageId("db")]"#),
-        "{said}"
-    );
-    assert_same(&expected_after(&before), &raw(&vol), "the volume");
-    assert_nothing_left(&root);
-}
-
-/// Runs the child's cleanup of `root` with the `=stop` failpoints `spec`;
-/// each time it stops, lets it go on `after` that long. Returns its stdout
-/// and stderr; panics if it never stopped.
-fn stopped_cleanup(root: &Path, spec: &str, after: Duration) -> String {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "migrate_child",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_ROOT_ENV, root)
-        .env(CHILD_PKG_ENV, "db")
-        .env(CHILD_CLEANUP_ENV, "1")
-        .env(volume::FAILPOINT_ENV, spec)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawning the child");
-    let pid = rustix::process::Pid::from_raw(child.id() as i32).expect("a pid");
-    let state = || {
-        let stat = fs::read_to_string(format!("/proc/{}/stat", child.id())).ok()?;
-        let (_, rest) = stat.rsplit_once(')')?;
-        rest.trim_start().chars().next()
-    };
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut stops = 0;
-    loop {
-        match state() {
-            Some('T') => {
-                stops += 1;
-                thread::sleep(after);
-                rustix::process::kill_process(pid, rustix::process::Signal::CONT).expect("SIGCONT");
-            }
-            Some('Z') | Some('X') | None => break,
-            _ if Instant::now() >= deadline => {
-                let _ = child.kill();
-                panic!("the cleanup never finished");
-            }
-            _ => thread::sleep(Duration::from_millis(2)),
-        }
-    }
-    let out = child.wait_with_output().expect("waiting for the child");
-    let said =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stops > 0,
-        "never stopped at {spec}: failpoints compiled in?\n{said}"
-    );
-    said
 }
