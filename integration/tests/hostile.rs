@@ -1072,8 +1072,10 @@ fn a_bind_mount_held_in_another_mount_namespace_never_blocks_restore_or_delete()
     let store = VolumeStore::open(&root).unwrap();
     let uses = store.mount_uses(&pkg("app")).unwrap();
     assert!(
-        uses.iter()
-            .any(|u| !u.own_namespace && u.pids.contains(&holder.pid()) && u.mount_point == target),
+        uses.iter().any(|u| !u.own_namespace
+            && u.pids.contains(&holder.pid())
+            && u.mount_point == target
+            && u.command == "sleep"),
         "{uses:?}"
     );
     // A mount point with a newline in its name (a package can mount
@@ -1086,7 +1088,7 @@ fn a_bind_mount_held_in_another_mount_namespace_never_blocks_restore_or_delete()
     let warned = text(&out.stderr);
     assert_eq!(warned.lines().count(), 1, "one line: {warned:?}");
     for needle in [
-        format!("pid {}", holder.pid()),
+        format!("pid {} (sleep)", holder.pid()),
         target.display().to_string(),
         "odd\\nname".to_owned(),
         "app.held/1".to_owned(),

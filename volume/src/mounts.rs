@@ -160,7 +160,9 @@ pub struct MountTables {
 struct Namespace {
     id: u64,
     pids: Vec<u32>,
-    command: String,
+    /// The process of `pids` its table was read through, the one messages
+    /// name.
+    reader: u32,
     /// Its table; `None` for this process's own, which is `own`.
     entries: Option<Vec<MountEntry>>,
 }
@@ -178,8 +180,8 @@ impl MountTables {
             .map(|ns| Namespace {
                 id: ns.id,
                 entries: (ns.id != own_namespace).then(|| parse_mountinfo(&ns.mountinfo)),
+                reader: ns.pids[ns.reader],
                 pids: ns.pids,
-                command: ns.command,
             })
             .collect();
         Ok(MountTables {
@@ -201,7 +203,7 @@ impl MountTables {
     /// read them all once per package, twice for a clone (150 packages
     /// through start-core's call sites, each service's container in a
     /// namespace, one run with the tables not read at all: the last light
-    /// package ready about half a second sooner).
+    /// package ready about 0.3 s sooner, 12 conversions at once).
     ///
     /// No read serves a call made after it began (the last one is held
     /// only for the callers that waited for it): a namespace's table names
@@ -217,20 +219,29 @@ impl MountTables {
     /// Every mount, in every namespace read, that exposes something inside
     /// `path` (an absolute path with no symlinks, as this process sees
     /// it): bind mounts of it or of anything below it, wherever they are
-    /// mounted; mounts on top of it or below it.
+    /// mounted; mounts on top of it or below it. Each namespace holding one
+    /// is named by its process's command name as it is now (read here,
+    /// empty if that process has exited since the tables were read).
     pub fn uses_of(&self, path: &Path) -> Vec<MountUse> {
         let inner = locate(&self.own, path);
         let mut out = Vec::new();
         for ns in &self.namespaces {
             let own_namespace = ns.id == self.own_namespace;
             let entries = ns.entries.as_deref().unwrap_or(&self.own);
-            for mount_point in mounts_inside(entries, path, inner.as_ref()) {
+            let found = mounts_inside(entries, path, inner.as_ref());
+            if found.is_empty() {
+                continue;
+            }
+            // Named now, for a namespace that holds a use: a read of every
+            // namespace's name costs a tenth of the read of their tables.
+            let command = sys::command_of(ns.reader);
+            for mount_point in found {
                 out.push(MountUse {
                     mount_point,
                     namespace: ns.id,
                     own_namespace,
                     pids: ns.pids.clone(),
-                    command: ns.command.clone(),
+                    command: command.clone(),
                 });
             }
         }
@@ -408,13 +419,13 @@ mod tests {
                 Namespace {
                     id: 1,
                     pids: vec![1],
-                    command: "startd".into(),
+                    reader: 1,
                     entries: None,
                 },
                 Namespace {
                     id: 2,
                     pids: vec![700, 701],
-                    command: "lxc-start".into(),
+                    reader: 700,
                     entries: Some(parse_mountinfo(CONTAINER.as_bytes())),
                 },
             ],

@@ -96,7 +96,7 @@ pub(crate) use fs::{
 #[cfg(all(feature = "failpoints", startos_failpoints))]
 pub(crate) use fs::{kill_self, stop_self};
 pub(crate) use inode::open_tree_dir;
-pub(crate) use proc::{flock_holders, mount_namespaces, own_mount_table};
+pub(crate) use proc::{command_of, flock_holders, mount_namespaces, own_mount_table};
 pub(crate) use search::DEFAULT_BUF_SIZE;
 pub(crate) use subvolume::match_nested;
 pub(crate) use xattr::{

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::io;
 use std::os::fd::BorrowedFd;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::ffi::OsStrExt;
 
 use super::fs::{major_minor, stat};
 
@@ -17,11 +17,12 @@ pub(crate) struct MountNamespace {
     pub id: u64,
     /// Every process in it, sorted.
     pub pids: Vec<u32>,
-    /// Its mount table, read through its lowest pid's `mountinfo`: raw
-    /// bytes, as a mount point's name need not be UTF-8.
+    /// Its mount table, read through the `mountinfo` of `pids[reader]`:
+    /// raw bytes, as a mount point's name need not be UTF-8.
     pub mountinfo: Vec<u8>,
-    /// That process's command name (`comm`), empty if unreadable.
-    pub command: String,
+    /// The index in `pids` of the process the table was read through (the
+    /// lowest that could be read), the one messages name.
+    pub reader: usize,
 }
 
 /// Whether `e` says the process can be passed over: it went away while
@@ -41,8 +42,10 @@ fn passed_over(e: &io::Error) -> bool {
 /// (raw bytes: a mount point's name need not be UTF-8).
 pub(crate) fn own_mount_table() -> io::Result<(u64, Vec<u8>)> {
     super::fault::check("read /proc/self/mountinfo")?;
-    let ns = std::fs::metadata("/proc/self/ns/mnt")?.ino();
-    Ok((ns, std::fs::read("/proc/self/mountinfo")?))
+    let ns = namespace_at("/proc/self/ns/mnt")?;
+    let mut table = Vec::with_capacity(MOUNTINFO_CAPACITY);
+    read_whole("/proc/self/mountinfo", &mut table)?;
+    Ok((ns, table))
 }
 
 /// Every mount namespace on the machine that has a process in it, by
@@ -64,40 +67,81 @@ pub(crate) fn mount_namespaces() -> io::Result<Vec<MountNamespace>> {
         else {
             continue;
         };
-        // stat follows the ns link to the namespace's own inode.
-        match std::fs::metadata(entry.path().join("ns/mnt")) {
-            Ok(m) => pids_by_ns.entry(m.ino()).or_default().push(pid),
+        match namespace_of(pid) {
+            Ok(id) => pids_by_ns.entry(id).or_default().push(pid),
             Err(e) if passed_over(&e) => {}
             Err(e) => return Err(e),
         }
     }
     let mut out = Vec::new();
+    // One buffer for every table: each is read whole into it, then copied
+    // out at its own length.
+    let mut buf = Vec::with_capacity(MOUNTINFO_CAPACITY);
     for (id, mut pids) in pids_by_ns {
         pids.sort_unstable();
-        let mut table = None;
-        for pid in &pids {
-            match std::fs::read(format!("/proc/{pid}/mountinfo")) {
-                Ok(text) => {
-                    table = Some((*pid, text));
+        for (reader, pid) in pids.iter().enumerate() {
+            match read_whole(&format!("/proc/{pid}/mountinfo"), &mut buf) {
+                Ok(()) => {
+                    out.push(MountNamespace {
+                        id,
+                        mountinfo: buf.clone(),
+                        pids,
+                        reader,
+                    });
                     break;
                 }
                 Err(e) if passed_over(&e) => {}
                 Err(e) => return Err(e),
             }
         }
-        if let Some((pid, mountinfo)) = table {
-            let command = std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .map(|c| c.trim_end().to_owned())
-                .unwrap_or_default();
-            out.push(MountNamespace {
-                id,
-                pids,
-                mountinfo,
-                command,
-            });
-        }
     }
     Ok(out)
+}
+
+/// Bytes a mount table read starts with room for: a container's table of
+/// a few dozen mounts fits, so the kernel formats it in one `read`
+/// (`std::fs::read` sizes its buffer from the file's size, which proc
+/// gives as 0, and starts with 32-byte reads).
+const MOUNTINFO_CAPACITY: usize = 16 * 1024;
+
+/// Reads the file at `path` to its end into `buf` (emptied first).
+fn read_whole(path: &str, buf: &mut Vec<u8>) -> io::Result<()> {
+    use std::io::Read;
+    buf.clear();
+    std::fs::File::open(path)?.read_to_end(buf)?;
+    Ok(())
+}
+
+/// The mount namespace of process `pid`, by its inode number, from the
+/// text of its `ns/mnt` link (`mnt:[4026531841]`): a `readlink` costs
+/// about half the `stat` that follows the link to the namespace's inode,
+/// and the kernel writes that inode's number into the link.
+fn namespace_of(pid: u32) -> io::Result<u64> {
+    namespace_at(&format!("/proc/{pid}/ns/mnt"))
+}
+
+/// The mount namespace a `ns/mnt` link at `path` names (see
+/// [`namespace_of`]).
+fn namespace_at(path: &str) -> io::Result<u64> {
+    let link = std::fs::read_link(path)?;
+    parse_namespace_link(link.as_os_str().as_bytes()).ok_or_else(|| {
+        io::Error::other(format!("{path}: not a mount namespace: {}", link.display()))
+    })
+}
+
+/// The inode number in a mount namespace link's text, `mnt:[N]`.
+fn parse_namespace_link(text: &[u8]) -> Option<u64> {
+    let digits = text.strip_prefix(b"mnt:[")?.strip_suffix(b"]")?;
+    std::str::from_utf8(digits).ok()?.parse().ok()
+}
+
+/// Process `pid`'s command name (`comm`), empty if it cannot be read (it
+/// exited, say): only ever shown in messages, so read only for a
+/// namespace a message names, not for every namespace of a read.
+pub(crate) fn command_of(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .map(|c| c.trim_end().to_owned())
+        .unwrap_or_default()
 }
 
 /// How many descriptors this process has open, from `/proc/self/fd` (the
@@ -163,6 +207,52 @@ mod tests {
         assert_eq!(parse_flock_holders(locks, (254, 0), 1234), [4242]);
         assert_eq!(parse_flock_holders(locks, (259, 31), 1234), [5]);
         assert!(parse_flock_holders("garbage\n", (254, 0), 1234).is_empty());
+    }
+
+    #[test]
+    fn a_namespace_link_names_the_inode_stat_finds() {
+        use std::os::unix::fs::MetadataExt;
+        // What the kernel writes, against what a stat through the link
+        // finds, for this process and every other one there is.
+        let own = std::fs::metadata("/proc/self/ns/mnt").unwrap().ino();
+        assert_eq!(namespace_at("/proc/self/ns/mnt").unwrap(), own);
+        let mut checked = 0;
+        for entry in std::fs::read_dir("/proc").unwrap() {
+            let name = entry.unwrap().file_name();
+            let Some(pid) = name.to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                continue;
+            };
+            let (Ok(linked), Ok(m)) = (
+                namespace_of(pid),
+                std::fs::metadata(format!("/proc/{pid}/ns/mnt")),
+            ) else {
+                continue;
+            };
+            assert_eq!(linked, m.ino(), "pid {pid}");
+            checked += 1;
+        }
+        assert!(checked > 1, "{checked}");
+        assert_eq!(parse_namespace_link(b"mnt:[4026531841]"), Some(4026531841));
+        for bad in [&b"net:[4026531841]"[..], b"mnt:[]", b"mnt:[12", b"mnt:[x1]"] {
+            assert_eq!(parse_namespace_link(bad), None);
+        }
+    }
+
+    #[test]
+    fn a_table_is_read_whole_past_the_first_capacity() {
+        let mut buf = Vec::new();
+        read_whole("/proc/self/mountinfo", &mut buf).unwrap();
+        let std_read = std::fs::read("/proc/self/mountinfo").unwrap();
+        assert_eq!(buf.len(), std_read.len());
+        // A file longer than the buffer's room grows it.
+        let dir = std::env::temp_dir().join(format!("proc-read-whole-{}", std::process::id()));
+        let long: Vec<u8> = (0..MOUNTINFO_CAPACITY * 3).map(|i| i as u8).collect();
+        std::fs::write(&dir, &long).unwrap();
+        let mut buf = Vec::with_capacity(MOUNTINFO_CAPACITY);
+        buf.extend_from_slice(b"left over");
+        read_whole(dir.to_str().unwrap(), &mut buf).unwrap();
+        std::fs::remove_file(&dir).unwrap();
+        assert_eq!(buf, long);
     }
 
     #[test]
