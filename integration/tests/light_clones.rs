@@ -189,7 +189,7 @@ fn kill_sweep(heavy: usize, heavy_files: usize, light: usize, kills: &[&str]) {
     }
 }
 
-/// Below SPLIT_MIN: one heavy package, seven light (five cloned).
+/// Below SPLIT_MIN: one heavy package, seven light (four cloned).
 #[test]
 fn small_box_killed_with_light_clones_in_flight() {
     kill_sweep(
@@ -459,10 +459,10 @@ fn unclonable_light_package_falls_back_to_its_snapshot() {
 /// From SPLIT_MIN on, a box with no heavy package clones none as light
 /// and shares cuts: the rest outside the packages is shed twice (the
 /// dominant package's snapshot and the top share's), so it may be up to
-/// REST_MAX_US / 2 of cutting. The commit under review counts it against
-/// REST_MAX_US / PARENT_SNAPSHOTS_MAX whatever the box holds, so a rest
-/// between the two (here about 0.75 s) now clones every package (none
-/// keeps its inode numbers) where each was snapshotted before.
+/// REST_MAX_US / 2 of cutting. A version that counted it against
+/// REST_MAX_US / PARENT_SNAPSHOTS_MAX whatever the box held cloned every
+/// package for a rest between the two (here about 0.75 s), none keeping
+/// its inode numbers, where each is snapshotted.
 #[test]
 fn a_box_without_heavy_packages_keeps_the_rest_bound_of_shares() {
     let fs = fs_or_skip!(LoopFs::btrfs(1 << 30));

@@ -368,8 +368,9 @@ fn the_rest_is_removed_again_after_a_restore_brings_it_back() {
 }
 
 /// The steps of a whole run of the CLI (convert every package, then remove
-/// the old trees), in the order they happen: eight cuts, heaviest first, then
-/// the removals (each rest, then each old tree).
+/// the old trees), in the order they happen: four cuts, heaviest first, the
+/// four light packages' clones, then the removals (each rest, then each old
+/// tree).
 const RUN_STEPS: &[&str] = &[
     "migrate.parent-snapshot",
     "migrate.carve-held",
@@ -381,7 +382,7 @@ const RUN_STEPS: &[&str] = &[
     "migrate.old-renamed@1",
     "migrate.parent-snapshot@3",
     "migrate.rest-recorded@3",
-    // The light packages, cloned after the three snapshots.
+    // The light packages, cloned after the four snapshots.
     "migrate.entry@20",
     "migrate.copied@2",
     "migrate.durable@5",

@@ -158,7 +158,7 @@ fn heavy_box(fs: &LoopFs) -> (PathBuf, Before) {
 const HEAVY: [&str; 4] = ["pkg07", "pkg20", "pkg33", "pkg40"];
 
 /// The light packages of a box holding heavy ones are cloned, named with
-/// why, several at once in the pool (the heavy ones share cuts); SIGKILL
+/// why, several at once in the pool (the heavy ones snapshotted); SIGKILL
 /// with several clones in flight, then the next boot's pool, then the
 /// cleanup: every package its subvolume with every byte, the heavy ones
 /// with every identity, those converted before the kill not converted

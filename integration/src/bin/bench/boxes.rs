@@ -1,10 +1,13 @@
-//! `boxes`: the first boot at 8, 30 and 150 packages (issue 31): the
+//! `boxes`: the first boot at 8, 10, 30 and 150 packages (issue 31): the
 //! default conversion's readiness and its whole work against upstream's
 //! boot conversion of the same box, in the same run. The boxes:
 //!
 //! - 8: the field's node box ([`integration::node`], monerod's database at
 //!   the first `--boot-extents` count, or the test suite's with
 //!   `--boot-small`), monerod the dominant package;
+//! - 10: ten packages of 2,000 files each (a small node's services, each
+//!   past the weighing's cap), the first the dominant one: below
+//!   `SPLIT_MIN`, where every heavy package is a snapshot of the parent;
 //! - 30 and 150: mostly small packages (40 files each), a few of 10,000
 //!   files (3 and 5), the first of those the dominant one.
 //!
@@ -57,8 +60,12 @@ const DOMINANT_READY_AT_MOST: f64 = 0.05;
 const OTHERS_AT_MOST: f64 = 0.2;
 /// Our whole work at most this many times upstream's.
 const WORK_AT_MOST: f64 = 2.0;
-/// Files of a heavy package of the many-package boxes.
+/// Files of a heavy package of the 30- and 150-package boxes.
 const HEAVY_FILES: u32 = 10_000;
+/// Files of each package of the box of ten heavy packages: past the
+/// weighing's cap below 16 packages (about 86 entries) and its full one
+/// (about 860), a service's database or index of a small node.
+const TEN_HEAVY_FILES: u32 = 2_000;
 /// Files of a small one.
 const SMALL_FILES: u32 = 40;
 
@@ -67,15 +74,22 @@ const SMALL_FILES: u32 = 40;
 pub enum Shape {
     /// The field's node box.
     Node(NodeShape),
-    /// `packages` packages, `heavy` of them of [`HEAVY_FILES`] files.
-    Many { packages: usize, heavy: usize },
+    /// `packages` packages, `heavy` of them of `heavy_files` files, the
+    /// others of [`SMALL_FILES`].
+    Many {
+        packages: usize,
+        heavy: usize,
+        heavy_files: u32,
+    },
 }
 
 impl Shape {
     fn packages(&self) -> Vec<String> {
         match self {
             Shape::Node(s) => s.packages().iter().map(|p| p.to_string()).collect(),
-            Shape::Many { packages, heavy } => (0..*packages)
+            Shape::Many {
+                packages, heavy, ..
+            } => (0..*packages)
                 .map(|i| match i < *heavy {
                     true => format!("heavy{i}"),
                     false => format!("small{i:03}"),
@@ -101,7 +115,7 @@ impl Shape {
     /// Builds the box under `root`; returns its entries (below the
     /// packages' tops).
     fn build(&self, root: &Path) -> Result<u64> {
-        let heavy = match self {
+        let (heavy, heavy_files) = match self {
             Shape::Node(s) => {
                 node::build(root, s)?;
                 return Ok(self
@@ -110,12 +124,14 @@ impl Shape {
                     .map(|p| identities(&root.join(p)).map(|m| m.len() as u64))
                     .sum::<std::io::Result<u64>>()?);
             }
-            Shape::Many { heavy, .. } => heavy,
+            Shape::Many {
+                heavy, heavy_files, ..
+            } => (*heavy, *heavy_files),
         };
         let mut entries = 0u64;
         for (i, p) in self.packages().iter().enumerate() {
-            let files = if i < *heavy { HEAVY_FILES } else { SMALL_FILES };
-            let per_dir = if i < *heavy { 1000 } else { 20 };
+            let files = if i < heavy { heavy_files } else { SMALL_FILES };
+            let per_dir = if i < heavy { 1000 } else { 20 };
             for f in 0..files {
                 let dir = root
                     .join(p)
@@ -499,16 +515,24 @@ fn case(shape: &Shape) -> Result<BoxCase> {
     })
 }
 
-/// The `boxes` section: the node box `node`, then 30 and 150 packages.
+/// The `boxes` section: the node box `node`, ten heavy packages, then 30
+/// and 150 packages.
 pub fn run(node: NodeShape) -> Result<(Vec<BoxCase>, Vec<Verdict>)> {
     let shapes = [
         Shape::Many {
             packages: 30,
             heavy: 3,
+            heavy_files: HEAVY_FILES,
         },
         Shape::Many {
             packages: 150,
             heavy: 5,
+            heavy_files: HEAVY_FILES,
+        },
+        Shape::Many {
+            packages: 10,
+            heavy: 10,
+            heavy_files: TEN_HEAVY_FILES,
         },
         Shape::Node(node),
     ];
@@ -636,7 +660,7 @@ fn verdicts(cases: &[BoxCase]) -> Vec<Verdict> {
 /// Prints the `boxes` section.
 pub fn print(cases: &[BoxCase], verdicts: &[Verdict]) {
     println!(
-        "boxes: the first boot at 8 (the node box), 30 and 150 packages (mostly 40 files, 3 and 5 of 10,000): ours against upstream's boot conversion, each on a fresh box"
+        "boxes: the first boot at 8 (the node box), 10 (each of 2,000 files), 30 and 150 packages (mostly 40 files, 3 and 5 of 10,000): ours against upstream's boot conversion, each on a fresh box"
     );
     println!(
         "{:>8}  {:>8}  {:>20}  {:>14}  {:>14}  {:>12}  {:>12}  {:>22}  {:>16}  {:>7}  {:>9}",
