@@ -1038,6 +1038,17 @@ impl Holder {
             .read_line(&mut line)
             .unwrap();
         assert_eq!(line.trim(), "ready", "the holder could not mount");
+        // "ready" comes before the exec: wait for the process to be the
+        // `sleep` that messages name.
+        let comm = format!("/proc/{}/comm", child.id());
+        let start = std::time::Instant::now();
+        while fs::read_to_string(&comm).unwrap_or_default().trim() != "sleep" {
+            assert!(
+                start.elapsed().as_secs() < 10,
+                "the holder never became sleep"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         Holder { child }
     }
 
