@@ -180,7 +180,7 @@ impl MountTables {
             .map(|ns| Namespace {
                 id: ns.id,
                 entries: (ns.id != own_namespace).then(|| parse_mountinfo(&ns.mountinfo)),
-                reader: ns.pids[ns.reader],
+                reader: ns.reader,
                 pids: ns.pids,
             })
             .collect();

@@ -17,12 +17,12 @@ pub(crate) struct MountNamespace {
     pub id: u64,
     /// Every process in it, sorted.
     pub pids: Vec<u32>,
-    /// Its mount table, read through the `mountinfo` of `pids[reader]`:
-    /// raw bytes, as a mount point's name need not be UTF-8.
+    /// Its mount table, read through `reader`'s `mountinfo`: raw bytes, as
+    /// a mount point's name need not be UTF-8.
     pub mountinfo: Vec<u8>,
-    /// The index in `pids` of the process the table was read through (the
-    /// lowest that could be read), the one messages name.
-    pub reader: usize,
+    /// The process of `pids` the table was read through (the lowest that
+    /// could be read), the one messages name.
+    pub reader: u32,
 }
 
 /// Whether `e` says the process can be passed over: it went away while
@@ -79,14 +79,14 @@ pub(crate) fn mount_namespaces() -> io::Result<Vec<MountNamespace>> {
     let mut buf = Vec::with_capacity(MOUNTINFO_CAPACITY);
     for (id, mut pids) in pids_by_ns {
         pids.sort_unstable();
-        for (reader, pid) in pids.iter().enumerate() {
+        for &pid in &pids {
             match read_whole(&format!("/proc/{pid}/mountinfo"), &mut buf) {
                 Ok(()) => {
                     out.push(MountNamespace {
                         id,
                         mountinfo: buf.clone(),
                         pids,
-                        reader,
+                        reader: pid,
                     });
                     break;
                 }
