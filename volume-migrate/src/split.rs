@@ -88,8 +88,11 @@
 //! member's tree. Written, or the check failed: the member is snapshotted
 //! from the parent instead, as below [`SPLIT_MIN`], which holds the write
 //! (the report's [`crate::ShareUse`]). A write after the check is lost as
-//! one after a snapshot of the parent would be: the exchange's window,
-//! the same either way. The cost is one commit a member; a read that
+//! one after a snapshot of the parent would be, in a window a little longer:
+//! from the check's commit, not the snapshot, to the exchange, so it also
+//! spans the mount tables' read before the member's snapshot. A writer then
+//! has no mount that read would show (one refuses the conversion), only a
+//! descriptor kept past its unmount. The cost is one commit a member; a read that
 //! updates an access time counts as a change (relatime: the first read
 //! after a change), falling back for nothing lost.
 //!
@@ -538,7 +541,8 @@ pub(crate) const CHANGED_MAX: usize = 4096;
 /// changed since (renames in the volumes root, other members' directories
 /// exchanged, records, shares) lies outside the member's tree and counts
 /// for nothing. Under the member's lock, a change after this call is lost
-/// as one after a snapshot of the parent would be (the exchange's window).
+/// as one after a snapshot of the parent would be (the exchange's window,
+/// here from this call's commit; see the module docs).
 /// Needs CAP_SYS_ADMIN; an error means the check could not be made.
 pub(crate) fn member_written(
     parent: BorrowedFd<'_>,
