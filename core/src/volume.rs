@@ -206,8 +206,10 @@ impl InstallBackup {
         blocking(move || f(&root, &pkg)).await
     }
 
-    /// Whether the backup `<pkg>.install-backup` exists. `false` for an
-    /// invalid id or when it cannot be told.
+    /// Whether the backup `<pkg>.install-backup` exists, once whatever a
+    /// crash left is finished or undone (a backup a restore was past its
+    /// exchange with is spent: the volume is it). `false` for an invalid id
+    /// or when it cannot be told.
     pub async fn exists(&self) -> bool {
         self.run(backend::exists).await.unwrap_or(false)
     }
@@ -269,7 +271,11 @@ impl InstallBackup {
     /// holds it, and the holders (pid, mount point) are named in a warning;
     /// see [`InstallBackup::restore_outcome`] for them as data. Returns in
     /// milliseconds whatever the volumes hold: the replaced one is deleted
-    /// after, in a background thread ([`volume::purge`]).
+    /// after, in a background thread ([`volume::purge`]). Past the
+    /// exchange the rollback is done: a failure in the cleanup after it is
+    /// logged, not returned (start-core would report a failed rollback and
+    /// fail the load of a package rolled back), and the next call for the
+    /// package finishes it ([`volume::RestoreOutcome::unfinished`]).
     pub async fn restore(&self) -> Result<(), Error> {
         self.restore_outcome().await.map(drop)
     }
@@ -528,8 +534,12 @@ mod backend {
         ))
     }
 
+    /// After recovery, as every call: a backup a restore killed past its
+    /// exchange left is spent, not one to retry an update on.
     pub(super) fn exists(root: &Path, pkg: &PackageId) -> Result<bool, Error> {
-        Ok(store(root)?.info(pkg)?.backup.is_some())
+        let store = store(root)?;
+        store.recover(pkg)?;
+        Ok(store.info(pkg)?.backup.is_some())
     }
 
     pub(super) fn begin(root: &Path, pkg: &PackageId) -> Result<(), Error> {
@@ -537,7 +547,9 @@ mod backend {
     }
 
     pub(super) fn is_fresh(root: &Path, pkg: &PackageId) -> Result<bool, Error> {
-        store(root)?.is_fresh(pkg)
+        let store = store(root)?;
+        store.recover(pkg)?;
+        store.is_fresh(pkg)
     }
 
     pub(super) fn snapshot(root: &Path, pkg: &PackageId) -> Result<volume::SnapshotOutcome, Error> {
@@ -547,6 +559,10 @@ mod backend {
     pub(super) fn restore(root: &Path, pkg: &PackageId) -> Result<volume::RestoreOutcome, Error> {
         let store = store(root)?;
         let outcome = store.restore_outcome(pkg)?;
+        // Rolled back all the same: what is left, the next call finishes.
+        if let Some(why) = &outcome.unfinished {
+            tracing::warn!(package = %pkg, "the volume was rolled back; cleaning up after it failed: {why}");
+        }
         // Upstream's rollback goes on either way; a volume left as the
         // failed install wrote it must not pass for a rolled-back one.
         // Only a warning: a failure to look must not turn the restore's

@@ -5,8 +5,8 @@
 //! operation, each errno in [`ERRNOS`]; after each injected failure one
 //! invariant is checked ([`Sweep::run_one`]):
 //!
-//! 1. the call reports the failure: it exits non-zero with one line on
-//!    stderr, or, if it exits 0 (a failure it was built to absorb, such as an
+//! 1. the call reports the failure: it exits non-zero with one error line on
+//!    stderr (after any warnings it logged on its way), or, if it exits 0 (a failure it was built to absorb, such as an
 //!    ENOSPC rename it replaces by a one-step delete), its result is exactly
 //!    the complete after-state;
 //! 2. the package's volume is then exactly its state before the call or after

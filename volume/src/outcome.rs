@@ -88,6 +88,13 @@ pub struct RestoreOutcome {
     /// to see the restored one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub held: Option<HeldTree>,
+    /// What failed after the exchange that restored the volume (the
+    /// replaced volume's move aside or removal, the backup's), if anything:
+    /// the volume is the restored one all the same, and the next operation
+    /// of the package (its recovery) finishes what is left. `None` when the
+    /// restore is complete, or did nothing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unfinished: Option<String>,
 }
 
 /// What `VolumeStore::delete_outcome` (or `purge_outcome`) did.

@@ -34,6 +34,7 @@ pub(super) fn restore(_: &Path, _: &PackageId) -> Result<volume::RestoreOutcome,
     Ok(volume::RestoreOutcome {
         restored: false,
         held: None,
+        unfinished: None,
     })
 }
 

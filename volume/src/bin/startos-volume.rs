@@ -329,6 +329,14 @@ mod run {
     fn restore(store: &VolumeStore, json: bool, p: PackageId) -> Result<(), Error> {
         existing(store, &p)?;
         let outcome = store.restore_outcome(&p)?;
+        // Restored, but not all done: a failure for the command line, whose
+        // next command (its recovery) finishes the rest.
+        if let Some(why) = outcome.unfinished {
+            return Err(Error::new(
+                color_eyre::eyre::eyre!(why),
+                volume::ErrorKind::DiskManagement,
+            ));
+        }
         let human = if outcome.restored {
             format!(
                 "restored {} from its install backup{}",

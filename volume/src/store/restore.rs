@@ -12,6 +12,7 @@
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
 
+use color_eyre::eyre::eyre;
 use models::{Error, ErrorKind, PackageId, ResultExt};
 
 use super::held::Disposal;
@@ -22,6 +23,17 @@ use crate::outcome::{DeleteOutcome, RestoreOutcome, VolumeKind};
 use crate::quota::{self, QuotaCarry};
 use crate::record::{self, Identity};
 use crate::sys;
+
+/// What [`VolumeStore::restore_step`] did.
+enum Restored {
+    /// Nothing: there was no backup.
+    No,
+    /// The backup is the volume, the cleanup after the exchange done.
+    Yes,
+    /// The backup is the volume; the cleanup after the exchange failed
+    /// with this, and is left to recovery.
+    Unfinished(Error),
+}
 
 impl VolumeStore {
     /// Rolls `<pkg>` back to its install backup, atomically, and removes the
@@ -52,30 +64,62 @@ impl VolumeStore {
     /// warning naming the holders (see [`VolumeStore::restore_outcome`]
     /// for them as data). A failure before the exchange removes the copy
     /// and the record: the disk is as before the call.
+    ///
+    /// A failure past the exchange, in the cleanup after it, is an error
+    /// here, as every other failure: the call did not do all it was asked.
+    /// The volume is the restored one all the same, and the next operation
+    /// of the package finishes the cleanup (see
+    /// [`VolumeStore::restore_outcome`], which returns it as data).
     pub fn restore(&self, pkg: &PackageId) -> Result<bool, Error> {
-        self.restore_outcome(pkg).map(|o| o.restored)
+        let outcome = self.restore_outcome(pkg)?;
+        match outcome.unfinished {
+            Some(why) => Err(Error::new(eyre!(why), ErrorKind::DiskManagement)),
+            None => Ok(outcome.restored),
+        }
     }
 
     /// [`VolumeStore::restore`], with the replaced volume if a mount held
     /// it (kept, and who holds it: the processes to restart so that they
-    /// see the restored volume).
+    /// see the restored volume), and, where the exchange committed but the
+    /// cleanup after it failed, that failure ([`RestoreOutcome::unfinished`])
+    /// instead of an error: the rollback is done, which a caller rolling an
+    /// update back must not take for a failed one.
     pub fn restore_outcome(&self, pkg: &PackageId) -> Result<RestoreOutcome, Error> {
         let Some(names) = self.present(pkg)? else {
             return Ok(RestoreOutcome {
                 restored: false,
                 held: None,
+                unfinished: None,
             });
         };
         let outcome = {
             let guard = self.hold_recovered(pkg, names)?;
-            let restored = self.restore_locked(pkg, &guard.names)?;
-            let held = self
-                .purge_locked(pkg, &guard.names)?
-                .and_then(Disposal::held);
-            RestoreOutcome { restored, held }
+            let (restored, mut unfinished) = match self.restore_step(pkg, &guard.names)? {
+                Restored::No => (false, None),
+                Restored::Yes => (true, None),
+                Restored::Unfinished(e) => (true, Some(e)),
+            };
+            // Past a restore, the replaced volume's removal is part of the
+            // cleanup: a failure there is the restore's unfinished part.
+            let held = match self.purge_locked(pkg, &guard.names) {
+                Ok(done) => done.and_then(Disposal::held),
+                Err(e) if restored => {
+                    unfinished.get_or_insert(e);
+                    None
+                }
+                Err(e) => return Err(e),
+            };
+            RestoreOutcome {
+                restored,
+                held,
+                unfinished: unfinished.map(|e| format!("{:#}", e.source)),
+            }
         };
-        // The replaced volume is in the trash: deleted off the lock.
-        self.purge_after();
+        // The replaced volume is in the trash: deleted off the lock. Not
+        // after a failure: as after an error, the next operation does it.
+        if outcome.unfinished.is_none() {
+            self.purge_after();
+        }
         Ok(outcome)
     }
 
@@ -144,11 +188,24 @@ impl VolumeStore {
         Ok(done)
     }
 
+    /// [`VolumeStore::restore_step`], a failure past the exchange an
+    /// error: for the operations that restore on the way to something else.
     pub(super) fn restore_locked(&self, pkg: &PackageId, names: &Names) -> Result<bool, Error> {
+        match self.restore_step(pkg, names)? {
+            Restored::No => Ok(false),
+            Restored::Yes => Ok(true),
+            Restored::Unfinished(e) => Err(e),
+        }
+    }
+
+    /// The restore under the lock: `No` without a backup; an error before
+    /// the exchange (undone: the disk as before); past it, `Yes`, or
+    /// `Unfinished` with what failed in the cleanup that recovery finishes.
+    fn restore_step(&self, pkg: &PackageId, names: &Names) -> Result<Restored, Error> {
         // Refuses a non-directory under the package's name first.
         self.tree(pkg, &names.live)?;
         let Some(backup_kind) = self.tree(pkg, &names.backup)? else {
-            return Ok(false);
+            return Ok(Restored::No);
         };
         let prepared = match backup_kind {
             VolumeKind::Subvolume => self.prepare_rollback_copy(names),
@@ -183,17 +240,17 @@ impl VolumeStore {
                 return Err(e);
             }
             let kind = e.kind;
-            return Err(Error::new(
+            return Ok(Restored::Unfinished(Error::new(
                 e.source.wrap_err(format!(
                     "the volume {} was restored, but cleaning up after it failed; the next \
                      operation finishes it",
                     self.volume_path(pkg).display()
                 )),
                 kind,
-            ));
+            )));
         }
         tracing::info!(package = %pkg, "volume restored from install backup");
-        Ok(true)
+        Ok(Restored::Yes)
     }
 
     /// Makes the rollback copy of a snapshot backup: a writable snapshot,
