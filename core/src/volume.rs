@@ -528,11 +528,21 @@ mod backend {
         ))
     }
 
+    /// [`store`], or `None` with no volumes root: nothing to see or drop.
+    fn store_if_root(root: &Path) -> Result<Option<Store>, Error> {
+        match store(root) {
+            Err(e) if e.kind == ErrorKind::NotFound => Ok(None),
+            store => store.map(Some),
+        }
+    }
+
     pub(super) fn exists(root: &Path, pkg: &PackageId) -> Result<bool, Error> {
         Ok(store(root)?.info(pkg)?.backup.is_some())
     }
 
+    /// Creates a missing volumes root, as upstream's makes the marker's.
     pub(super) fn begin(root: &Path, pkg: &PackageId) -> Result<(), Error> {
+        volume::Root::create(root)?;
         store(root)?.begin_install(pkg).map(drop)
     }
 
@@ -541,7 +551,8 @@ mod backend {
     }
 
     pub(super) fn snapshot(root: &Path, pkg: &PackageId) -> Result<volume::SnapshotOutcome, Error> {
-        store(root)?.snapshot_replacing(pkg)
+        let none = Ok(volume::SnapshotOutcome::NoVolume);
+        store_if_root(root)?.map_or(none, |s| s.snapshot_replacing(pkg))
     }
 
     pub(super) fn restore(root: &Path, pkg: &PackageId) -> Result<volume::RestoreOutcome, Error> {
@@ -559,17 +570,18 @@ mod backend {
     }
 
     pub(super) fn resolve_pending(root: &Path, pkg: &PackageId) -> Result<(), Error> {
-        store(root)?.recover(pkg).map(drop)
+        store_if_root(root)?.map_or(Ok(()), |s| s.recover(pkg).map(drop))
     }
 
     pub(super) fn remove(root: &Path, pkg: &PackageId) -> Result<(), Error> {
-        let store = store(root)?;
-        store.mark_fresh(pkg, false)?;
-        store.drop_backup(pkg).map(drop)
+        store_if_root(root)?.map_or(Ok(()), |store| {
+            store.mark_fresh(pkg, false)?;
+            store.drop_backup(pkg).map(drop)
+        })
     }
 
     pub(super) fn sync(root: &Path, pkg: &PackageId) -> Result<(), Error> {
-        store(root)?.sync_volume(pkg)
+        store_if_root(root)?.map_or(Ok(()), |s| s.sync_volume(pkg))
     }
 
     pub(super) fn ensure(root: &Path, pkg: &PackageId) -> Result<(), Error> {
@@ -584,7 +596,10 @@ mod backend {
     }
 
     pub(super) fn convert(root: &Path, pkg: &PackageId) -> Result<(), Error> {
-        let migrator = volume_migrate::Migrator::open(root)?;
+        let migrator = match volume_migrate::Migrator::open(root) {
+            Err(e) if e.kind == ErrorKind::NotFound => return Ok(()),
+            migrator => migrator?,
+        };
         let opts = volume_migrate::MigrateOptions {
             remove_old: false,
             ..Default::default()

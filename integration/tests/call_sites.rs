@@ -378,6 +378,29 @@ fn the_0_3_6_migration_converts_then_installs() {
     assert_eq!(b.names("legacy"), ["legacy"]);
 }
 
+/// A box with no volumes root yet (a new one, its data directory never
+/// holding a package): its boot and first install go on, the install
+/// creating the root and the package's volume, a subvolume, as upstream's
+/// `begin` and `ensure_volume_root` create them; in upstream's order and
+/// the reordered one.
+#[test]
+fn the_first_install_on_a_box_with_no_volumes_root_creates_it() {
+    let Some(fs) = Box_::new(SIZE) else { return };
+    for order in [call_sites::Order::Upstream, call_sites::Order::Reordered] {
+        let b = fs.beside(&format!("{order:?}"), true);
+        let run = b.run_ok(&[
+            order.step(),
+            json!("no_volumes_root"),
+            boot(),
+            install("app", "1"),
+        ]);
+        assert_eq!(run.installed("app").as_deref(), Some("1"), "{order:?}");
+        assert!(is_subvolume(&b.volumes().join("app")), "{order:?}");
+        assert_eq!(b.data_version("app").as_deref(), Some("1"), "{order:?}");
+        assert_eq!(b.names("app"), ["app"], "{order:?}");
+    }
+}
+
 /// The trees kept under a name of `id` other than its volume (at that
 /// name or one level in it, as `<id>.held/<n>`) with `file` in their main
 /// volume directory.
