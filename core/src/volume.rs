@@ -470,8 +470,9 @@ pub async fn boot_volume_maintenance_at<'a, P: Display + 'a>(
 
 /// Converts one package's plain-directory volume into a subvolume
 /// (upstream calls it for a package migrated from 0.3.x before installing
-/// it), and removes the old directory. A no-op for a subvolume or off
-/// btrfs.
+/// it), and removes the old directory; a failure of that is only logged,
+/// the directory left as `<pkg>.migrate-old` for the next boot's cleanup.
+/// A no-op for a subvolume, off btrfs, or with no volumes root.
 pub async fn convert_package_to_subvolume(pkg_id: &(impl Display + ?Sized)) -> Result<(), Error> {
     convert_package_to_subvolume_at(volumes_root(), pkg_id).await
 }
@@ -595,6 +596,8 @@ mod backend {
         done
     }
 
+    /// The old tree's removal is only logged, as upstream's: the volume is
+    /// converted, and the migration must go on to install it.
     pub(super) fn convert(root: &Path, pkg: &PackageId) -> Result<(), Error> {
         let migrator = match volume_migrate::Migrator::open(root) {
             Err(e) if e.kind == ErrorKind::NotFound => return Ok(()),
@@ -605,9 +608,10 @@ mod backend {
             ..Default::default()
         };
         migrator.convert(pkg, &opts, &mut |_: &volume_migrate::Progress| {})?;
-        migrator
-            .remove_old(pkg, &mut |_: &volume_migrate::Progress| {})
-            .map(drop)
+        if let Err(e) = migrator.remove_old(pkg, &mut |_: &volume_migrate::Progress| {}) {
+            tracing::warn!(package = %pkg, step = "cleanup", "the volume was converted, but removing the old directory failed (the next boot's cleanup removes it): {e}");
+        }
+        Ok(())
     }
 
     /// Each package's failure is logged where it happens (by
