@@ -121,16 +121,21 @@ pub fn backup_dir(pkg_id: &(impl Display + ?Sized)) -> PathBuf {
         .join("data")
 }
 
-/// How long a call of this module waits for a package's lock, which
-/// another operation of the same package holds, before failing with
-/// `Timeout` naming the holder's pid (nothing changed). The caller cannot
-/// see the wait: it awaits a future, and dropping it does not stop the
-/// wait (see [`InstallBackup`]). Every legitimate holder is far quicker:
-/// the store's operations take milliseconds (a plain directory's reflink
-/// backup, bounded by its extent limit, up to about a second), the boot
-/// cleanup gives the lock up after each batch of a few milliseconds, and a
-/// conversion of the package, which can take minutes, runs before its
-/// service is loaded. So a wait this long is a holder that hangs.
+/// How long a call of this module (but those below) waits for a package's
+/// lock, which another operation of the same package holds, before failing
+/// with `Timeout` naming the holder's pid (nothing changed). The caller
+/// cannot see the wait: it awaits a future, and dropping it does not stop
+/// the wait (see [`InstallBackup`]). Every legitimate holder is far
+/// quicker: the store's operations take milliseconds (a plain directory's
+/// reflink backup, bounded by its extent limit, up to about a second), the
+/// boot cleanup gives the lock up after each batch of a few milliseconds,
+/// and a conversion of the package, which can take minutes, runs before
+/// its service is loaded. So a wait this long is a holder that hangs.
+/// [`delete_tree`] of a volume and [`convert_package_to_subvolume`] wait
+/// without bound, as failing costs more: an uninstall has dropped the
+/// package from the database by then, and a volume left would greet a
+/// reinstall; the 0.3.6 migration would skip installing the package. So
+/// do the boot's conversions, each before its service is loaded.
 pub const LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// The volumes root on a StartOS server.
