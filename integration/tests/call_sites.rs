@@ -432,6 +432,13 @@ fn the_0_3_6_migration_installs_when_removing_the_old_tree_fails() {
         b.volumes().join("legacy.migrate-old").is_dir(),
         "the failpoint was reached: the old tree is left"
     );
+    assert!(
+        run.stderr
+            .lines()
+            .any(|l| l.contains("WARN") && l.contains("removing the old directory failed")),
+        "the failed removal is a warning\n{}",
+        run.stderr
+    );
     // The cleanup runs in the idle I/O class: each further boot resumes it.
     for _ in 0..5 {
         b.run_ok(&[boot(), json!({"wait": {"ms": 500}})]);
