@@ -378,6 +378,78 @@ fn the_0_3_6_migration_converts_then_installs() {
     assert_eq!(b.names("legacy"), ["legacy"]);
 }
 
+/// A box with no volumes root yet (a new one, its data directory never
+/// holding a package): its boot and first install go on, the install
+/// creating the root and the package's volume, a subvolume, as upstream's
+/// `begin` and `ensure_volume_root` create them; in upstream's order and
+/// the reordered one.
+#[test]
+fn the_first_install_on_a_box_with_no_volumes_root_creates_it() {
+    let Some(fs) = Box_::new(SIZE) else { return };
+    for order in [call_sites::Order::Upstream, call_sites::Order::Reordered] {
+        let b = fs.beside(&format!("{order:?}"), true);
+        let run = b.run_ok(&[
+            order.step(),
+            json!("no_volumes_root"),
+            boot(),
+            install("app", "1"),
+        ]);
+        assert_eq!(run.installed("app").as_deref(), Some("1"), "{order:?}");
+        assert!(is_subvolume(&b.volumes().join("app")), "{order:?}");
+        assert_eq!(b.data_version("app").as_deref(), Some("1"), "{order:?}");
+        assert_eq!(b.names("app"), ["app"], "{order:?}");
+    }
+}
+
+/// A conversion that succeeded, then a failure removing the old directory
+/// after it (EIO at the removal's first entry): the migration goes on to
+/// install the package on its data, the old tree left as
+/// `legacy.migrate-old`, which the next boot's cleanup removes.
+#[test]
+fn the_0_3_6_migration_installs_when_removing_the_old_tree_fails() {
+    let Some(b) = Box_::new(SIZE) else { return };
+    let files = b.main("legacy").join("files");
+    fs::create_dir_all(&files).unwrap();
+    for i in 0..50u64 {
+        fs::write(files.join(format!("{i:03}")), common::bytes(i, 3000)).unwrap();
+    }
+    let before = common::digest(&files);
+    let run = b.run_ok(&[
+        boot(),
+        arm("migrate.remove=eio"),
+        json!({"migrate036": {"packages": [["legacy", "1"]]}}),
+        arm(""),
+    ]);
+    assert!(
+        run.notifications("legacy").is_empty(),
+        "{:?}",
+        run.notifications("legacy")
+    );
+    assert_eq!(run.installed("legacy").as_deref(), Some("1"));
+    assert!(is_subvolume(&b.volumes().join("legacy")), "converted");
+    common::assert_same(&before, &common::digest(&files), "the migrated data");
+    assert!(
+        b.volumes().join("legacy.migrate-old").is_dir(),
+        "the failpoint was reached: the old tree is left"
+    );
+    assert!(
+        run.stderr
+            .lines()
+            .any(|l| l.contains("WARN") && l.contains("removing the old directory failed")),
+        "the failed removal is a warning\n{}",
+        run.stderr
+    );
+    // The cleanup runs in the idle I/O class: each further boot resumes it.
+    for _ in 0..5 {
+        b.run_ok(&[boot(), json!({"wait": {"ms": 500}})]);
+        if b.names("legacy") == ["legacy"] {
+            break;
+        }
+    }
+    assert_eq!(b.names("legacy"), ["legacy"], "the next boot's cleanup");
+    common::assert_same(&before, &common::digest(&files), "after the cleanup");
+}
+
 /// The trees kept under a name of `id` other than its volume (at that
 /// name or one level in it, as `<id>.held/<n>`) with `file` in their main
 /// volume directory.

@@ -266,6 +266,36 @@ async fn begin_settles_a_pending_restore_before_judging_the_root() {
     assert_eq!(marker(&c.live()).as_deref(), Some("only-copy"));
 }
 
+/// No volumes root (a new box; a backup restored onto one, whose install
+/// skips `begin`): every call that looks at or drops a package's names
+/// finds nothing and goes on, creating nothing (upstream's `snapshot` is
+/// `false`, its `delete_tree` of an absent path a no-op); `begin` creates
+/// the root, as upstream's does making its fresh marker.
+#[tokio::test]
+async fn a_missing_volumes_root_is_no_volume_until_begin_creates_it() {
+    let Some(c) = Case::new() else { return };
+    let root = c.fs.path("new/package-data/volumes");
+    let ib = InstallBackup::at(&root, "app");
+    assert!(!ib.snapshot().await.unwrap(), "no volume, no backup");
+    assert!(matches!(
+        ib.snapshot_outcome().await.unwrap(),
+        ::volume::SnapshotOutcome::NoVolume
+    ));
+    ib.resolve_pending().await.unwrap();
+    ib.remove().await.unwrap();
+    assert!(!ib.exists().await);
+    volume::sync_volume_root_at(&root, "app").await.unwrap();
+    delete_tree_at(&root, root.join("app")).await.unwrap();
+    volume::convert_package_to_subvolume_at(&root, "app")
+        .await
+        .unwrap();
+    assert!(gone(&c.fs.path("new")), "nothing created");
+    ib.begin().await.unwrap();
+    assert!(ib.is_fresh().await, "the first install's marker");
+    ensure_volume_root_at(&root, "app").await.unwrap();
+    assert_eq!(root_names(&root), ["app", "app.install-fresh"]);
+}
+
 #[tokio::test]
 async fn restore_is_a_noop_without_a_backup() {
     let Some(c) = Case::new() else { return };

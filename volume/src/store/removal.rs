@@ -289,12 +289,20 @@ fn delete_tree_with(volumes_root: &Path, path: &Path, deferred: bool) -> Result<
     } else {
         parent
     };
-    let dir = sys::open_dir_path(parent).with_ctx(|_| {
-        (
-            ErrorKind::Filesystem,
-            format!("opening {}", parent.display()),
-        )
-    })?;
+    let dir = match sys::open_dir_path(parent) {
+        Ok(dir) => dir,
+        // No parent, nothing at `path` (a package's volume on a box that
+        // has no volumes root yet): absent, as upstream's.
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => {
+            return Err(e).with_ctx(|_| {
+                (
+                    ErrorKind::Filesystem,
+                    format!("opening {}", parent.display()),
+                )
+            });
+        }
+    };
     if let Some(pkg) = volume_of(volumes_root, dir.as_fd(), name)? {
         let store = VolumeStore::open_without_recovery(volumes_root)?;
         let store = match deferred {
