@@ -879,3 +879,68 @@ fn sigkill_at_each_failpoint_of_a_first_boot_then_reboot() {
         problems.join("\n  ")
     );
 }
+
+/// With the readiness step, a dependent's load waits until the dependency
+/// whose volume its container mounts is converted. Loaded at once, its
+/// mount of the dependency's plain directory, made while that directory
+/// was cloned, made the clone's exchange refuse the dependency (the mount
+/// would go on showing the old tree): a plain directory at every boot,
+/// its clone redone each time.
+#[test]
+fn a_dependent_loads_once_the_volume_it_mounts_is_converted() {
+    let Some(b) = Box_::new(SIZE) else { return };
+    b.run_ok(&[
+        boot(),
+        install("dep", "1"),
+        install_dependent("app", "1", "dep"),
+    ]);
+    // `dep` back to the plain directory of a box that has not booted since
+    // its conversion to btrfs, with a nested subvolume (so it is cloned,
+    // not snapshotted) and enough files for the clone to take a while.
+    let vol = b.volumes().join("dep");
+    let aside = b.fs.path("dep-aside");
+    let cp = |from: &Path, to: &Path| {
+        integration::run(
+            std::process::Command::new("cp")
+                .args(["-a", "--reflink=always"])
+                .arg(from)
+                .arg(to),
+        )
+        .unwrap_or_else(|e| panic!("cp: {e}"))
+    };
+    cp(&vol, &aside);
+    integration::run(
+        std::process::Command::new("btrfs")
+            .args(["subvolume", "delete"])
+            .arg(&vol),
+    )
+    .unwrap_or_else(|e| panic!("btrfs subvolume delete: {e}"));
+    cp(&aside, &vol);
+    assert!(!is_subvolume(&vol), "dep is a plain directory again");
+    common::subvolume_create(&b.main("dep").join("nested"));
+    let bulk = b.main("dep").join("bulk");
+    fs::create_dir_all(&bulk).unwrap();
+    for i in 0..5000 {
+        fs::write(bulk.join(format!("{i:05}")), i.to_string()).unwrap();
+    }
+    let run = b.run_ok(&[boot()]);
+    assert!(
+        is_subvolume(&vol),
+        "dep converted at the boot, its dependent loaded after: names {:?}\n{}",
+        b.names("dep"),
+        run.stderr
+    );
+    assert!(
+        !b.names("dep").iter().any(|n| n == "dep.migrate"),
+        "no clone left half done: {:?}",
+        b.names("dep")
+    );
+    assert_eq!(run.running.get("app").map(String::as_str), Some("1"));
+    assert_eq!(run.running.get("dep").map(String::as_str), Some("1"));
+    assert_eq!(
+        fs::read_to_string(b.main("dep").join("bulk/04999"))
+            .ok()
+            .as_deref(),
+        Some("4999")
+    );
+}
