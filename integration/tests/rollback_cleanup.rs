@@ -106,3 +106,67 @@ fn a_retry_after_a_restore_killed_past_its_exchange_has_a_backup_of_the_old_data
     let run = run_ok(&b, &[boot()]);
     assert_old(&b, &run, "app", "1", &before, "after the retry and a boot");
 }
+
+/// The call number, in a traced update's log (`N name` lines), of the
+/// commit of the rollback's exchange: the update's one record (the rollback
+/// copy's identity, a symlink), then the exchange, then its commit.
+fn exchange_commit(log: &str) -> u64 {
+    let calls: Vec<(u64, &str)> = log
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .map(|(n, c)| (n.parse().expect("a call number"), c))
+        .collect();
+    let after = |from: usize, name: &str| {
+        from + calls[from..]
+            .iter()
+            .position(|(_, c)| *c == name)
+            .unwrap_or_else(|| panic!("no {name} after call {from} of the traced rollback"))
+    };
+    let record = after(0, "symlinkat");
+    let exchange = after(record, "renameat_with");
+    calls[after(exchange, "ioctl WAIT_SYNC")].0
+}
+
+/// The commit of the rollback's exchange failing is no rollback done: a
+/// crash before the next commit would lose the exchange, and recovery would
+/// then undo it. The rollback is reported failed (the database stays
+/// `Updating` in the reordered order), and the next boot finishes it.
+#[test]
+fn a_failed_commit_of_the_restores_exchange_is_a_failed_rollback() {
+    let fs = fs_or_skip!(LoopFs::btrfs(SIZE));
+    let log = fs.path("fault.log");
+    let update = |b: &integration::call_sites::Box_, spec: &str| {
+        let env = [
+            (volume::sys::fault::FAULT_ENV, std::ffi::OsStr::new(spec)),
+            (volume::sys::fault::FAULT_LOG_ENV, log.as_os_str()),
+        ];
+        match b.run_env(&ordered(&[install_failing("app", "2", "init")]), &env) {
+            Ok(Ended::Completed(run)) => run,
+            other => panic!("the update with {spec}: {other:?}"),
+        }
+    };
+    let traced = new_box(&fs, "traced");
+    run_ok(&traced, &[boot(), install("app", "1")]);
+    let _ = std::fs::remove_file(&log);
+    update(&traced, "trace");
+    let k = exchange_commit(&std::fs::read_to_string(&log).expect("the trace"));
+    let b = new_box(&fs, "box");
+    run_ok(&b, &[boot(), install("app", "1")]);
+    let before = before(&b, "app");
+    let run = update(&b, &format!("{k}:eio"));
+    let fired = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        fired.contains("ioctl WAIT_SYNC"),
+        "call {k} failed: {fired}"
+    );
+    assert!(
+        run.notifications("app")
+            .iter()
+            .any(|n| n.contains("rollback-failed")),
+        "a rollback whose exchange was not committed is told as failed: {:?}\n{}",
+        run.notifications("app"),
+        run.stderr
+    );
+    let run = run_ok(&b, &[boot()]);
+    assert_old(&b, &run, "app", "1", &before, "after the next boot");
+}

@@ -64,11 +64,16 @@ pub(super) fn begin(root: &Path, pkg: &PackageId) -> Result<(), Error> {
     store(root)?.begin_install(pkg).map(drop)
 }
 
+/// Recovery first as every call, but the marker is read even where it
+/// fails: a failed first install's volume is then deleted as upstream's
+/// would be, not kept as if its data predated the install.
 pub(super) fn is_fresh(root: &Path, pkg: &PackageId) -> Result<bool, Error> {
     let Some(store) = store_if_root(root)? else {
         return Ok(false);
     };
-    store.recover(pkg)?;
+    if let Err(e) = store.recover(pkg) {
+        tracing::warn!(package = %pkg, "recovery before reading the fresh-install marker failed: {e}");
+    }
     store.is_fresh(pkg)
 }
 

@@ -227,14 +227,17 @@ impl VolumeStore {
             );
             return Err(with_cleanup(e, cleanup, "undoing the restore"));
         }
-        // The exchange is the commit point: from here on, a failure is
-        // finished by recovery, never undone. A mount of the volume now
-        // shows the replaced one, which the purge keeps while it does.
-        let synced = self
-            .commit_root()
-            .and_then(|()| failpoint("restore.exchanged"))
-            .map_err(|e| self.failed(pkg, "committing the exchange", e));
-        let finished = synced.and_then(|()| self.finish_restore(pkg, names));
+        // The exchange is the commit point once committed: from there on,
+        // a failure is finished by recovery, never undone. A mount of the
+        // volume now shows the replaced one, which the purge keeps while it
+        // does. A failed commit is an error, never a rollback done: a crash
+        // before the next commit loses the exchange, and recovery then
+        // undoes the restore (the live volume is not the one recorded).
+        self.commit_root()
+            .map_err(|e| self.failed(pkg, "committing the exchange", e))?;
+        let finished = failpoint("restore.exchanged")
+            .map_err(|e| self.failed(pkg, "committing the exchange", e))
+            .and_then(|()| self.finish_restore(pkg, names));
         if let Err(e) = finished {
             if !self.is_restored(names) {
                 return Err(e);
