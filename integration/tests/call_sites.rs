@@ -349,15 +349,22 @@ fn first_boot_of_a_real_node_box_every_load_returns() {
     eprintln!("volume calls returned (ms from boot start): {ready:?}");
 }
 
-#[test]
-fn the_0_3_6_migration_converts_then_installs() {
-    let Some(b) = Box_::new(SIZE) else { return };
+/// Fifty files in `legacy`'s main volume, a plain directory as 0.3.5 left
+/// it; returns where they are and their digest.
+fn legacy_files(b: &Box_) -> (PathBuf, integration::TreeDigest) {
     let files = b.main("legacy").join("files");
     fs::create_dir_all(&files).unwrap();
     for i in 0..50u64 {
         fs::write(files.join(format!("{i:03}")), common::bytes(i, 3000)).unwrap();
     }
-    let before = common::digest(&files);
+    let digest = common::digest(&files);
+    (files, digest)
+}
+
+#[test]
+fn the_0_3_6_migration_converts_then_installs() {
+    let Some(b) = Box_::new(SIZE) else { return };
+    let (files, before) = legacy_files(&b);
     let run = b.run_ok(&[
         boot(),
         json!({"migrate036": {"packages": [["legacy", "1"]]}}),
@@ -408,12 +415,7 @@ fn the_first_install_on_a_box_with_no_volumes_root_creates_it() {
 #[test]
 fn the_0_3_6_migration_installs_when_removing_the_old_tree_fails() {
     let Some(b) = Box_::new(SIZE) else { return };
-    let files = b.main("legacy").join("files");
-    fs::create_dir_all(&files).unwrap();
-    for i in 0..50u64 {
-        fs::write(files.join(format!("{i:03}")), common::bytes(i, 3000)).unwrap();
-    }
-    let before = common::digest(&files);
+    let (files, before) = legacy_files(&b);
     let run = b.run_ok(&[
         boot(),
         arm("migrate.remove=eio"),
