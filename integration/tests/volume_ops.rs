@@ -1069,7 +1069,11 @@ fn recovery_finishes_what_names_on_disk_say() {
         .iter()
         .map(|r| (r.package.to_string(), r.actions.len()))
         .collect();
-    assert_eq!(actions, [("app".to_owned(), 3), ("gone".to_owned(), 1)]);
+    assert_eq!(
+        actions,
+        [("app".to_owned(), 3), ("gone".to_owned(), 1)],
+        "{recovered:?}"
+    );
     assert_no_transient_names(&root, "after recovery");
     assert_same(&live, &digest(&store.volume_path(&app)), "live volume");
     assert_same(&backup, &digest(&store.backup_path(&app)), "backup");

@@ -28,12 +28,18 @@
 //! inodes are rarely cached: nothing runs on it) and a held tree once
 //! unmounted.
 //!
-//! No lock guards the trash: only a package's own operations, under that
-//! package's lock, put entries in (named after the package, numbered above
-//! its highest entry there, so two packages never pick one name), and
-//! emptying only removes. Two purges racing on one entry are harmless: the
-//! second finds it gone. The directory is removed once empty; a move that
-//! finds it just removed makes it again.
+//! No package's lock guards the trash: only a package's own operations,
+//! under that package's lock, put entries in (named after the package,
+//! numbered above its highest entry there, so two packages never pick one
+//! name), and emptying only removes. Two purges racing on one entry are
+//! harmless: the second finds it gone. The directory is removed once empty,
+//! but only under an exclusive flock of it that the emptying does not wait
+//! for, while each move in holds it shared from its making to the rename
+//! (`trash_held`): a move never finds it gone under it. Without that, the
+//! boot's recovery of several packages at once, each emptying the trash
+//! after its own move, made a move fail about one run in four of a test
+//! recovering two (`volume_ops::recovery_finishes_what_names_on_disk_say`:
+//! "moving gone.delete to .trash: No such file or directory").
 //!
 //! Crash safety: everything in the trash is garbage at every instant (the
 //! move in is one rename of a tree no package name refers to any more), so
@@ -43,7 +49,7 @@
 
 use std::ffi::OsStr;
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 
 use models::{Error, ErrorKind, PackageId, ResultExt};
@@ -101,8 +107,23 @@ pub fn empty_trash_at(root: BorrowedFd<'_>, path: &Path) -> Result<usize, Error>
             }
         }
     }
-    // Not empty (a move in since the listing, or a tree left): kept.
-    match sys::rmdir_at(root, OsStr::new(TRASH_DIR)).and_then(|()| sys::fsync(root)) {
+    // Not empty (a move in since the listing, or a tree left), or a move in
+    // under way (it holds the trash shared, `trash_held`), or no longer the
+    // trash we emptied (another emptying removed it, a move made it again):
+    // kept.
+    let ours = || -> io::Result<bool> {
+        let here = sys::stat_at(root, OsStr::new(TRASH_DIR))?;
+        let emptied = sys::stat(dir.as_fd())?;
+        Ok(
+            here.is_some_and(|h| (h.dev, h.ino) == (emptied.dev, emptied.ino))
+                && sys::try_lock_exclusive(dir.as_fd())?,
+        )
+    };
+    let removed = ours().and_then(|ours| match ours {
+        true => sys::rmdir_at(root, OsStr::new(TRASH_DIR)).and_then(|()| sys::fsync(root)),
+        false => Ok(()),
+    });
+    match removed {
         Ok(()) => {}
         Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTEMPTY | libc::ENOENT)) => {}
         Err(e) => tracing::warn!("could not remove {}: {e}", trash.display()),
@@ -111,6 +132,45 @@ pub fn empty_trash_at(root: BorrowedFd<'_>, path: &Path) -> Result<usize, Error>
         Some(e) => Err(e),
         None => Ok(deleted),
     }
+}
+
+/// Moves into the trash give up after this many of its removals in a row
+/// (each between a making of it and the hold on it): emptyings that race a
+/// move, never a failure of the move itself.
+const TRASH_TRIES: usize = 16;
+
+/// The trash directory of the root open as `root`, made if absent, open and
+/// held shared (flock) by the returned descriptor: an emptying removes the
+/// trash only under an exclusive hold it does not wait for, so a move into
+/// it finds it in place until the descriptor is dropped. Moves into it from
+/// several threads or processes at once each hold their own descriptor,
+/// each a shared hold. A trash removed between its making and the hold
+/// (its link count then 0) is made again.
+fn trash_held(root: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    for _ in 0..TRASH_TRIES {
+        let made = match sys::mkdir_at(root, OsStr::new(TRASH_DIR), 0o700) {
+            Ok(()) => true,
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => false,
+            Err(e) => return Err(e),
+        };
+        let dir = match sys::open_dir_at(root, OsStr::new(TRASH_DIR)) {
+            Ok(d) => d,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        sys::lock_shared(dir.as_fd())?;
+        if sys::stat(dir.as_fd())?.nlink == 0 {
+            continue;
+        }
+        if made {
+            sys::fsync(root)?;
+        }
+        return Ok(dir);
+    }
+    Err(io::Error::new(
+        io::ErrorKind::NotFound,
+        format!("{TRASH_DIR} was removed {TRASH_TRIES} times while a move into it began"),
+    ))
 }
 
 impl VolumeStore {
@@ -150,18 +210,12 @@ impl VolumeStore {
     /// caller holds. A crash leaves it under `name` or in the trash.
     pub(super) fn trash(&self, pkg: &PackageId, name: &OsStr) -> Result<(), Error> {
         let moved = || -> io::Result<()> {
-            // The trash may be removed by an emptying between its opening
-            // and the rename: made again, a few times at most.
-            let mut tries = 0;
-            loop {
-                // Only `pkg`'s operations, under its lock, make its names.
-                let dir = super::dir_made(self.root_fd(), OsStr::new(TRASH_DIR))?;
-                let to = super::next_numbered(dir.as_fd(), &format!("{pkg}."))?;
-                match sys::rename_at(self.root_fd(), name, dir.as_fd(), &to) {
-                    Err(e) if e.kind() == io::ErrorKind::NotFound && tries < 3 => tries += 1,
-                    r => return r,
-                }
-            }
+            // Held shared until the rename is done: no emptying removes it
+            // meanwhile (see `trash_held`).
+            let dir = trash_held(self.root_fd())?;
+            // Only `pkg`'s operations, under its lock, make its names.
+            let to = super::next_numbered(dir.as_fd(), &format!("{pkg}."))?;
+            sys::rename_at(self.root_fd(), name, dir.as_fd(), &to)
         };
         moved()
             .and_then(|()| failpoint("trash.moved"))
