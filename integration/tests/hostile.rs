@@ -1172,3 +1172,28 @@ fn volume_migrate_converts_on_a_small_filesystem_at_97_percent() {
     );
     assert!(root_names(&root).iter().all(|n| !n.contains(".migrate")));
 }
+
+/// A delete past its commit point (`<pkg>.delete`, as a crash just after it
+/// leaves it), then the metadata space full: recovery, which moves such a
+/// tree into the trash (a rename and maybe a new directory, both needing
+/// metadata space), deletes it in place instead, in one step, which frees
+/// space; before, every recovery of the package failed ("No space left on
+/// device"), and so every operation of it.
+#[test]
+fn with_metadata_full_a_pending_delete_is_still_finished() {
+    let fs = fs_or_skip!(LoopFs::btrfs(256 * MIB));
+    let root = volumes_root(&fs);
+    packages_to_fill(&root);
+    fs::rename(root.join("two"), root.join("two.delete")).unwrap();
+    fill(&fs, Fill::Metadata);
+    let out = volume_cli(&root, &["recover"], &[]);
+    assert!(
+        out.status.success(),
+        "recover on a full filesystem: {}",
+        text(&out.stderr)
+    );
+    assert!(
+        !root.join("two.delete").exists(),
+        "the pending delete is finished"
+    );
+}

@@ -1421,3 +1421,29 @@ fn recover_all_deletes_a_conversions_old_directory_whose_volume_is_gone() {
     );
     assert_eq!(root_names(&root), ["kept"]);
 }
+
+/// `create` over an existing volume where one of the asked volume
+/// directories is a file: refused, naming it, and none of the others made
+/// (bad input changes nothing), nor anything else under the package.
+#[test]
+fn create_refuses_a_non_directory_before_making_any() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let store = open(&root);
+    let a = pkg("a");
+    store.create(&a, &[vol("main")]).expect("create");
+    let main = store.volume_path(&a).join("data/main");
+    fs::remove_dir(&main).unwrap();
+    fs::write(&main, "a file where a volume directory goes").unwrap();
+    let before = digest(&root);
+    let e = store
+        .create(&a, &[vol("other"), vol("main")])
+        .expect_err("a file where a volume directory goes");
+    assert!(
+        e.to_string()
+            .contains("data/main exists and is not a directory"),
+        "{e}"
+    );
+    assert!(!store.volume_path(&a).join("data/other").exists());
+    assert_same(&before, &digest(&root), "after the refused create");
+}

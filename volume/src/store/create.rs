@@ -43,6 +43,30 @@ fn make_dir_at(dir: BorrowedFd<'_>, name: &OsStr, rel: &str) -> Result<OwnedFd, 
     })
 }
 
+/// Refuses the first of `data` and `data/<volume>` for each of `volumes`,
+/// below the tree open as `top`, that exists and is no directory, before
+/// anything is made: bad input changes nothing.
+fn refuse_non_directories(top: BorrowedFd<'_>, volumes: &[VolumeId]) -> Result<(), MakeFailed> {
+    let not_dir = |dir: BorrowedFd<'_>, name: &str| -> io::Result<bool> {
+        let st = sys::stat_at(dir, OsStr::new(name))?;
+        Ok(st.is_some_and(|st| st.file_type != sys::FileType::Directory))
+    };
+    if not_dir(top, "data")? {
+        return Err(MakeFailed::NotADirectory("data".to_owned()));
+    }
+    let data = match sys::open_dir_at(top, OsStr::new("data")) {
+        Ok(data) => data,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(MakeFailed::Io(e)),
+    };
+    for v in volumes {
+        if not_dir(data.as_fd(), v.as_str())? {
+            return Err(MakeFailed::NotADirectory(format!("data/{v}")));
+        }
+    }
+    Ok(())
+}
+
 impl VolumeStore {
     /// Makes sure `<pkg>` exists, creating it empty if missing: a subvolume
     /// on btrfs, a directory elsewhere (upstream's `ensure_volume_root`).
@@ -181,6 +205,7 @@ impl VolumeStore {
     ) -> Result<(), Error> {
         let mk = || -> Result<(), MakeFailed> {
             let top = sys::open_dir_at(self.root_fd(), name)?;
+            refuse_non_directories(top.as_fd(), volumes)?;
             let data = make_dir_at(top.as_fd(), OsStr::new("data"), "data")?;
             for v in volumes {
                 make_dir_at(data.as_fd(), OsStr::new(v.as_str()), &format!("data/{v}"))?;

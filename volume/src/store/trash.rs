@@ -55,6 +55,7 @@ use std::path::Path;
 use models::{Error, ErrorKind, PackageId, ResultExt};
 
 use super::{VolumeStore, delete_tree_at};
+use crate::errors::is_enospc;
 use crate::failpoint::failpoint;
 use crate::layout::TRASH_DIR;
 use crate::sys;
@@ -217,7 +218,19 @@ impl VolumeStore {
             let to = super::next_numbered(dir.as_fd(), &format!("{pkg}."))?;
             sys::rename_at(self.root_fd(), name, dir.as_fd(), &to)
         };
-        moved()
+        let moved = match moved() {
+            // Out of metadata space, the trash cannot be made nor the tree
+            // moved; deleting the tree is what frees space, and a subvolume
+            // with nothing nested goes in one step, under its own name (as a
+            // dropped backup does). Anything else stays an error.
+            Err(e) if is_enospc(&e) => match self.one_step_delete(name) {
+                Ok(true) => return Ok(()),
+                Ok(false) => Err(e),
+                Err(other) => Err(other),
+            },
+            r => r,
+        };
+        moved
             .and_then(|()| failpoint("trash.moved"))
             .and_then(|()| self.commit_root())
             .with_ctx(|_| {
