@@ -1197,3 +1197,48 @@ fn with_metadata_full_a_pending_delete_is_still_finished() {
         "the pending delete is finished"
     );
 }
+
+/// A `<pkg>.migrate` no run of ours leaves (here a symlink out of the
+/// root) beside a plain directory: the run refuses the package, and the dry
+/// run now says it would, instead of promising its conversion; nothing is
+/// followed or changed either way, and the other package converts.
+#[test]
+fn the_dry_run_refuses_a_stray_migrate_name_as_the_run_does() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    for p in ["ok", "odd"] {
+        fs::create_dir_all(root.join(p).join("data/main")).unwrap();
+        fs::write(root.join(p).join("data/main/file"), p).unwrap();
+    }
+    let outside = fs.path("outside");
+    fs::create_dir_all(&outside).unwrap();
+    std::os::unix::fs::symlink(&outside, root.join("odd.migrate")).unwrap();
+    let before = digest(&root);
+    let out = migrate_cli(&root, &["--dry-run"]);
+    let said = text(&out.stdout);
+    assert!(
+        said.contains("would refuse odd: ") && said.contains("neither a partial copy"),
+        "{said}\n{}",
+        text(&out.stderr)
+    );
+    assert!(said.contains("would convert ok"), "{said}");
+    assert_same(&before, &digest(&root), "after the dry run");
+    let out = migrate_cli(&root, &[]);
+    assert!(!out.status.success(), "the run refuses odd");
+    assert!(
+        text(&out.stderr).contains("neither a partial copy"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert_eq!(
+        fs::read_dir(&outside).unwrap().count(),
+        0,
+        "nothing followed"
+    );
+    let store = VolumeStore::open(&root).unwrap();
+    assert_eq!(
+        store.info(&pkg("ok")).unwrap().volume,
+        Some(VolumeKind::Subvolume),
+        "the other package converts"
+    );
+}

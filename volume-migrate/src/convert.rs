@@ -318,7 +318,12 @@ impl Migrator {
     /// `<pkg>.migrate-parent` that is neither a partial copy nor the old
     /// directory (`Incoherent`), or a `<pkg>` that is no directory
     /// (`InvalidRequest`). Reads nothing: `state` was read.
-    fn check_coherent(&self, pkg: &PackageId, names: &Names, state: &State) -> Result<(), Error> {
+    pub(crate) fn check_coherent(
+        &self,
+        pkg: &PackageId,
+        names: &Names,
+        state: &State,
+    ) -> Result<(), Error> {
         let incoherent = [
             (&names.migrate, state.tmp),
             (&names.migrate_parent, state.parent),

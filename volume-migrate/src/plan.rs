@@ -377,6 +377,15 @@ impl Migrator {
             }
             return Ok(());
         }
+        // A state no run of ours leaves: refused here as the run refuses
+        // it, so that a dry run says so.
+        if let Err(e) = self.check_coherent(pkg, &names, &state) {
+            survey.refused.push(Planned {
+                refused: Some(format!("{:#}", e.source)),
+                ..planned
+            });
+            return Ok(());
+        }
         let dir = sys::open_dir_at(self.root_fd(), &names.live)
             .with_ctx(step(pkg, "opening the volume"))?;
         let mounts = match &mut survey.mounts {
