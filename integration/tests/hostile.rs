@@ -1242,3 +1242,33 @@ fn the_dry_run_refuses_a_stray_migrate_name_as_the_run_does() {
         "the other package converts"
     );
 }
+
+/// `startos-volume --json` that fails before printing anything (a missing
+/// root, an invalid id) prints one JSON object on stdout with the error and
+/// its kind, beside the one line on stderr: a caller reading stdout never
+/// gets nothing.
+#[test]
+fn json_failures_are_json_on_stdout() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    for (args, kind) in [
+        (&["--json", "list"][..], None),
+        (&["--json", "snapshot", "Bad_Id"][..], Some("Invalid ID")),
+    ] {
+        let dir = if kind.is_none() {
+            root.join("missing")
+        } else {
+            root.clone()
+        };
+        let out = volume_cli(&dir, args, &[]);
+        assert!(!out.status.success(), "{args:?}");
+        let said: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{args:?}: stdout is no JSON ({e}): {}", text(&out.stdout)));
+        assert!(said["error"].is_string(), "{args:?}: {said}");
+        assert!(said["code"].is_i64(), "{args:?}: {said}");
+        if let Some(k) = kind {
+            assert_eq!(said["kind"], k, "{args:?}: {said}");
+        }
+        assert_eq!(text(&out.stderr).lines().count(), 1, "{args:?}");
+    }
+}

@@ -142,7 +142,13 @@ mod run {
         }
     }
 
+    /// Whether the command printed its result; a failure after it adds no
+    /// error object to stdout (see `main`).
+    pub(super) static EMITTED: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
+
     fn emit(json: bool, value: serde_json::Value, human: String) {
+        EMITTED.store(true, std::sync::atomic::Ordering::Relaxed);
         if json {
             println!("{value}");
         } else {
@@ -455,6 +461,7 @@ mod run {
                     })
                 })
                 .collect();
+            EMITTED.store(true, std::sync::atomic::Ordering::Relaxed);
             println!("{}", json!(out));
         } else {
             print_list(&rows);
@@ -513,11 +520,25 @@ fn main() -> ExitCode {
     volume::init_command_line_log();
     let cli = Cli::parse();
     #[cfg(target_os = "linux")]
-    match run::run(cli) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("startos-volume: {e}");
-            ExitCode::FAILURE
+    {
+        let json = cli.json;
+        match run::run(cli) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                // With --json, a failure is an object on stdout too, so a
+                // caller reading it never gets nothing; the line on stderr
+                // stays the one line a person reads.
+                if json && !run::EMITTED.load(std::sync::atomic::Ordering::Relaxed) {
+                    let kind = e.kind.as_str();
+                    let code = e.kind.code();
+                    println!(
+                        "{}",
+                        serde_json::json!({"error": e.to_string(), "kind": kind, "code": code})
+                    );
+                }
+                eprintln!("startos-volume: {e}");
+                ExitCode::FAILURE
+            }
         }
     }
     #[cfg(not(target_os = "linux"))]
