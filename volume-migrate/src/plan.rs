@@ -146,7 +146,9 @@ impl Migrator {
     /// Decides how each of `packages` is to be converted, all in one run, by
     /// `opts.method` (for [`Method::Auto`], the rule in the `decide`
     /// module's docs: every package a snapshot can serve is converted by
-    /// snapshotting the parent), and in which order: those heaviest first
+    /// snapshotting the parent; forced [`Method::SnapshotParent`]: a
+    /// package whose parent or tree rules a snapshot out is refused, with
+    /// the run's reason), and in which order: those heaviest first
     /// (with shares, a share's members together: the `split` module), then
     /// the clones by name. Plain directories under the root that are not
     /// in `packages` count as the rest of the parent, as anything else
