@@ -25,7 +25,7 @@ use crate::errors::step;
 use crate::job::Job;
 use crate::migrate::Migrator;
 use crate::options::{MetadataRoom, MigrateOptions};
-use crate::parent_plan::ParentPlan;
+use crate::parent_plan::{ParentPlan, forced_refusal};
 use crate::report::{Outcome, PackageReport, Planned, ShareUse};
 use crate::rest::RestRecord;
 use crate::scan::scan;
@@ -536,6 +536,8 @@ impl Migrator {
                 tracing::info!(package = %job.pkg, "cloning, not snapshotting the parent: {why}");
                 return Ok(Err(None));
             }
+            // Refused by the schedule: the check below says why, now.
+            None if forced => {}
             None => return Ok(Err(None)),
         }
         let pkg = job.pkg;
@@ -567,10 +569,7 @@ impl Migrator {
             return Err(Error::for_package(
                 pkg,
                 ErrorKind::InvalidRequest,
-                format!(
-                    "cannot convert {} by snapshotting its parent: {reason}",
-                    self.root.path().join(&job.names.live).display()
-                ),
+                forced_refusal(&self.root.path().join(&job.names.live), &reason),
             ));
         }
         tracing::info!(package = %pkg, "cloning, not snapshotting the parent: {reason}");

@@ -8,7 +8,7 @@ use std::collections::HashSet;
 use std::ffi::OsStr;
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 
 use models::{Error, PackageId, ResultExt};
@@ -150,6 +150,15 @@ fn count_rest(
         }));
     }
     Ok(Ok(rest.est))
+}
+
+/// The run's refusal of a forced snapshot of the parent for the plain
+/// directory at `live`, for `reason`: the error's text, and a dry run's.
+pub(crate) fn forced_refusal(live: &Path, reason: &CloneReason) -> String {
+    format!(
+        "cannot convert {} by snapshotting its parent: {reason}",
+        live.display()
+    )
 }
 
 /// Why the free metadata space does not cover a cut, with the figures; its

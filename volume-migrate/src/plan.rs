@@ -20,6 +20,7 @@ use crate::decide::{self, Candidate, CloneReason, Decided, Decision, Parent};
 use crate::errors::step;
 use crate::migrate::Migrator;
 use crate::options::MigrateOptions;
+use crate::parent_plan::{ParentPlan, forced_refusal};
 use crate::report::Planned;
 use crate::scan::{self, scan};
 use crate::state::{Kind, State};
@@ -53,16 +54,62 @@ impl Migrator {
         self.plan_with(&MigrateOptions::default())
     }
 
-    /// [`Migrator::plan`] for a run with `opts` (its method).
+    /// [`Migrator::plan`] for a run with `opts`: its method (forced
+    /// [`Method::SnapshotParent`]: each package checked as the run checks
+    /// it just before the cut, at the same cost, and refused with the
+    /// run's reason), and whether it removes the old trees
+    /// ([`MigrateOptions::remove_old`]: without, a package with only old
+    /// trees left is left out, as the run leaves it).
     pub fn plan_with(&self, opts: &MigrateOptions) -> Result<Vec<Planned>, Error> {
         let mut planned = self.schedule_for(&self.packages()?, opts, true, false)?;
         for p in &mut planned {
+            if opts.method == Method::SnapshotParent && p.decision.is_some() {
+                self.check_forced(p)?;
+            }
             if p.decision.is_some() {
                 self.estimate(p)?;
             }
         }
+        if !opts.remove_old {
+            planned = self.without_old(planned)?;
+        }
         shed_costs(&mut planned);
         Ok(planned)
+    }
+
+    /// The run's check of a forced snapshot of the parent just before the
+    /// cut ([`ParentPlan::prepare`], the whole rest of the parent counted
+    /// for NOCOW and preallocated files): `p` refused with the run's
+    /// reason if it fails.
+    fn check_forced(&self, p: &mut Planned) -> Result<(), Error> {
+        let pkg = &p.package;
+        let names = Names::new(pkg)?;
+        let src = sys::open_dir_at(self.root_fd(), &names.live)
+            .with_ctx(step(pkg, "opening the volume"))?;
+        let prepared = ParentPlan::prepare(&self.root, pkg, &names.live, src.as_fd(), None, true)?;
+        if let Err(why) = prepared {
+            p.refused = Some(forced_refusal(&self.root.path().join(&names.live), &why));
+            p.decision = None;
+        }
+        Ok(())
+    }
+
+    /// `planned` for a run that keeps the old trees: a package with only
+    /// old trees left is left out, and one with an exchange to finish has
+    /// no old trees to remove.
+    fn without_old(&self, planned: Vec<Planned>) -> Result<Vec<Planned>, Error> {
+        let mut kept = Vec::with_capacity(planned.len());
+        for mut p in planned {
+            if p.decision.is_none() && p.refused.is_none() && p.old_pending {
+                let state = State::read(&self.root, &p.package, &Names::new(&p.package)?)?;
+                if state.tmp == Kind::Absent && state.parent == Kind::Absent {
+                    continue;
+                }
+                p.old_pending = false;
+            }
+            kept.push(p);
+        }
+        Ok(kept)
     }
 
     /// Scans the plain directory of `p` whole, for its estimate and the
@@ -99,7 +146,9 @@ impl Migrator {
     /// Decides how each of `packages` is to be converted, all in one run, by
     /// `opts.method` (for [`Method::Auto`], the rule in the `decide`
     /// module's docs: every package a snapshot can serve is converted by
-    /// snapshotting the parent), and in which order: those heaviest first
+    /// snapshotting the parent; forced [`Method::SnapshotParent`]: a
+    /// package whose parent or tree rules a snapshot out is refused, with
+    /// the run's reason), and in which order: those heaviest first
     /// (with shares, a share's members together: the `split` module), then
     /// the clones by name. Plain directories under the root that are not
     /// in `packages` count as the rest of the parent, as anything else
@@ -137,9 +186,11 @@ impl Migrator {
                 format!("flushing the filesystem of {}", self.root.path().display()),
             )
         })?;
+        // A forced snapshot is checked as the run checks it just before
+        // the cut, so that the plan refuses what the run would.
         let parent = match opts.method {
-            Method::Auto => Some(self.parent()?),
-            Method::Clone | Method::SnapshotParent => None,
+            Method::Auto | Method::SnapshotParent => Some(self.parent()?),
+            Method::Clone => None,
         };
         let mut survey = Survey::default();
         for pkg in packages {
@@ -152,9 +203,9 @@ impl Migrator {
             mounts: _,
         } = survey;
         let (mut planned, cands): (Vec<Planned>, Vec<Candidate>) = candidates.into_iter().unzip();
-        let decided: Vec<Decided> = match &parent {
-            Some(parent) => decide::decide(&cands, parent),
-            None => decide::forced(&cands, opts.method),
+        let decided: Vec<Decided> = match (&parent, opts.method) {
+            (Some(parent), Method::Auto) => decide::decide(&cands, parent),
+            _ => decide::forced(&cands, opts.method),
         };
         for (p, d) in planned.iter_mut().zip(decided) {
             // For progress only, so only where there is progress to show: a
@@ -166,8 +217,14 @@ impl Migrator {
             p.decision = Some(d.decision);
             p.cut = d.cut;
         }
-        let ranks = match &parent {
-            Some(Ok(_)) => self.lay_out(&mut planned, fresh)?,
+        if let Some(parent) = parent
+            .as_ref()
+            .filter(|_| opts.method == Method::SnapshotParent)
+        {
+            self.refuse_forced(&mut planned, &cands, parent);
+        }
+        let ranks = match (&parent, opts.method) {
+            (Some(Ok(_)), Method::Auto) => self.lay_out(&mut planned, fresh)?,
             _ => HashMap::new(),
         };
         planned.extend(refused);
@@ -185,6 +242,30 @@ impl Migrator {
         });
         planned.extend(leftovers);
         Ok(planned)
+    }
+
+    /// With [`Method::SnapshotParent`] forced, refuses each of `planned`
+    /// (decided from `cands`, in the same order) that the run's check just
+    /// before the cut would refuse for what the schedule already read: the
+    /// parent out of reach or with mounts inside, nested subvolumes. Same
+    /// reason text as the run's error. Reads nothing.
+    fn refuse_forced(
+        &self,
+        planned: &mut [Planned],
+        cands: &[Candidate],
+        parent: &Result<Parent, CloneReason>,
+    ) {
+        for (p, c) in planned.iter_mut().zip(cands) {
+            let why = match (parent, &c.ineligible) {
+                (Err(why), _) | (Ok(_), Some(why @ CloneReason::NestedSubvolumes)) => why,
+                _ => continue,
+            };
+            p.refused = Some(forced_refusal(
+                &self.root.path().join(p.package.as_str()),
+                why,
+            ));
+            p.decision = None;
+        }
     }
 
     /// Where each package to be snapshotted takes its snapshot from (the

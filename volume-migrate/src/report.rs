@@ -97,8 +97,9 @@ pub struct PackageReport {
     /// were removed before the package was reported done (see
     /// [`crate::MigrateOptions::defer_cut`]).
     pub nocow_files: u64,
-    /// Whether the old directory is gone (else `<pkg>.migrate-old` remains
-    /// for [`crate::Migrator::remove_old`]).
+    /// Whether this call removed old trees of the package (else any
+    /// `<pkg>.migrate-old` remains for [`crate::Migrator::remove_old`]);
+    /// false where there were none to remove.
     pub old_removed: bool,
     /// Wall time of this call.
     #[serde(serialize_with = "ser_ms")]

@@ -48,7 +48,7 @@ impl Migrator {
                     continue;
                 }
                 match self.remove_old(&r.package, sink) {
-                    Ok(_) => r.old_removed = true,
+                    Ok(found) => r.old_removed |= found,
                     Err(e) => {
                         r.outcome = Outcome::Failed;
                         r.error = Some(ReportError::from(&e));

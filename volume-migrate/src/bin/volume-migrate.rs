@@ -138,7 +138,7 @@ fn run(cli: Cli) -> ExitCode {
         return ExitCode::SUCCESS;
     }
     if cli.dry_run {
-        dry_run::run(&migrator, method, cli.json)
+        dry_run::run(&migrator, method, cli.keep_old, cli.json)
     } else {
         convert::run(&migrator, method, cli.keep_old, cli.json)
     }
@@ -157,9 +157,10 @@ mod dry_run {
 
     use super::json_line;
 
-    pub(super) fn run(migrator: &Migrator, method: Method, json: bool) -> ExitCode {
+    pub(super) fn run(migrator: &Migrator, method: Method, keep_old: bool, json: bool) -> ExitCode {
         let plan = match migrator.plan_with(&MigrateOptions {
             method,
+            remove_old: !keep_old,
             ..MigrateOptions::default()
         }) {
             Ok(p) => p,
@@ -608,6 +609,14 @@ mod convert {
             .iter()
             .filter(|r| matches!(r.outcome, Outcome::Converted | Outcome::Finished))
             .count();
+        // Removed after every package was reported done.
+        for r in reports.iter().filter(|r| r.old_removed) {
+            if json {
+                json_line(json!({"event": "old-removed", "package": r.package}));
+            } else {
+                println!("removed the old trees of {}", r.package);
+            }
+        }
         if json {
             json_line(json!({
                 "event": "summary",
@@ -616,7 +625,10 @@ mod convert {
                 "failed": failed,
                 "old_removed": reports.iter().filter(|r| r.old_removed).count(),
             }));
-        } else if reports.is_empty() {
+        } else if reports
+            .iter()
+            .all(|r| r.outcome == Outcome::AlreadySubvolume && !r.old_removed)
+        {
             println!("nothing to convert");
         } else {
             // Failures to remove an old directory come after `on_done`.
