@@ -57,7 +57,8 @@ fn ok_json(root: &Path, args: &[&str]) -> Value {
 }
 
 /// Runs a command that must fail with exactly one line on stderr containing
-/// `needle`, and print nothing on stdout.
+/// `needle`, and print nothing on stdout but, with `--json`, one object
+/// holding the same error and its kind and code.
 #[track_caller]
 fn fails(root: &OsStr, args: &[&str], needle: &str) -> String {
     let out = startos_volume(root, args);
@@ -68,7 +69,21 @@ fn fails(root: &OsStr, args: &[&str], needle: &str) -> String {
         text(&out.stdout)
     );
     assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
-    assert_eq!(text(&out.stdout), "", "{args:?}: nothing on stdout");
+    let stdout = text(&out.stdout);
+    if args.contains(&"--json") {
+        assert_eq!(
+            stdout.lines().count(),
+            1,
+            "{args:?}: one JSON line: {stdout:?}"
+        );
+        let v: Value = serde_json::from_str(&stdout)
+            .unwrap_or_else(|e| panic!("{args:?}: bad JSON {stdout:?}: {e}"));
+        let error = v["error"].as_str().unwrap_or_default();
+        assert!(error.contains(needle), "{args:?}: {v}");
+        assert!(v["kind"].is_string() && v["code"].is_i64(), "{args:?}: {v}");
+    } else {
+        assert_eq!(stdout, "", "{args:?}: nothing on stdout");
+    }
     assert_eq!(
         stderr.lines().count(),
         1,
