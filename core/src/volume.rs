@@ -138,6 +138,16 @@ pub fn backup_dir(pkg_id: &(impl Display + ?Sized)) -> PathBuf {
 /// do the boot's conversions, each before its service is loaded.
 pub const LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(600);
 
+/// `r`, its error naming `pkg` if it does not yet: a step on the whole
+/// volumes root (opening it) failed for this package's call, and start-core
+/// logs and notifies per package.
+fn naming<T>(pkg: &PackageId, r: Result<T, Error>) -> Result<T, Error> {
+    r.map_err(|e| match e.to_string().contains(pkg.as_str()) {
+        true => e,
+        false => Error::new(e.source.wrap_err(format!("package {pkg}")), e.kind),
+    })
+}
+
 /// The volumes root on a StartOS server.
 pub fn volumes_root() -> PathBuf {
     volume::default_root()
@@ -208,7 +218,8 @@ impl InstallBackup {
     ) -> Result<T, Error> {
         let pkg = self.package()?;
         let root = self.root.clone();
-        blocking(move || f(&root, &pkg)).await
+        let named = pkg.clone();
+        naming(&named, blocking(move || f(&root, &pkg)).await)
     }
 
     /// Whether the backup `<pkg>.install-backup` exists, once whatever a
@@ -319,7 +330,8 @@ pub async fn ensure_volume_root_at(
 ) -> Result<(), Error> {
     let root = volumes_root.into();
     let pkg = parse_package(&pkg_id.to_string())?;
-    blocking(move || backend::ensure(&root, &pkg)).await
+    let named = pkg.clone();
+    naming(&named, blocking(move || backend::ensure(&root, &pkg)).await)
 }
 
 /// Makes everything written so far in the package's volume durable: on
@@ -342,7 +354,8 @@ pub async fn sync_volume_root_at(
 ) -> Result<(), Error> {
     let root = volumes_root.into();
     let pkg = parse_package(&pkg_id.to_string())?;
-    blocking(move || backend::sync(&root, &pkg)).await
+    let named = pkg.clone();
+    naming(&named, blocking(move || backend::sync(&root, &pkg)).await)
 }
 
 /// Deletes whatever is at `path` (upstream's `util::btrfs::delete_tree`,
@@ -495,7 +508,11 @@ pub async fn convert_package_to_subvolume_at(
 ) -> Result<(), Error> {
     let root = volumes_root.into();
     let pkg = parse_package(&pkg_id.to_string())?;
-    blocking(move || backend::convert(&root, &pkg)).await
+    let named = pkg.clone();
+    naming(
+        &named,
+        blocking(move || backend::convert(&root, &pkg)).await,
+    )
 }
 
 /// The volume store and volume-migrate, on Linux.
