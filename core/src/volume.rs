@@ -138,13 +138,21 @@ pub fn backup_dir(pkg_id: &(impl Display + ?Sized)) -> PathBuf {
 /// do the boot's conversions, each before its service is loaded.
 pub const LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(600);
 
-/// `r`, its error naming `pkg` if it does not yet: a step on the whole
+/// Runs the backend's operation `f` on `root` and `pkg` off the async
+/// runtime, its error naming `pkg` if it does not yet: a step on the whole
 /// volumes root (opening it) failed for this package's call, and start-core
 /// logs and notifies per package.
-fn naming<T>(pkg: &PackageId, r: Result<T, Error>) -> Result<T, Error> {
-    r.map_err(|e| match e.to_string().contains(pkg.as_str()) {
-        true => e,
-        false => Error::new(e.source.wrap_err(format!("package {pkg}")), e.kind),
+async fn on_package<T: Send + 'static>(
+    root: PathBuf,
+    pkg: PackageId,
+    f: fn(&Path, &PackageId) -> Result<T, Error>,
+) -> Result<T, Error> {
+    let named = pkg.clone();
+    blocking(move || f(&root, &pkg)).await.map_err(|e| {
+        match e.to_string().contains(named.as_str()) {
+            true => e,
+            false => Error::new(e.source.wrap_err(format!("package {named}")), e.kind),
+        }
     })
 }
 
@@ -216,10 +224,7 @@ impl InstallBackup {
         &self,
         f: fn(&Path, &PackageId) -> Result<T, Error>,
     ) -> Result<T, Error> {
-        let pkg = self.package()?;
-        let root = self.root.clone();
-        let named = pkg.clone();
-        naming(&named, blocking(move || f(&root, &pkg)).await)
+        on_package(self.root.clone(), self.package()?, f).await
     }
 
     /// Whether the backup `<pkg>.install-backup` exists, once whatever a
@@ -328,10 +333,8 @@ pub async fn ensure_volume_root_at(
     volumes_root: impl Into<PathBuf>,
     pkg_id: &(impl Display + ?Sized),
 ) -> Result<(), Error> {
-    let root = volumes_root.into();
     let pkg = parse_package(&pkg_id.to_string())?;
-    let named = pkg.clone();
-    naming(&named, blocking(move || backend::ensure(&root, &pkg)).await)
+    on_package(volumes_root.into(), pkg, backend::ensure).await
 }
 
 /// Makes everything written so far in the package's volume durable: on
@@ -352,10 +355,8 @@ pub async fn sync_volume_root_at(
     volumes_root: impl Into<PathBuf>,
     pkg_id: &(impl Display + ?Sized),
 ) -> Result<(), Error> {
-    let root = volumes_root.into();
     let pkg = parse_package(&pkg_id.to_string())?;
-    let named = pkg.clone();
-    naming(&named, blocking(move || backend::sync(&root, &pkg)).await)
+    on_package(volumes_root.into(), pkg, backend::sync).await
 }
 
 /// Deletes whatever is at `path` (upstream's `util::btrfs::delete_tree`,
@@ -506,13 +507,8 @@ pub async fn convert_package_to_subvolume_at(
     volumes_root: impl Into<PathBuf>,
     pkg_id: &(impl Display + ?Sized),
 ) -> Result<(), Error> {
-    let root = volumes_root.into();
     let pkg = parse_package(&pkg_id.to_string())?;
-    let named = pkg.clone();
-    naming(
-        &named,
-        blocking(move || backend::convert(&root, &pkg)).await,
-    )
+    on_package(volumes_root.into(), pkg, backend::convert).await
 }
 
 /// The volume store and volume-migrate, on Linux.
