@@ -111,11 +111,17 @@ fn a_retry_after_a_restore_killed_past_its_exchange_has_a_backup_of_the_old_data
 /// commit of the rollback's exchange: the update's one record (the rollback
 /// copy's identity, a symlink), then the exchange, then its commit.
 fn exchange_commit(log: &str) -> u64 {
-    let calls: Vec<(u64, &str)> = log
+    let mut calls: Vec<(u64, &str)> = log
         .lines()
-        .filter_map(|l| l.split_once(' '))
-        .map(|(n, c)| (n.parse().expect("a call number"), c))
+        .map(|l| {
+            l.split_once(' ')
+                .and_then(|(n, c)| Some((n.parse().ok()?, c)))
+                .unwrap_or_else(|| panic!("not an `N name` line of the trace: {l:?}"))
+        })
         .collect();
+    // A thread working beside (the failed update's background cleanup)
+    // takes its number before it writes its line.
+    calls.sort_unstable_by_key(|&(n, _)| n);
     let after = |from: usize, name: &str| {
         from + calls[from..]
             .iter()

@@ -128,13 +128,20 @@ mod armed {
     /// Appends `N NAME` to [`FAULT_LOG_ENV`]'s file, if set: the sweep's
     /// bookkeeping, not the operation's, so its own failure changes
     /// nothing the operation sees.
+    ///
+    /// The line goes out in one `write` to a file opened `O_APPEND`, so a
+    /// line of a thread working beside (a background cleanup) or of a
+    /// child process lands whole before or after it: `writeln!` on the
+    /// file itself writes the number, the space and the name separately,
+    /// and a trace interleaved that way once lost the number of its line.
     fn log(n: u64, name: &str) {
         if let Some(log) = std::env::var_os(FAULT_LOG_ENV) {
+            let line = format!("{n} {name}\n");
             let _ = std::fs::OpenOptions::new()
                 .create(true)
                 .append(true)
                 .open(log)
-                .and_then(|mut f| writeln!(f, "{n} {name}"));
+                .and_then(|mut f| f.write_all(line.as_bytes()));
         }
     }
 }
