@@ -221,9 +221,10 @@ fn run_scenario(scn: &Scenario<'_>, cases: &[Case]) {
 
         crash_at(scn.root, &package, scn.op, case.failpoint);
 
-        // The crash left work for recovery: some transient name or record.
+        // The crash left work for recovery: some transient name or record,
+        // or garbage in the trash.
         assert!(
-            !transient_names(scn.root).is_empty(),
+            !transient_names(scn.root).is_empty() || !trash_entries(scn.root).is_empty(),
             "{when}: the crash should have interrupted the operation mid-way"
         );
 
@@ -464,12 +465,12 @@ fn drop_survives_a_crash_at_every_step() {
             Case {
                 failpoint: "drop.renamed",
                 expect: Expect::After,
-                why: "the backup was renamed to .drop, so recovery finishes deleting it",
+                why: "the backup was moved to the trash, which recovery empties",
             },
             Case {
                 failpoint: "delete-entry.writable",
                 expect: Expect::After,
-                why: "it died deleting the renamed backup, which recovery finishes",
+                why: "it died deleting the dropped backup in the trash, which recovery empties",
             },
         ],
     );
@@ -513,12 +514,12 @@ fn delete_survives_a_crash_at_every_step() {
             Case {
                 failpoint: "drop.renamed",
                 expect: Expect::After,
-                why: "the volume was .delete and the backup renamed to .drop",
+                why: "the volume was .delete and the backup in the trash",
             },
             Case {
                 failpoint: "delete-entry.writable",
                 expect: Expect::After,
-                why: "it died deleting the dropped backup, with the volume still .delete",
+                why: "it died emptying the trash of the volume and its backup",
             },
             Case {
                 failpoint: "delete.backup-dropped",
@@ -702,7 +703,7 @@ fn delete_of_a_plain_directory_with_a_backup_survives_a_crash() {
             Case {
                 failpoint: "drop.renamed",
                 expect: Expect::After,
-                why: "the backup was renamed to .drop with the volume still .delete",
+                why: "the backup was in the trash with the volume still .delete",
             },
             Case {
                 failpoint: "delete.backup-dropped",
@@ -728,9 +729,10 @@ fn recovery_survives_crashes_of_its_own() {
     };
     crash_at(&root, package, "restore", "restore.exchanged");
     // Past the exchange, recovery moves the replaced volume aside
-    // (restore.replaced-moved), drops the backup (drop.renamed), removes the
-    // record (after restore.backup-dropped), then deletes the dropped backup
-    // and the replaced volume (restore.replaced-deleted). Each rerun passes
+    // (restore.replaced-moved), drops the backup into the trash
+    // (drop.renamed), removes the record (after restore.backup-dropped),
+    // moves the replaced volume to the trash too (restore.replaced-deleted),
+    // then empties the trash. Each rerun passes
     // the earlier points again, so each kill lands one step further.
     for fp in [
         "restore.replaced-moved",

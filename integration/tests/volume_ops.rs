@@ -1255,7 +1255,9 @@ fn restore_deferring_purge_leaves_only_garbage_behind() {
 
     assert!(store.restore_deferring_purge(&app).expect("restore"));
     assert_same(&snapshotted, &digest(&live), "restored volume");
-    assert_eq!(root_names(&root), ["app", "app.replaced"]);
+    // The backup it consumed waits in the trash, as garbage, for the purge.
+    assert_eq!(root_names(&root), [".trash", "app", "app.replaced"]);
+    assert_eq!(trash_entries(&root), ["app.1"]);
     assert_same(
         &modified,
         &digest(&root.join("app.replaced")),
@@ -1264,6 +1266,7 @@ fn restore_deferring_purge_leaves_only_garbage_behind() {
     assert!(store.purge(&app).expect("purge"));
     assert!(!store.purge(&app).expect("second purge"));
     assert_no_transient_names(&root, "after purge");
+    assert_eq!(root_names(&root), ["app"], "the trash emptied by the purge");
 
     // Not purged: the next operation on the package deletes it first.
     assert!(store.snapshot(&app).expect("snapshot").created());
@@ -1446,4 +1449,49 @@ fn create_refuses_a_non_directory_before_making_any() {
     );
     assert!(!store.volume_path(&a).join("data/other").exists());
     assert_same(&before, &digest(&root), "after the refused create");
+}
+
+/// `info` takes no lock, so a recovery may reclaim `<pkg>.held` (remove the
+/// directory) between its look at the name and its read of the entries:
+/// that is a package with no held tree, never an error.
+#[test]
+fn info_never_fails_on_a_held_tree_reclaimed_meanwhile() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let store = open(&root);
+    let app = pkg("app");
+    store.create(&app, &[vol("main")]).expect("create");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (root, stop, app) = (root.clone(), stop.clone(), app.clone());
+        thread::spawn(move || {
+            let store = VolumeStore::open_without_recovery(&root).expect("open");
+            let mut reads = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                store
+                    .info(&app)
+                    .unwrap_or_else(|e| panic!("info after {reads} reads: {e}"));
+                reads += 1;
+            }
+            reads
+        })
+    };
+    // A tree no mount holds, kept as if one had: the next recovery
+    // reclaims it and removes the directory.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let mut reclaims = 0;
+    while Instant::now() < deadline && !reader.is_finished() {
+        fs::create_dir_all(root.join("app.held/1")).unwrap();
+        store.recover(&app).expect("recover");
+        assert!(!root.join("app.held").exists());
+        reclaims += 1;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let reads = reader
+        .join()
+        .unwrap_or_else(|e| std::panic::resume_unwind(e));
+    assert!(
+        reclaims > 10 && reads > 100,
+        "{reclaims} reclaims, {reads} reads"
+    );
 }

@@ -28,7 +28,8 @@ pub const INSTALL_BACKUP_SUFFIX: &str = ".install-backup";
 pub const CREATE_SUFFIX: &str = ".create";
 /// A backup being built; only renamed to the backup name once complete.
 pub const BACKUP_TMP_SUFFIX: &str = ".install-backup.tmp";
-/// A backup being dropped; whatever is left of it is garbage.
+/// A backup an earlier version was dropping (a drop now moves the backup
+/// into the trash); whatever is left of it is garbage.
 pub const BACKUP_DROP_SUFFIX: &str = ".install-backup.drop";
 /// Record: which subvolumes nested in the backup were read-only in the
 /// volume (the backup freezes them all). Written before the backup gets its

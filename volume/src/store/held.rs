@@ -147,6 +147,11 @@ impl VolumeStore {
     /// The entries of `<pkg>.held`, sorted; empty if it is absent. An
     /// entry under that name that is no directory is refused as any stray
     /// under one of the package's names.
+    ///
+    /// Safe without the package's lock (`info` reads it so): a reclaim
+    /// that removes the directory between the look and the open, or
+    /// between the open and the read, leaves it absent, as if looked at
+    /// after.
     pub(super) fn held_trees(
         &self,
         pkg: &PackageId,
@@ -164,19 +169,27 @@ impl VolumeStore {
                 )),
             )
         };
-        let dir = sys::open_dir_at(self.root_fd(), &names.held).with_ctx(ctx)?;
-        let mut out: Vec<OsString> = sys::read_dir_names(dir.as_fd())
-            .with_ctx(ctx)?
-            .into_iter()
-            .map(|(name, _, _)| name)
-            .collect();
+        let dir = match sys::open_dir_at(self.root_fd(), &names.held) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            dir => dir.with_ctx(ctx)?,
+        };
+        let mut out: Vec<OsString> = match sys::read_dir_names(dir.as_fd()) {
+            // Removed since it was opened (reading a removed directory
+            // fails with ENOENT).
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            names => names.with_ctx(ctx)?,
+        }
+        .into_iter()
+        .map(|(name, _, _)| name)
+        .collect();
         out.sort();
         Ok(out)
     }
 
-    /// Deletes each tree of `<pkg>.held` that no mount in any namespace
-    /// holds any more, then the directory once empty; one action line per
-    /// tree deleted. Never fails for a held tree: one still mounted is
+    /// Moves each tree of `<pkg>.held` that no mount in any namespace
+    /// holds any more into the trash (`trash_garbage`: deleted once the
+    /// lock is released, as every tree the store no longer uses), then
+    /// removes the directory once empty; one action line per tree. Never fails for a held tree: one still mounted is
     /// kept, and a failure to read the mount tables or to delete one is a
     /// warning (the next recovery tries again), so no operation of the
     /// package ever fails because a dependent still holds an old volume.
@@ -213,10 +226,7 @@ impl VolumeStore {
                     kept += 1;
                     continue;
                 }
-                match self
-                    .delete_entry_in(dir.as_fd(), name)
-                    .and_then(|()| sys::fsync(dir.as_fd()))
-                {
+                match self.trash_garbage(pkg, dir.as_fd(), name) {
                     Ok(()) => actions.push(format!(
                         "deleted {}, kept while it was mounted, now that no mount holds it",
                         path.display()

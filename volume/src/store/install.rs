@@ -42,24 +42,29 @@ impl VolumeStore {
     /// the fresh-install marker exactly when no volume is left.
     ///
     /// A crash part-way leaves one of the store's states: the backup
-    /// dropped or not (a `.drop` name recovery deletes), the restore before
+    /// dropped (in the trash) or not, the restore before
     /// or past its commit point (see [`VolumeStore::restore`]), the marker
     /// set or not; the next call decides again from what is there.
     pub fn begin_install(&self, pkg: &PackageId) -> Result<Begun, Error> {
-        let held = self.hold_recovered(pkg, Names::new(pkg)?)?;
-        let names = &held.names;
-        let begun = if self.tree(pkg, &names.live)?.is_some() {
-            Begun::Volume {
-                dropped_backup: self.drop_locked(pkg, names)?,
-            }
-        } else if self.restore_locked(pkg, names)? {
-            self.purge_locked(pkg, names)?;
-            tracing::warn!(package = %pkg, "begin: the install backup was the only copy of the volume; put it back");
-            Begun::PutBack
-        } else {
-            Begun::Fresh
+        let begun = {
+            let held = self.hold_recovered(pkg, Names::new(pkg)?)?;
+            let names = &held.names;
+            let begun = if self.tree(pkg, &names.live)?.is_some() {
+                Begun::Volume {
+                    dropped_backup: self.drop_locked(pkg, names)?,
+                }
+            } else if self.restore_locked(pkg, names)? {
+                self.purge_locked(pkg, names)?;
+                tracing::warn!(package = %pkg, "begin: the install backup was the only copy of the volume; put it back");
+                Begun::PutBack
+            } else {
+                Begun::Fresh
+            };
+            self.mark_fresh_locked(pkg, &names.fresh, begun == Begun::Fresh)?;
+            begun
         };
-        self.mark_fresh_locked(pkg, &names.fresh, begun == Begun::Fresh)?;
+        // The dropped backup is in the trash: deleted off the lock.
+        self.purge_after();
         Ok(begun)
     }
 
@@ -70,18 +75,22 @@ impl VolumeStore {
     /// it is the only copy and is kept: the result is then
     /// [`SnapshotOutcome::NoVolume`].
     ///
-    /// A crash part-way leaves the old backup or none (its `.drop` name is
+    /// A crash part-way leaves the old backup or none (in the trash, which is
     /// garbage), and no new one or a complete one.
     pub fn snapshot_replacing(&self, pkg: &PackageId) -> Result<SnapshotOutcome, Error> {
         let Some(names) = self.present(pkg)? else {
             return Ok(SnapshotOutcome::NoVolume);
         };
-        let held = self.hold_recovered(pkg, names)?;
-        let names = &held.names;
-        if self.tree(pkg, &names.live)?.is_some() && self.tree(pkg, &names.backup)?.is_some() {
-            tracing::warn!(package = %pkg, "an install backup was left without `begin`; replacing it");
-            self.drop_locked(pkg, names)?;
-        }
-        self.snapshot_locked(pkg, names)
+        let snapshot = {
+            let held = self.hold_recovered(pkg, names)?;
+            let names = &held.names;
+            if self.tree(pkg, &names.live)?.is_some() && self.tree(pkg, &names.backup)?.is_some() {
+                tracing::warn!(package = %pkg, "an install backup was left without `begin`; replacing it");
+                self.drop_locked(pkg, names)?;
+            }
+            self.snapshot_locked(pkg, names)?
+        };
+        self.purge_after();
+        Ok(snapshot)
     }
 }

@@ -36,8 +36,9 @@
 //!   `<pkg>.rollback` has the recorded identity is the restored volume:
 //!   `<pkg>` means the exchange happened (finish), `.rollback` that it did
 //!   not (exchange, then finish).
-//! - **drop**: the backup is renamed to `.install-backup.drop`, which is
-//!   garbage.
+//! - **drop**: the backup is moved into the trash, in one rename and one
+//!   commit (an earlier version renamed it to `.install-backup.drop`,
+//!   garbage that recovery moves there).
 //! - **delete**: `<pkg>` is renamed to `<pkg>.delete`, the commit point;
 //!   while `.delete` exists the delete is under way, so recovery drops the
 //!   backup, then deletes `.delete`, last.
@@ -51,8 +52,8 @@
 //! - **kept while mounted** ([`held`]): the volume a restore replaced, or
 //!   a deleted one (`.delete`), that a mount still holds is moved into
 //!   `<pkg>.held/<n>` in one rename rather than deleted; an entry there is
-//!   garbage once no mount holds it, deleted by recovery, then the empty
-//!   directory. No mount ever makes a restore or a delete fail.
+//!   garbage once no mount holds it, moved to the trash by recovery, then
+//!   the empty directory removed. No mount ever makes a restore or a delete fail.
 //!
 //! ## Where each operation lives
 //!
@@ -370,7 +371,12 @@ impl VolumeStore {
             None => Ok(Entry::Absent),
             Some(st) if !st.is_dir() => Ok(Entry::Other(st.file_type)),
             Some(_) => {
-                let fd = sys::open_dir_at(self.root_fd(), name)?;
+                let fd = match sys::open_dir_at(self.root_fd(), name) {
+                    // Removed since the stat: for a reader without the
+                    // package's lock (`info`, `list`), as if looked at after.
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Entry::Absent),
+                    fd => fd?,
+                };
                 Ok(Entry::Tree(if sys::is_subvolume(fd.as_fd())? {
                     VolumeKind::Subvolume
                 } else {
@@ -429,14 +435,6 @@ impl VolumeStore {
     /// partial tree under a name that recovery deletes again.
     fn delete_entry(&self, name: &OsStr) -> io::Result<()> {
         delete_tree_at(self.root_fd(), name)
-    }
-
-    /// Removes the entry `name` of `dir`, a directory of the store's own
-    /// under the root (`<pkg>.held`), and everything below it (see
-    /// [`delete_tree_at`]): a crash part-way leaves part of a tree that
-    /// was garbage already.
-    fn delete_entry_in(&self, dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
-        delete_tree_at(dir, name)
     }
 
     /// Whether the tree `name` can be deleted in one atomic step, under its

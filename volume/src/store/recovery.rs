@@ -206,9 +206,10 @@ impl VolumeStore {
         if let Some(action) = self.recover_restore(pkg, names)? {
             actions.push(action.to_owned());
         }
+        // A drop renamed the backup to `.drop` and died before moving it
+        // into the trash.
         if self.tree(pkg, &names.backup_drop)?.is_some() {
-            self.delete_entry(&names.backup_drop)
-                .and_then(|()| self.fsync_root())
+            self.trash_garbage(pkg, self.root_fd(), &names.backup_drop)
                 .with_ctx(io_ctx("deleting a dropped backup"))?;
             actions.push("finished dropping the install backup".to_owned());
         }

@@ -131,7 +131,8 @@ impl VolumeStore {
     /// delete can take seconds: a caller restarting the old service should
     /// do that first and purge afterwards. The restore itself is complete
     /// when this returns; `<pkg>.replaced` is garbage that any later
-    /// operation's recovery, or `purge`, deletes.
+    /// operation's recovery, or `purge`, deletes, and so is the backup it
+    /// consumed, left in the trash for the next emptying (`purge`'s).
     pub fn restore_deferring_purge(&self, pkg: &PackageId) -> Result<bool, Error> {
         let Some(names) = self.present(pkg)? else {
             return Ok(false);
