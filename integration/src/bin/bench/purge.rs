@@ -1,7 +1,8 @@
 //! `purge`: a restore and a delete of a volume of many small files, all
-//! cached (as a running service's are), at 100k and 1M files: the call a
-//! user waits on, and the purge after it (deleting the tree the operation
-//! no longer uses), reported apart.
+//! cached (as a running service's are), at 100k and 1M files, and the drop
+//! of a plain directory's reflink backup of as many (start-core's last
+//! step of an install): the call a user waits on, and the purge after it
+//! (deleting the tree the operation no longer uses), reported apart.
 //!
 //! Deleting a subvolume evicts its cached inodes in the calling thread, so
 //! the purge grows with the files of the volume. Two ways are timed, on the
@@ -41,7 +42,8 @@ const CALL_TARGET: Duration = Duration::from_millis(100);
 pub struct Row {
     /// Files in the volume.
     pub files: u64,
-    /// `restore` or `delete`.
+    /// `restore`, `delete`, or `drop` (of a plain directory's reflink
+    /// backup).
     pub op: &'static str,
     /// `inline` or `deferred`.
     pub way: &'static str,
@@ -141,8 +143,55 @@ fn run_count(files: u64, rows: &mut Vec<Row>) -> Result<()> {
             });
         }
         settle(&s.path(""))?;
+        rows.push(drop_reflink_backup(&s, &store, &seed, files, way)?);
     }
     s.close()
+}
+
+/// The drop of a reflink backup (what a plain-directory volume, one not
+/// yet converted, gets for an update), the call start-core's install
+/// finishes with: the volume a plain directory copied from `seed`, its
+/// backup taken by the store (every inode of it cached by the copy), then
+/// dropped; the volume deleted after, untimed.
+fn drop_reflink_backup(
+    s: &Scratch,
+    store: &VolumeStore,
+    seed: &Path,
+    files: u64,
+    way: &'static str,
+) -> Result<Row> {
+    let pkg = s.package();
+    fs::create_dir(s.live())?;
+    run_command(
+        Command::new("cp")
+            .args(["-a", "--reflink=always"])
+            .arg(seed.join("."))
+            .arg(s.live()),
+    )?;
+    store.snapshot(pkg).map_err(volume_err)?;
+    warm(
+        &s.root()
+            .join(format!("{pkg}{}", volume::layout::INSTALL_BACKUP_SUFFIX)),
+    )?;
+    settle(&s.path(""))?;
+    let (_, call) = timed(|| store.drop_backup(pkg)).map_err(volume_err)?;
+    let (_, purge) = timed(|| store.empty_trash()).map_err(volume_err)?;
+    eprintln!(
+        "purge: {} files, drop of a reflink backup {way}: call {}, purge {}",
+        fmt_count(files),
+        fmt_duration(call),
+        fmt_duration(purge)
+    );
+    store.delete(pkg).map_err(volume_err)?;
+    store.empty_trash().map_err(volume_err)?;
+    settle(&s.path(""))?;
+    Ok(Row {
+        files,
+        op: "drop",
+        way,
+        call: call.as_secs_f64(),
+        purge: purge.as_secs_f64(),
+    })
 }
 
 /// Runs the section at each file count of `counts`.
@@ -156,7 +205,10 @@ pub fn run(counts: &[u64]) -> Result<Report> {
 
 /// Prints the table and the target line.
 pub fn print(r: &Report) {
-    println!("restore and delete of a volume of small files, every inode cached (one run each):");
+    println!(
+        "restore and delete of a volume of small files, and drop of a reflink backup of them, \
+         every inode cached (one run each):"
+    );
     println!(
         "{:>10}  {:<8} {:<9} {:>12} {:>14}",
         "files", "op", "purge", "call (waited)", "purge after"
@@ -174,6 +226,26 @@ pub fn print(r: &Report) {
             fmt_duration(Duration::from_secs_f64(row.call)),
             purge
         );
+    }
+    for deferred in r
+        .rows
+        .iter()
+        .filter(|x| x.op == "drop" && x.way == "deferred")
+    {
+        let inline = r
+            .rows
+            .iter()
+            .find(|x| x.op == "drop" && x.way == "inline" && x.files == deferred.files);
+        if let Some(inline) = inline {
+            println!(
+                "drop of a reflink backup of {} files: the call {} deferred against {} inline \
+                 (as it was, deleted in the call): {:.3}x",
+                fmt_count(deferred.files),
+                fmt_duration(Duration::from_secs_f64(deferred.call)),
+                fmt_duration(Duration::from_secs_f64(inline.call)),
+                deferred.call / inline.call
+            );
+        }
     }
     let worst = r
         .rows
