@@ -7,13 +7,16 @@
 //! refused. A bind mount of the volume in such a container, the data it
 //! really shows, still counts (by its source), wherever it is mounted.
 //! On real btrfs, each container a process in a mount namespace of its own
-//! whose root is a tmpfs, with the host's programs bind-mounted in.
+//! whose root is a tmpfs, with the host's programs bind-mounted in; and
+//! one in a user namespace too, whose root is a FUSE filesystem (bindfs)
+//! that answers root's stat of it with EACCES.
 
 mod common;
 
 use std::fs;
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::MetadataExt;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
@@ -24,9 +27,36 @@ use volume_migrate::{MigrateOptions, Migrator, Progress};
 
 /// A container: a process in a mount namespace of its own, whose root is
 /// a tmpfs it mounted at `rootfs` (seen in its namespace only) and then
-/// pivoted into, the host's old root unmounted from it. Killed on drop.
+/// pivoted into, the host's old root unmounted from it; or, from
+/// [`Container::on_fuse`], a FUSE root. Its process group (the FUSE
+/// server too) is killed on drop.
 struct Container {
     child: Child,
+}
+
+/// The script's lines that put the host's programs in `$R` (a mount made
+/// in the container's namespace), to be its root.
+fn programs_in_r() -> String {
+    "mkdir -p \"$R/usr\"; mount --bind /usr \"$R/usr\"; \
+     for l in bin sbin lib lib64; do \
+       if [ -L \"/$l\" ]; then cp -P \"/$l\" \"$R/$l\"; \
+       elif [ -d \"/$l\" ]; then mkdir \"$R/$l\"; mount --bind \"/$l\" \"$R/$l\"; fi; \
+     done; "
+        .to_owned()
+}
+
+/// The script's lines that mount a tmpfs at each of `spoofed` (absolute
+/// paths as this process spells them) inside `$R`.
+fn spoofs_in_r(spoofed: &[PathBuf]) -> String {
+    spoofed
+        .iter()
+        .map(|p| {
+            format!(
+                "mkdir -p \"$R{p}\"; mount -t tmpfs spoof \"$R{p}\"; ",
+                p = p.display()
+            )
+        })
+        .collect()
 }
 
 impl Container {
@@ -38,20 +68,11 @@ impl Container {
         fs::create_dir_all(rootfs).unwrap();
         let mut script = format!(
             "set -e; R='{}'; mount -t tmpfs rootfs \"$R\"; \
-             mkdir -p \"$R/usr\" \"$R/proc\" \"$R/old\"; \
-             mount --bind /usr \"$R/usr\"; mount -t proc proc \"$R/proc\"; \
-             for l in bin sbin lib lib64; do \
-               if [ -L \"/$l\" ]; then cp -P \"/$l\" \"$R/$l\"; \
-               elif [ -d \"/$l\" ]; then mkdir \"$R/$l\"; mount --bind \"/$l\" \"$R/$l\"; fi; \
-             done; ",
+             mkdir -p \"$R/proc\" \"$R/old\"; mount -t proc proc \"$R/proc\"; ",
             rootfs.display()
         );
-        for p in spoofed {
-            script += &format!(
-                "mkdir -p \"$R{p}\"; mount -t tmpfs spoof \"$R{p}\"; ",
-                p = p.display()
-            );
-        }
+        script += &programs_in_r();
+        script += &spoofs_in_r(spoofed);
         if let Some(src) = bind {
             script += &format!(
                 "mkdir \"$R/data\"; mount --bind '{}' \"$R/data\"; ",
@@ -59,8 +80,62 @@ impl Container {
             );
         }
         script += "cd \"$R\"; pivot_root . old; umount -l /old; echo ready; exec sleep 600";
+        let container = Container::spawn(&[], &script);
+        container.assert_spoofs(spoofed);
+        container
+    }
+
+    /// Starts one in a user namespace of its own too, whose root is a
+    /// bindfs (FUSE) mount at `dir/root` of a tmpfs at `dir/src`, with a
+    /// tmpfs at each of `spoofed`: root's stat of its root fails (FUSE
+    /// answers anyone outside the user namespace that mounted it EACCES).
+    /// Entered by `chroot`: the FUSE server, in its namespace too, keeps
+    /// our root, and the container must be the namespace's lowest process.
+    fn on_fuse(dir: &Path, spoofed: &[PathBuf]) -> Container {
+        if Command::new("bindfs").arg("--version").output().is_err() {
+            panic!("bindfs is missing: run `make deps`");
+        }
+        let (src, root) = (dir.join("src"), dir.join("root"));
+        fs::create_dir_all(&src).unwrap();
+        fs::create_dir_all(&root).unwrap();
+        let mut script = format!(
+            "set -e; R='{src}'; mount -t tmpfs src \"$R\"; ",
+            src = src.display()
+        );
+        script += &programs_in_r();
+        for p in spoofed {
+            script += &format!("mkdir -p \"$R{}\"; ", p.display());
+        }
+        script += &format!(
+            "bindfs -f \"$R\" '{root}' & i=0; \
+             while ! grep -qF ' {root} ' /proc/self/mountinfo; do \
+               i=$((i+1)); [ $i -lt 1000 ] || exit 1; sleep 0.01; \
+             done; R='{root}'; ",
+            root = root.display()
+        );
+        for p in spoofed {
+            script += &format!("mount -t tmpfs spoof \"$R{}\"; ", p.display());
+        }
+        script += "echo ready; exec chroot \"$R\" /usr/bin/sleep 600";
+        let container = Container::spawn(&["--user", "--map-root-user"], &script);
+        let root_stat = fs::metadata(format!("/proc/{}/root", container.pid()));
+        assert_eq!(
+            root_stat.map_err(|e| e.kind()).err(),
+            Some(std::io::ErrorKind::PermissionDenied),
+            "the FUSE root must refuse root's stat"
+        );
+        container.assert_lowest_in_its_namespace();
+        container.assert_spoofs(spoofed);
+        container
+    }
+
+    /// Runs `script` under `unshare --mount` (and `namespaces`) in a
+    /// process group of its own, until it says "ready" and is `sleep`.
+    fn spawn(namespaces: &[&str], script: &str) -> Container {
         let mut child = Command::new("unshare")
-            .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+            .args(namespaces)
+            .args(["--mount", "--propagation", "private", "sh", "-c", script])
+            .process_group(0)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -71,7 +146,6 @@ impl Container {
         BufReader::new(stdout).read_line(&mut line).unwrap();
         assert_eq!(line.trim(), "ready", "the container could not start");
         container.wait_for_sleep();
-        container.assert_spoofs(spoofed);
         container
     }
 
@@ -94,10 +168,7 @@ impl Container {
     /// mountinfo spells each spoofed mount point as this process spells
     /// the path.
     fn assert_spoofs(&self, spoofed: &[PathBuf]) {
-        let id = |p: &str| {
-            let m = fs::metadata(p).unwrap_or_else(|e| panic!("{p}: {e}"));
-            (m.dev(), m.ino())
-        };
+        let id = |p: &str| fs::metadata(p).map(|m| (m.dev(), m.ino())).ok();
         assert_ne!(id(&format!("/proc/{}/root", self.pid())), id("/"));
         let table = fs::read(format!("/proc/{}/mountinfo", self.pid())).unwrap();
         let table = String::from_utf8_lossy(&table);
@@ -109,10 +180,28 @@ impl Container {
             );
         }
     }
+
+    /// The mount tables are read through a namespace's lowest process:
+    /// the container, not the FUSE server beside it.
+    fn assert_lowest_in_its_namespace(&self) {
+        let ns = |pid: &str| fs::read_link(format!("/proc/{pid}/ns/mnt")).ok();
+        let own = ns(&self.pid().to_string());
+        assert!(own.is_some());
+        for entry in fs::read_dir("/proc").unwrap() {
+            let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+            if let Ok(pid) = name.parse::<u32>() {
+                assert!(pid >= self.pid() || ns(&name) != own, "pid {pid}");
+            }
+        }
+    }
 }
 
 impl Drop for Container {
     fn drop(&mut self) {
+        let group = rustix::process::Pid::from_raw(self.pid() as i32);
+        if let Some(group) = group {
+            let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -220,6 +309,26 @@ fn a_mount_at_a_held_trees_path_in_a_containers_own_root_keeps_it_no_longer() {
         "kept for the container's own tmpfs: {:?}",
         recovered.actions
     );
+    drop(spoof);
+}
+
+/// The same with the container's root a FUSE filesystem its own user
+/// namespace mounted, which root may not stat: a root that cannot be
+/// stat'ed must not be taken for ours.
+#[test]
+fn a_mount_at_a_deleted_volumes_path_in_a_containers_fuse_root_holds_nothing() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let store = app(&root);
+    let spoof = Container::on_fuse(&fs.path("lxc/evil"), &[root.join("app.delete")]);
+    let deleted = store.delete_outcome(&pkg("app")).expect("delete");
+    assert!(deleted.deleted);
+    assert!(
+        deleted.held.is_none(),
+        "the container's own tmpfs held app's deleted volume: {:?}",
+        deleted.held
+    );
+    assert!(!root.join("app.held").exists());
     drop(spoof);
 }
 

@@ -26,13 +26,19 @@
 //! one whose reader's root is this process's root (the same directory, by
 //! device and inode); anywhere else only the source does.
 //!
-//! A reader whose root root may not follow, though its table could be
-//! read, is taken to have ours: counting its mount points can only keep a
-//! tree until a later read, or refuse a conversion that a later run makes,
-//! never delete one a mount shows. It should not happen at all: the kernel
-//! guards a process's root with the same check as its namespace link,
-//! without which the namespace is not read. A reader gone by then is passed
-//! over, as one whose table is gone (`sys::mount_namespaces`).
+//! A reader whose root cannot be stat'ed, though its table could be read,
+//! is taken not to have ours. Were its root ours, the stat would succeed
+//! as this process's own did: the same directory on the same filesystem,
+//! and the kernel guards following a process's root with the check that
+//! guards its namespace link, without which the namespace is not read at
+//! all. A package, though, can make its own root refuse root's stat (a
+//! FUSE filesystem its user namespace mounted answers EACCES to anyone
+//! outside it), so taking an unknown root as ours would hand it back the
+//! spoof. What is given up is a mount on top of or below a tree in a
+//! namespace with our root that failed the stat for some other reason (no
+//! memory, say): not the tree's data, which its source still finds. A
+//! reader gone by then is passed over, as one whose table is gone
+//! (`sys::mount_namespaces`).
 
 use std::ffi::OsString;
 use std::fmt;
@@ -195,7 +201,7 @@ struct Namespace {
     entries: Option<Vec<MountEntry>>,
     /// Whether `reader`'s root is this process's, so that its table's mount
     /// points are paths this process can compare with its own (see the
-    /// module docs); true if its root could not be followed.
+    /// module docs); false if its root could not be stat'ed.
     our_root: bool,
 }
 
@@ -214,7 +220,7 @@ impl MountTables {
                 entries: (ns.id != own_namespace).then(|| parse_mountinfo(&ns.mountinfo)),
                 reader: ns.reader,
                 pids: ns.pids,
-                our_root: ns.root.is_none_or(|r| r == own.root),
+                our_root: ns.root == Some(own.root),
             })
             .collect();
         Ok(MountTables {

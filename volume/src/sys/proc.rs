@@ -25,9 +25,8 @@ pub(crate) struct MountNamespace {
     pub reader: u32,
     /// `reader`'s root directory, stat'ed just before its table was read:
     /// the table names each mount point by its path from that root.
-    /// `None` if root may read its table but not follow its root (a
-    /// security module's rule, say): a process gone by then is passed over
-    /// instead, as one whose table is gone.
+    /// `None` if the stat failed though the table could be read (a FUSE
+    /// root that a user namespace mounted answers root EACCES).
     pub root: Option<DirId>,
 }
 
@@ -81,25 +80,26 @@ pub(crate) fn own_mount_table() -> io::Result<OwnMountTable> {
 
 /// The directory at `path`, a symlink followed: `/proc/<pid>/root` is one
 /// the kernel resolves to that process's root in its own mount namespace,
-/// however far from ours.
+/// however far from ours. The filesystem is asked nothing
+/// (`AT_STATX_DONT_SYNC`: what the kernel has cached), so a root a package
+/// serves itself (FUSE) cannot make the read of every table wait on it.
 fn dir_id(path: &str) -> io::Result<DirId> {
-    use std::os::unix::fs::MetadataExt;
-    let m = std::fs::metadata(path)?;
+    use rustix::fs::{AtFlags, CWD, StatxFlags, makedev, statx};
+    let flags = AtFlags::STATX_DONT_SYNC | AtFlags::NO_AUTOMOUNT;
+    let st = statx(CWD, path, flags, StatxFlags::INO)?;
     Ok(DirId {
-        dev: m.dev(),
-        ino: m.ino(),
+        dev: makedev(st.stx_dev_major, st.stx_dev_minor),
+        ino: st.stx_ino,
     })
 }
 
-/// Process `pid`'s root directory (see [`MountNamespace::root`]): `None`
-/// if root may not follow it; an error, for the caller to pass the process
-/// over, if it is gone (a zombie has no root either).
-fn root_of(pid: u32) -> io::Result<Option<DirId>> {
-    match dir_id(&format!("/proc/{pid}/root")) {
-        Ok(id) => Ok(Some(id)),
-        Err(e) if matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM)) => Ok(None),
-        Err(e) => Err(e),
-    }
+/// Process `pid`'s root directory (see [`MountNamespace::root`]), `None`
+/// whatever the reason it cannot be stat'ed: whether the process is gone
+/// is for the read of its table to say, which the kernel answers without
+/// asking the root's filesystem (and so without the package that may
+/// serve it).
+fn root_of(pid: u32) -> Option<DirId> {
+    dir_id(&format!("/proc/{pid}/root")).ok()
 }
 
 /// Every mount namespace on the machine that has a process in it, by
@@ -138,11 +138,7 @@ pub(crate) fn mount_namespaces() -> io::Result<Vec<MountNamespace>> {
             // The root before the table: a process that exits in between
             // fails the table's read and is passed over, as any process
             // gone before its table was read.
-            let root = match root_of(pid) {
-                Ok(root) => root,
-                Err(e) if passed_over(&e) => continue,
-                Err(e) => return Err(e),
-            };
+            let root = root_of(pid);
             match read_whole(&format!("/proc/{pid}/mountinfo"), &mut buf) {
                 Ok(()) => {
                     out.push(MountNamespace {
@@ -303,8 +299,7 @@ mod tests {
     }
 
     /// A process's root, followed through `/proc`, is the directory a stat
-    /// of `/` finds in that process; a process that is gone has none, and
-    /// is passed over.
+    /// of `/` finds in that process; a process that is gone has none.
     #[test]
     fn a_root_is_the_directory_its_process_sees_as_slash() {
         use std::os::unix::fs::MetadataExt;
@@ -314,9 +309,8 @@ mod tests {
             ino: slash.ino(),
         };
         assert_eq!(own_mount_table().unwrap().root, slash);
-        assert_eq!(root_of(std::process::id()).unwrap(), Some(slash));
-        let gone = root_of(u32::MAX).expect_err("no such process");
-        assert!(passed_over(&gone), "{gone}");
+        assert_eq!(root_of(std::process::id()), Some(slash));
+        assert_eq!(root_of(u32::MAX), None);
     }
 
     #[test]
