@@ -10,9 +10,10 @@ CARGO ?= cargo
 # for the tests that set xattrs and ACLs; qemu-system-x86 and busybox-static for
 # the power-cut guest (integration/tests/powercut.rs, which fetches Debian's
 # cloud kernel itself with `apt-get download` into the cargo target dir); GNU
-# time for the peak memory of a command (integration/tests/memory.rs, the bench).
+# time for the peak memory of a command (integration/tests/memory.rs, the bench);
+# bindfs for a container whose root is a FUSE filesystem (integration/tests/mount_roots.rs).
 APT_PACKAGES := btrfs-progs libbtrfsutil-dev libclang-dev btrfs-compsize e2fsprogs attr acl \
-	qemu-system-x86 busybox-static time musl-tools
+	qemu-system-x86 busybox-static time musl-tools bindfs
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
 # Extra arguments for the bench binary, e.g. `make bench BENCH_ARGS="--extents 500000"`,

@@ -7,7 +7,38 @@
 //! mount holds it; a conversion refuses instead. Containers hold their mounts
 //! in mount namespaces of their own, invisible in `/proc/self/mountinfo`; so
 //! every namespace on the machine is read, through the mountinfo of one
-//! process in it.
+//! process in it (its reader).
+//!
+//! Two kinds of mount use a path. A mount whose source lies inside it (a
+//! bind mount of the volume or of anything in it), known by its filesystem
+//! and the path in that filesystem that mountinfo gives as the mount's
+//! root: the same in every namespace, and what really keeps the data
+//! reachable. And a mount on top of it or below it, known by its mount
+//! point; but mountinfo gives a mount point as a path from the root
+//! directory of the process it is read through, and a container has a root
+//! of its own (LXC's rootfs, through `pivot_root`), in which its package
+//! may mount anything at a path spelled as this process sees a volume, or
+//! the `<pkg>.delete` or `<pkg>.held/<n>` the store keeps one under. Taken
+//! at its word, such a mount would keep another package's deleted volume
+//! held for as long as that container runs, or have its conversion
+//! refused: what a package can make must never decide what becomes of
+//! another's data. So a mount point counts only in this namespace, and in
+//! one whose reader's root is this process's root (the same directory, by
+//! device and inode); anywhere else only the source does.
+//!
+//! A reader whose root cannot be stat'ed, though its table could be read,
+//! is taken not to have ours. Were its root ours, the stat would succeed
+//! as this process's own did: the same directory on the same filesystem,
+//! and the kernel guards following a process's root with the check that
+//! guards its namespace link, without which the namespace is not read at
+//! all. A package, though, can make its own root refuse root's stat (a
+//! FUSE filesystem its user namespace mounted answers EACCES to anyone
+//! outside it), so taking an unknown root as ours would hand it back the
+//! spoof. What is given up is a mount on top of or below a tree in a
+//! namespace with our root that failed the stat for some other reason (no
+//! memory, say): not the tree's data, which its source still finds. A
+//! reader gone by then is passed over, as one whose table is gone
+//! (`sys::mount_namespaces`).
 
 use std::ffi::OsString;
 use std::fmt;
@@ -25,7 +56,8 @@ pub(crate) struct MountEntry {
     pub dev: String,
     /// Path inside the filesystem that is mounted.
     pub root: PathBuf,
-    /// Where it is mounted, as the namespace's processes see it.
+    /// Where it is mounted, as a path from the root directory of the
+    /// process the table was read through.
     pub mount_point: PathBuf,
 }
 
@@ -81,19 +113,21 @@ fn locate(own: &[MountEntry], path: &Path) -> Option<(String, PathBuf)> {
     Some((holder.dev.clone(), holder.root.join(rel)))
 }
 
-/// Mount points of `entries` that expose something inside `path`: mounts
-/// on top of it or below it (as paths in `entries`' namespace), and bind
+/// Mount points of `entries` that expose something inside `path`: bind
 /// mounts anywhere whose source lies inside `inner` (`path`'s filesystem
-/// and its path in there, from [`locate`]).
+/// and its path in there, from [`locate`]), and, if `by_mount_point`
+/// (`entries` name their mount points from this process's root, see the
+/// module docs), mounts on top of `path` or below it.
 fn mounts_inside(
     entries: &[MountEntry],
     path: &Path,
     inner: Option<&(String, PathBuf)>,
+    by_mount_point: bool,
 ) -> Vec<PathBuf> {
     entries
         .iter()
         .filter(|e| {
-            e.mount_point.starts_with(path)
+            (by_mount_point && e.mount_point.starts_with(path))
                 || inner.is_some_and(|(dev, p)| e.dev == *dev && e.root.starts_with(p))
         })
         .map(|e| e.mount_point.clone())
@@ -165,6 +199,10 @@ struct Namespace {
     reader: u32,
     /// Its table; `None` for this process's own, which is `own`.
     entries: Option<Vec<MountEntry>>,
+    /// Whether `reader`'s root is this process's, so that its table's mount
+    /// points are paths this process can compare with its own (see the
+    /// module docs); false if its root could not be stat'ed.
+    our_root: bool,
 }
 
 impl MountTables {
@@ -173,8 +211,8 @@ impl MountTables {
     /// each (a process that exits meanwhile, or that root may not inspect,
     /// is passed over; anything else unreadable is an error).
     pub fn read() -> io::Result<MountTables> {
-        let (own_namespace, own_text) = sys::own_mount_table()?;
-        let own = parse_mountinfo(&own_text);
+        let own = sys::own_mount_table()?;
+        let own_namespace = own.namespace;
         let namespaces = sys::mount_namespaces()?
             .into_iter()
             .map(|ns| Namespace {
@@ -182,11 +220,12 @@ impl MountTables {
                 entries: (ns.id != own_namespace).then(|| parse_mountinfo(&ns.mountinfo)),
                 reader: ns.reader,
                 pids: ns.pids,
+                our_root: ns.root == Some(own.root),
             })
             .collect();
         Ok(MountTables {
             own_namespace,
-            own,
+            own: parse_mountinfo(&own.mountinfo),
             namespaces,
         })
     }
@@ -219,7 +258,10 @@ impl MountTables {
     /// Every mount, in every namespace read, that exposes something inside
     /// `path` (an absolute path with no symlinks, as this process sees
     /// it): bind mounts of it or of anything below it, wherever they are
-    /// mounted; mounts on top of it or below it. Each namespace holding one
+    /// mounted; mounts on top of it or below it, in this namespace and in
+    /// each whose reader has this process's root (elsewhere a mount point
+    /// is a path from another root: see the module docs). Each namespace
+    /// holding one
     /// is named by its process's command name as it is now (read here,
     /// empty if that process has exited since the tables were read).
     pub fn uses_of(&self, path: &Path) -> Vec<MountUse> {
@@ -228,7 +270,8 @@ impl MountTables {
         for ns in &self.namespaces {
             let own_namespace = ns.id == self.own_namespace;
             let entries = ns.entries.as_deref().unwrap_or(&self.own);
-            let found = mounts_inside(entries, path, inner.as_ref());
+            let by_mount_point = own_namespace || ns.our_root;
+            let found = mounts_inside(entries, path, inner.as_ref(), by_mount_point);
             if found.is_empty() {
                 continue;
             }
@@ -341,8 +384,8 @@ impl<T> Fresh<T> {
 /// below `path` (an absolute path with no symlinks): each hides what lies
 /// under it in `path`'s filesystem from anything that walks the tree.
 pub fn mount_points_below(path: &Path) -> io::Result<Vec<PathBuf>> {
-    let (_, text) = sys::own_mount_table()?;
-    Ok(parse_mountinfo(&text)
+    let own = sys::own_mount_table()?;
+    Ok(parse_mountinfo(&own.mountinfo)
         .into_iter()
         .filter(|e| e.mount_point != path && e.mount_point.starts_with(path))
         .map(|e| e.mount_point)
@@ -383,7 +426,7 @@ mod tests {
     fn finds_bind_mounts_from_inside_and_mounts_on_top() {
         let e = parse_mountinfo(SAMPLE.as_bytes());
         let vols = Path::new("/media/startos/data/package-data/volumes");
-        let inside = |p: &Path| mounts_inside(&e, p, locate(&e, p).as_ref());
+        let inside = |p: &Path| mounts_inside(&e, p, locate(&e, p).as_ref(), true);
         assert_eq!(
             inside(&vols.join("lnd")),
             vec![PathBuf::from("/var/lib/lxc/lnd/rootfs/data")],
@@ -403,11 +446,19 @@ mod tests {
         let vols = Path::new("/media/startos/data/package-data/volumes");
         let lnd = vols.join("lnd");
         assert_eq!(
-            mounts_inside(&container, &lnd, locate(&own, &lnd).as_ref()),
+            mounts_inside(&container, &lnd, locate(&own, &lnd).as_ref(), false),
             vec![PathBuf::from("/data")]
         );
         let bitcoind = vols.join("bitcoind");
-        assert!(mounts_inside(&container, &bitcoind, locate(&own, &bitcoind).as_ref()).is_empty());
+        assert!(
+            mounts_inside(
+                &container,
+                &bitcoind,
+                locate(&own, &bitcoind).as_ref(),
+                false
+            )
+            .is_empty()
+        );
     }
 
     #[test]
@@ -421,12 +472,14 @@ mod tests {
                     pids: vec![1],
                     reader: 1,
                     entries: None,
+                    our_root: true,
                 },
                 Namespace {
                     id: 2,
                     pids: vec![700, 701],
                     reader: 700,
                     entries: Some(parse_mountinfo(CONTAINER.as_bytes())),
+                    our_root: false,
                 },
             ],
         };
@@ -453,6 +506,51 @@ mod tests {
         assert!(at("mempool").is_empty());
     }
 
+    /// A container whose package mounted a tmpfs in its own root at the
+    /// paths this process sees a deleted volume and a held tree at, and
+    /// bind-mounted lnd's volume at `/data`.
+    const SPOOFING: &str = "\
+90 80 0:60 / / rw - overlay overlay rw
+91 90 0:70 / /media/startos/data/package-data/volumes/lnd.delete rw - tmpfs none rw
+92 90 0:71 / /media/startos/data/package-data/volumes/electrs.held/1/data rw - tmpfs none rw
+93 90 0:45 /package-data/volumes/lnd.delete/data/main /data rw - btrfs /dev/loop0 rw
+";
+
+    /// Its mount points are paths from its own root: they count only where
+    /// that root is ours; the bind mount, by its source, counts anywhere.
+    #[test]
+    fn a_mount_point_counts_only_from_our_root() {
+        let tables = |our_root| MountTables {
+            own_namespace: 1,
+            own: parse_mountinfo(SAMPLE.as_bytes()),
+            namespaces: vec![Namespace {
+                id: 2,
+                pids: vec![700],
+                reader: 700,
+                entries: Some(parse_mountinfo(SPOOFING.as_bytes())),
+                our_root,
+            }],
+        };
+        let vols = Path::new("/media/startos/data/package-data/volumes");
+        let at = |our_root, name: &str| {
+            tables(our_root)
+                .uses_of(&vols.join(name))
+                .into_iter()
+                .map(|u| u.mount_point)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(at(false, "lnd.delete"), [PathBuf::from("/data")]);
+        assert!(at(false, "electrs.held/1").is_empty());
+        assert_eq!(
+            at(true, "lnd.delete"),
+            [vols.join("lnd.delete"), PathBuf::from("/data")]
+        );
+        assert_eq!(
+            at(true, "electrs.held/1"),
+            [vols.join("electrs.held/1/data")]
+        );
+    }
+
     #[test]
     fn a_mount_point_that_is_not_utf8_is_read_as_it_is() {
         let mut table = SAMPLE.as_bytes().to_vec();
@@ -464,7 +562,10 @@ mod tests {
             b"/media/startos/data/package-data/volumes/app/data/\xff\x01"
         );
         let app = Path::new("/media/startos/data/package-data/volumes/app");
-        assert_eq!(mounts_inside(&e, app, None), vec![e[7].mount_point.clone()]);
+        assert_eq!(
+            mounts_inside(&e, app, None, true),
+            vec![e[7].mount_point.clone()]
+        );
     }
 
     #[test]

@@ -23,6 +23,32 @@ pub(crate) struct MountNamespace {
     /// The process of `pids` the table was read through (the lowest that
     /// could be read), the one messages name.
     pub reader: u32,
+    /// `reader`'s root directory, stat'ed just before its table was read:
+    /// the table names each mount point by its path from that root.
+    /// `None` if the stat failed though the table could be read (a FUSE
+    /// root that a user namespace mounted answers root EACCES).
+    pub root: Option<DirId>,
+}
+
+/// A directory by what a stat of it gives, device and inode: the same pair
+/// is the same directory, whatever path or mount namespace reaches it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DirId {
+    /// The device it lives on.
+    pub dev: u64,
+    /// Its inode number.
+    pub ino: u64,
+}
+
+/// This process's own mount table, and what it is relative to.
+#[derive(Debug, Clone)]
+pub(crate) struct OwnMountTable {
+    /// Its mount namespace, by inode number (`/proc/self/ns/mnt`).
+    pub namespace: u64,
+    /// Its root directory, which the table's mount points are paths from.
+    pub root: DirId,
+    /// The table, raw bytes: a mount point's name need not be UTF-8.
+    pub mountinfo: Vec<u8>,
 }
 
 /// Whether `e` says the process can be passed over: it went away while
@@ -38,18 +64,47 @@ fn passed_over(e: &io::Error) -> bool {
         )
 }
 
-/// This process's mount namespace (its inode number) and mount table
-/// (raw bytes: a mount point's name need not be UTF-8).
-pub(crate) fn own_mount_table() -> io::Result<(u64, Vec<u8>)> {
+/// This process's mount namespace, root directory and mount table.
+pub(crate) fn own_mount_table() -> io::Result<OwnMountTable> {
     super::fault::check("read /proc/self/mountinfo")?;
-    let ns = namespace_at("/proc/self/ns/mnt")?;
-    let mut table = Vec::with_capacity(MOUNTINFO_CAPACITY);
-    read_whole("/proc/self/mountinfo", &mut table)?;
-    Ok((ns, table))
+    let namespace = namespace_at("/proc/self/ns/mnt")?;
+    let root = dir_id("/proc/self/root")?;
+    let mut mountinfo = Vec::with_capacity(MOUNTINFO_CAPACITY);
+    read_whole("/proc/self/mountinfo", &mut mountinfo)?;
+    Ok(OwnMountTable {
+        namespace,
+        root,
+        mountinfo,
+    })
+}
+
+/// The directory at `path`, a symlink followed: `/proc/<pid>/root` is one
+/// the kernel resolves to that process's root in its own mount namespace,
+/// however far from ours. The filesystem is asked nothing
+/// (`AT_STATX_DONT_SYNC`: what the kernel has cached), so a root a package
+/// serves itself (FUSE) cannot make the read of every table wait on it.
+fn dir_id(path: &str) -> io::Result<DirId> {
+    use rustix::fs::{AtFlags, CWD, StatxFlags, makedev, statx};
+    let flags = AtFlags::STATX_DONT_SYNC | AtFlags::NO_AUTOMOUNT;
+    let st = statx(CWD, path, flags, StatxFlags::INO)?;
+    Ok(DirId {
+        dev: makedev(st.stx_dev_major, st.stx_dev_minor),
+        ino: st.stx_ino,
+    })
+}
+
+/// Process `pid`'s root directory (see [`MountNamespace::root`]), `None`
+/// whatever the reason it cannot be stat'ed: whether the process is gone
+/// is for the read of its table to say, which the kernel answers without
+/// asking the root's filesystem (and so without the package that may
+/// serve it).
+fn root_of(pid: u32) -> Option<DirId> {
+    dir_id(&format!("/proc/{pid}/root")).ok()
 }
 
 /// Every mount namespace on the machine that has a process in it, by
-/// inode, each with its processes and its mount table. A process that
+/// inode, each with its processes, its mount table and the root directory
+/// of the process it was read through. A process that
 /// exits while being read, or that root may not inspect, is passed over
 /// ([`passed_over`]); anything else that cannot be read is an error, never
 /// a namespace quietly left out. A namespace kept alive with no process in
@@ -80,6 +135,10 @@ pub(crate) fn mount_namespaces() -> io::Result<Vec<MountNamespace>> {
     for (id, mut pids) in pids_by_ns {
         pids.sort_unstable();
         for &pid in &pids {
+            // The root before the table: a process that exits in between
+            // fails the table's read and is passed over, as any process
+            // gone before its table was read.
+            let root = root_of(pid);
             match read_whole(&format!("/proc/{pid}/mountinfo"), &mut buf) {
                 Ok(()) => {
                     out.push(MountNamespace {
@@ -87,6 +146,7 @@ pub(crate) fn mount_namespaces() -> io::Result<Vec<MountNamespace>> {
                         mountinfo: buf.clone(),
                         pids,
                         reader: pid,
+                        root,
                     });
                     break;
                 }
@@ -236,6 +296,21 @@ mod tests {
         for bad in [&b"net:[4026531841]"[..], b"mnt:[]", b"mnt:[12", b"mnt:[x1]"] {
             assert_eq!(parse_namespace_link(bad), None);
         }
+    }
+
+    /// A process's root, followed through `/proc`, is the directory a stat
+    /// of `/` finds in that process; a process that is gone has none.
+    #[test]
+    fn a_root_is_the_directory_its_process_sees_as_slash() {
+        use std::os::unix::fs::MetadataExt;
+        let slash = std::fs::metadata("/").unwrap();
+        let slash = DirId {
+            dev: slash.dev(),
+            ino: slash.ino(),
+        };
+        assert_eq!(own_mount_table().unwrap().root, slash);
+        assert_eq!(root_of(std::process::id()), Some(slash));
+        assert_eq!(root_of(u32::MAX), None);
     }
 
     #[test]
