@@ -43,9 +43,30 @@ fn bad_input_is_one_line_and_nonzero() {
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert_eq!(stderr(&o).lines().count(), 1, "{}", stderr(&o));
     assert!(stderr(&o).contains("/nonexistent/volumes"));
-    let o = cli(&["--no-such-flag"]);
-    assert_eq!(o.status.code(), Some(2));
-    assert_eq!(stderr(&o).lines().count(), 1, "{}", stderr(&o));
+    // Usage errors: one line naming what was wrong, exit 2.
+    for (args, needle) in [
+        (&["--no-such-flag"][..], "'--no-such-flag'"),
+        (
+            &["--method", "x"],
+            "possible values: auto, clone, snapshot-parent",
+        ),
+        (&["--root"], "'--root <ROOT>'"),
+    ] {
+        let o = cli(args);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert!(
+            err.starts_with("volume-migrate: ") && err.contains(needle),
+            "{args:?}: must name {needle}: {err}"
+        );
+        assert_eq!(stdout(&o), "", "{args:?}");
+    }
+    for flag in ["--help", "--version"] {
+        let o = cli(&[flag]);
+        assert_eq!(o.status.code(), Some(0), "{flag}: {o:?}");
+        assert!(stdout(&o).contains("volume-migrate"), "{flag}: {o:?}");
+    }
 }
 
 #[test]

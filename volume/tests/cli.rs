@@ -451,3 +451,40 @@ fn an_existing_backup_fails_with_one_line_and_a_mount_keeps_the_replaced_tree() 
     assert!(recovered.status.success(), "recover: {recovered:?}");
     assert!(!root.join("app.held").exists(), "reclaimed once unmounted");
 }
+
+/// A usage error (an unknown flag, a missing argument, a bad value) is one
+/// line on stderr naming what was wrong, exit 2, before anything is
+/// opened; `--help` and `--version` print as usual and exit 0.
+#[test]
+fn usage_errors_are_one_line_and_help_still_works() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
+    let root = volumes_root(&fs);
+    ok(&root, &["create", "app", "main"]);
+    let before = digest(&root);
+    for (args, needle) in [
+        (&["--bogus", "list"][..], "'--bogus'"),
+        (&["create"], "<PKG>"),
+        (&["--lock-wait", "soon", "list"], "'soon'"),
+        (&["frobnicate"], "'frobnicate'"),
+    ] {
+        let out = startos_volume(root.as_os_str(), args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: one line: {stderr:?}");
+        assert!(
+            stderr.starts_with("startos-volume: ") && stderr.contains(needle),
+            "{args:?}: must name {needle}: {stderr:?}"
+        );
+        assert_eq!(text(&out.stdout), "", "{args:?}");
+    }
+    assert_unchanged(&before, &root, "usage errors");
+    for flag in ["--help", "--version"] {
+        let out = startos_volume(root.as_os_str(), &[flag]);
+        assert_eq!(out.status.code(), Some(0), "{flag}: {out:?}");
+        assert!(
+            text(&out.stdout).contains("startos-volume"),
+            "{flag}: {out:?}"
+        );
+    }
+    assert!(text(&startos_volume(root.as_os_str(), &["--help"]).stdout).contains("Usage:"));
+}

@@ -61,22 +61,9 @@ fn main() -> ExitCode {
     // What the library warns of (an entry it passed over, say) goes to
     // stderr, one line each, as startos-volume's.
     volume::init_command_line_log();
-    let cli = match Cli::try_parse() {
+    let cli = match volume::cli::parse_args::<Cli>("volume-migrate") {
         Ok(c) => c,
-        Err(e) if !e.use_stderr() => {
-            let _ = e.print();
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            let text = e.to_string();
-            eprintln!(
-                "{}",
-                text.lines()
-                    .next()
-                    .unwrap_or("volume-migrate: bad arguments")
-            );
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     #[cfg(target_os = "linux")]
     {

@@ -2,7 +2,9 @@
 //!
 //! Exit 0 on success. On any error, one line on stderr naming the package,
 //! path and cause, exit 1, and nothing changed on disk beyond what recovery of
-//! an earlier crash had to finish.
+//! an earlier crash had to finish; with `--json`, that error is also an
+//! object on stdout unless the command printed its result first. Bad usage
+//! (an unknown flag, a missing argument): one line on stderr, exit 2.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -518,7 +520,10 @@ mod run {
 
 fn main() -> ExitCode {
     volume::init_command_line_log();
-    let cli = Cli::parse();
+    let cli = match volume::cli::parse_args::<Cli>("startos-volume") {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
     #[cfg(target_os = "linux")]
     {
         let json = cli.json;
@@ -529,12 +534,7 @@ fn main() -> ExitCode {
                 // caller reading it never gets nothing; the line on stderr
                 // stays the one line a person reads.
                 if json && !run::EMITTED.load(std::sync::atomic::Ordering::Relaxed) {
-                    let kind = e.kind.as_str();
-                    let code = e.kind.code();
-                    println!(
-                        "{}",
-                        serde_json::json!({"error": e.to_string(), "kind": kind, "code": code})
-                    );
+                    println!("{}", volume::cli::error_json(&e));
                 }
                 eprintln!("startos-volume: {e}");
                 ExitCode::FAILURE
