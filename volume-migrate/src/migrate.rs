@@ -78,6 +78,12 @@ impl Migrator {
         self.root.is_btrfs()
     }
 
+    /// Why there is nothing to convert off btrfs, naming the root and its
+    /// filesystem (see [`volume::Root::why_not_btrfs`]); `None` on btrfs.
+    pub fn why_not_btrfs(&self) -> Option<String> {
+        self.root.why_not_btrfs()
+    }
+
     pub(crate) fn root_fd(&self) -> BorrowedFd<'_> {
         self.root.fd()
     }

@@ -76,9 +76,12 @@ fn off_btrfs_does_nothing_and_says_so() {
     make_volume(&root, "lnd");
     let o = cli(&["--root", root.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(0));
-    assert!(stdout(&o).contains("not on btrfs"), "{}", stdout(&o));
+    let why = format!("the volumes root {} is on ext4, not btrfs", root.display());
+    assert_eq!(stdout(&o), format!("nothing to convert: {why}\n"));
     let o = cli(&["--root", root.to_str().unwrap(), "--json"]);
-    assert_eq!(json_lines(&o)[0]["event"], "not-btrfs");
+    let event = &json_lines(&o)[0];
+    assert_eq!(event["event"], "not-btrfs");
+    assert_eq!(event["why"], why, "{event}");
 }
 
 #[test]

@@ -311,23 +311,31 @@ fn every_subcommand_in_text_and_json() {
 fn snapshot_on_ext4_reports_the_skip() {
     let fs = fs_or_skip!(LoopFs::ext4(64 << 20));
     let root = volumes_root(&fs);
+    let canon = root.canonicalize().unwrap();
+    // Each fallback says why: the root, and what it is on.
+    let why = format!("the volumes root {} is on ext4, not btrfs", canon.display());
+    let v = ok_json(&root, &["create", "app", "main"]);
+    assert_eq!(v["volume"], json!("directory"), "{v}");
+    assert_eq!(v["why"], json!(why), "{v}");
     assert_eq!(
-        ok_json(&root, &["create", "app", "main"])["volume"],
-        json!("directory")
+        ok(&root, &["create", "web", "main"]),
+        format!(
+            "created {} (directory: {why})\n",
+            canon.join("web").display()
+        )
     );
     let out = startos_volume(root.as_os_str(), &["--json", "snapshot", "app"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let v: Value = serde_json::from_slice(&out.stdout).expect("snapshot --json");
     assert_eq!(v["created"], json!(false), "{v}");
     assert_eq!(v["backup"]["outcome"], json!("skipped"), "{v}");
-    assert!(
-        v["backup"]["reason"]
-            .as_str()
-            .is_some_and(|r| r.contains("not on btrfs")),
-        "{v}"
-    );
-    // The skip is also a warning on stderr, naming the package.
-    assert!(text(&out.stderr).contains("app"), "{}", text(&out.stderr));
+    assert_eq!(v["backup"]["reason"], json!(why), "{v}");
+    assert_eq!(v["why"], json!(why), "{v}");
+    // The skip is also a warning on stderr, naming the package and why.
+    let warned = text(&out.stderr);
+    assert!(warned.contains("app") && warned.contains(&why), "{warned}");
+    let out = startos_volume(root.as_os_str(), &["snapshot", "web"]);
+    assert_eq!(text(&out.stdout), format!("no backup for web: {why}\n"));
     assert!(!root.join("app.install-backup").exists());
 
     // Space accounting reads btrfs trees: off btrfs it says so, in one line,
@@ -341,6 +349,35 @@ fn snapshot_on_ext4_reports_the_skip() {
                 == ["app", "directory", "-", "-", "-", "-"]),
         "{out}"
     );
+}
+
+/// On btrfs, a volume still a plain directory (made before the conversion)
+/// is backed up by a reflink copy, not a snapshot: the line and the JSON
+/// say so, and why.
+#[test]
+fn a_reflink_copy_in_place_of_a_snapshot_says_why() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
+    let root = volumes_root(&fs);
+    let canon = root.canonicalize().unwrap();
+    fs::create_dir_all(root.join("app/data/main")).unwrap();
+    fs::write(root.join("app/data/main/state"), b"v1").unwrap();
+    let why = "the volume is a plain directory, not yet converted to a subvolume \
+               (volume-migrate converts it)";
+    let v = ok_json(&root, &["create", "app", "main"]);
+    assert_eq!(v["volume"], json!("directory"), "{v}");
+    assert_eq!(v["why"], json!(why), "{v}");
+    let out = ok(&root, &["snapshot", "app"]);
+    assert_eq!(
+        out,
+        format!(
+            "reflink copy {} (1 extents), not a snapshot: {why}\n",
+            canon.join("app.install-backup").display()
+        )
+    );
+    ok(&root, &["drop", "app"]);
+    let v = ok_json(&root, &["snapshot", "app"]);
+    assert_eq!(v["backup"]["outcome"], json!("reflink-copy"), "{v}");
+    assert_eq!(v["why"], json!(why), "{v}");
 }
 
 #[test]

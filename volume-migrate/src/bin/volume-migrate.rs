@@ -143,15 +143,15 @@ fn run(cli: Cli) -> ExitCode {
         Ok(m) => m,
         Err(e) => return fail(cli.json, &e, 2),
     };
-    if !migrator.is_btrfs() {
-        let msg = format!(
-            "{} is not on btrfs: nothing to convert",
-            migrator.root().display()
-        );
+    if let Some(why) = migrator.why_not_btrfs() {
+        let msg = format!("nothing to convert: {why}");
         if cli.json {
-            json_line(
-                serde_json::json!({"event": "not-btrfs", "root": migrator.root(), "message": msg}),
-            );
+            json_line(serde_json::json!({
+                "event": "not-btrfs",
+                "root": migrator.root(),
+                "message": msg,
+                "why": why,
+            }));
         } else {
             println!("{msg}");
         }

@@ -304,12 +304,28 @@ mod run {
     ) -> Result<(), Error> {
         let k = store.create(&p, volumes)?;
         let path = store.volume_path(&p);
-        emit(
-            json,
-            json!({"package": p, "volume": k, "path": path}),
-            format!("created {} ({})", path.display(), kind(Some(k))),
-        );
+        let why = (k == VolumeKind::Directory).then(|| why_directory(store));
+        let mut value = json!({"package": p, "volume": k, "path": path});
+        if let Some(why) = &why {
+            value["why"] = json!(why);
+        }
+        let how = match &why {
+            Some(why) => format!("{}: {why}", kind(Some(k))),
+            None => kind(Some(k)).to_owned(),
+        };
+        emit(json, value, format!("created {} ({how})", path.display()));
         Ok(())
+    }
+
+    /// Why a volume is a plain directory, not a subvolume: the root is not
+    /// on btrfs (naming its filesystem), or the volume was made before it
+    /// was converted.
+    fn why_directory(store: &VolumeStore) -> String {
+        store.why_not_btrfs().unwrap_or_else(|| {
+            "the volume is a plain directory, not yet converted to a subvolume \
+             (volume-migrate converts it)"
+                .to_owned()
+        })
     }
 
     fn snapshot(store: &VolumeStore, json: bool, p: PackageId) -> Result<(), Error> {
@@ -320,17 +336,21 @@ mod run {
                 format!("snapshot {}", store.backup_path(&p).display())
             }
             SnapshotOutcome::ReflinkCopy { extents } => format!(
-                "reflink copy {} ({extents} extents)",
-                store.backup_path(&p).display()
+                "reflink copy {} ({extents} extents), not a snapshot: {}",
+                store.backup_path(&p).display(),
+                why_directory(store)
             ),
             SnapshotOutcome::Skipped { reason } => format!("no backup for {p}: {reason}"),
             SnapshotOutcome::NoVolume => format!("no volume for {p}: nothing to back up"),
         };
-        emit(
-            json,
-            json!({"package": p, "backup": outcome, "created": outcome.created()}),
-            human,
-        );
+        let mut value = json!({"package": p, "backup": outcome, "created": outcome.created()});
+        // Why it fell back from a snapshot, beside what it did instead.
+        match &outcome {
+            SnapshotOutcome::ReflinkCopy { .. } => value["why"] = json!(why_directory(store)),
+            SnapshotOutcome::Skipped { reason } => value["why"] = json!(reason),
+            SnapshotOutcome::Snapshot | SnapshotOutcome::NoVolume => {}
+        }
+        emit(json, value, human);
         Ok(())
     }
 
