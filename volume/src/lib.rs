@@ -87,8 +87,8 @@ pub use failpoint::FAILPOINT_ENV;
 pub use layout::INSTALL_BACKUP_SUFFIX;
 // What the store's operations report.
 pub use outcome::{
-    DeleteOutcome, HeldTree, Holder, Recovery, RestoreOutcome, SnapshotOutcome, VolumeInfo,
-    VolumeKind,
+    CreateOutcome, DeleteOutcome, HeldTree, Holder, Recovery, RestoreOutcome, SnapshotOutcome,
+    VolumeInfo, VolumeKind,
 };
 // The volumes root, open.
 #[cfg(target_os = "linux")]

@@ -136,7 +136,24 @@ fn every_subcommand_in_text_and_json() {
     let v = ok_json(&root, &["create", "db", "main"]);
     assert_eq!(
         v,
-        json!({"package": "db", "volume": "subvolume", "path": canon.join("db")})
+        json!({"package": "db", "volume": "subvolume", "path": canon.join("db"), "existed": false})
+    );
+    // Again: it already existed, and says so; the volume dirs it lacked
+    // are made.
+    let out = ok(&root, &["create", "app", "main", "more"]);
+    assert_eq!(
+        out,
+        format!(
+            "already existed: {} (subvolume)\n",
+            canon.join("app").display()
+        )
+    );
+    assert!(root.join("app/data/more").is_dir());
+    fs::remove_dir(root.join("app/data/more")).unwrap();
+    let v = ok_json(&root, &["create", "db", "main"]);
+    assert_eq!(
+        v,
+        json!({"package": "db", "volume": "subvolume", "path": canon.join("db"), "existed": true})
     );
     fs::write(root.join("app/data/main/state"), b"v1").unwrap();
     fs::write(root.join("db/data/main/state"), b"v1").unwrap();
@@ -365,6 +382,7 @@ fn a_reflink_copy_in_place_of_a_snapshot_says_why() {
                (volume-migrate converts it)";
     let v = ok_json(&root, &["create", "app", "main"]);
     assert_eq!(v["volume"], json!("directory"), "{v}");
+    assert_eq!(v["existed"], json!(true), "{v}");
     assert_eq!(v["why"], json!(why), "{v}");
     let out = ok(&root, &["snapshot", "app"]);
     assert_eq!(

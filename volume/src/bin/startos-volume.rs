@@ -34,7 +34,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Create PKG's volume (a subvolume on btrfs) with the given volume dirs.
+    /// Create PKG's volume (a subvolume on btrfs) with the given volume dirs
+    /// (one that exists is kept, given the dirs it lacks).
     Create {
         /// Package id.
         pkg: String,
@@ -302,10 +303,11 @@ mod run {
         p: PackageId,
         volumes: &[VolumeId],
     ) -> Result<(), Error> {
-        let k = store.create(&p, volumes)?;
+        let done = store.create_outcome(&p, volumes)?;
+        let k = done.kind;
         let path = store.volume_path(&p);
         let why = (k == VolumeKind::Directory).then(|| why_directory(store));
-        let mut value = json!({"package": p, "volume": k, "path": path});
+        let mut value = json!({"package": p, "volume": k, "path": path, "existed": done.existed});
         if let Some(why) = &why {
             value["why"] = json!(why);
         }
@@ -313,7 +315,11 @@ mod run {
             Some(why) => format!("{}: {why}", kind(Some(k))),
             None => kind(Some(k)).to_owned(),
         };
-        emit(json, value, format!("created {} ({how})", path.display()));
+        let human = match done.existed {
+            true => format!("already existed: {} ({how})", path.display()),
+            false => format!("created {} ({how})", path.display()),
+        };
+        emit(json, value, human);
         Ok(())
     }
 
