@@ -543,3 +543,49 @@ fn usage_errors_are_one_line_and_help_still_works() {
     }
     assert!(text(&startos_volume(root.as_os_str(), &["--help"]).stdout).contains("Usage:"));
 }
+
+/// A package whose lock another process holds is reported busy by
+/// `recover`, by name (a `Timeout`, not `Incoherent`: nothing is wrong
+/// with it), and with `--json` the one document is the list, that
+/// package's entry marked busy.
+#[test]
+fn recover_reports_a_busy_package_as_busy() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
+    let root = volumes_root(&fs);
+    ok(&root, &["create", "app", "main"]);
+    ok(&root, &["create", "web", "main"]);
+    let dir = fs::File::open(&root).unwrap();
+    let locks = volume::lock::LockDir::for_root(std::os::fd::AsFd::as_fd(&dir)).unwrap();
+    let app: volume::PackageId = "app".parse().unwrap();
+    let held = locks.lock(&app).unwrap();
+
+    let wait = ["--lock-wait", "0.2"];
+    let out = startos_volume(root.as_os_str(), &[&wait[..], &["recover"]].concat());
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = text(&out.stderr);
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("startos-volume: Timeout Error: package app is busy: "),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("Incoherent"), "{stderr}");
+
+    let out = startos_volume(
+        root.as_os_str(),
+        &[&wait[..], &["--json", "recover"]].concat(),
+    );
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stdout = text(&out.stdout);
+    assert_eq!(stdout.lines().count(), 1, "one JSON document: {stdout}");
+    let v: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v[0]["package"], "app", "{v}");
+    assert_eq!(v[0]["busy"], true, "{v}");
+    assert_eq!(v.as_array().map(Vec::len), Some(1), "web recovered: {v}");
+
+    // One package named: its own busy error.
+    let out = startos_volume(root.as_os_str(), &[&wait[..], &["recover", "app"]].concat());
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("package app: busy"), "{stderr}");
+    drop(held);
+    assert_eq!(ok(&root, &["recover"]), "");
+}

@@ -518,6 +518,9 @@ mod run {
         };
 
         if json {
+            // Each package's entry says whether it failed or was busy: no
+            // error object after it (see `main`).
+            EMITTED.store(true, std::sync::atomic::Ordering::Relaxed);
             println!("{}", json!(done));
         } else {
             for r in &done {
@@ -526,21 +529,52 @@ mod run {
                 }
             }
         }
-        let failed: Vec<&str> = done
-            .iter()
-            .filter(|r| r.error.is_some())
-            .map(|r| r.package.as_str())
-            .collect();
-        if !failed.is_empty() {
-            return Err(Error::new(
-                color_eyre::eyre::eyre!(
+        recover_failed(&done)
+    }
+
+    /// The error a full `recover` ends with, if a package's recovery failed
+    /// or was not done because another process held its lock (busy: a
+    /// `Timeout` naming those packages, nothing wrong with them; any other
+    /// failure: `Incoherent`, naming the busy ones too).
+    fn recover_failed(done: &[volume::Recovery]) -> Result<(), Error> {
+        let names = |busy: bool| -> Vec<&str> {
+            done.iter()
+                .filter(|r| r.error.is_some() && r.busy == busy)
+                .map(|r| r.package.as_str())
+                .collect()
+        };
+        let (failed, busy) = (names(false), names(true));
+        let busy_line = |busy: &[&str]| match busy {
+            [one] => format!(
+                "package {one} is busy: another process holds its lock (an operation on it \
+                 is under way); not recovered, try again once it is done"
+            ),
+            _ => format!(
+                "packages {} are busy: other processes hold their locks (operations on them \
+                 are under way); not recovered, try again once they are done",
+                busy.join(", ")
+            ),
+        };
+        let (why, kind) = match (failed.is_empty(), busy.is_empty()) {
+            (true, true) => return Ok(()),
+            (true, false) => (busy_line(&busy), volume::ErrorKind::Timeout),
+            (false, true) => (
+                format!(
                     "recovery failed for {}; see the log above",
                     failed.join(", ")
                 ),
                 volume::ErrorKind::Incoherent,
-            ));
-        }
-        Ok(())
+            ),
+            (false, false) => (
+                format!(
+                    "recovery failed for {}; see the log above; {}",
+                    failed.join(", "),
+                    busy_line(&busy)
+                ),
+                volume::ErrorKind::Incoherent,
+            ),
+        };
+        Err(Error::new(color_eyre::eyre::eyre!(why), kind))
     }
 }
 
