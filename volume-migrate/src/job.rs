@@ -255,8 +255,13 @@ impl Job<'_, '_> {
                     tracker.file_data(src, size, done, cloned);
                     failpoint("migrate.chunk")?;
                 }
-                CopyEvent::Entry { .. } => {
-                    tracker.entry_done();
+                CopyEvent::Entry { rel } => {
+                    // The top's own event (an empty path, the last) is no
+                    // entry of the scan's total, which leaves the top out:
+                    // counted, every clone ended one entry past its total.
+                    if !rel.as_os_str().is_empty() {
+                        tracker.entry_done();
+                    }
                     failpoint("migrate.entry")?;
                 }
             }

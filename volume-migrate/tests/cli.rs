@@ -410,3 +410,44 @@ fn with_json_skipped_entries_are_events() {
     }
     assert!(!root.join("db1.migrate-old").exists(), "db1 converted");
 }
+
+/// With `--json`, no progress report counts past its total once the totals
+/// are known: the clone's entries end at the scan's count, the top of the
+/// volume not among them.
+#[test]
+fn progress_never_counts_past_its_total() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
+    let root = fs.path("volumes");
+    make_volume(&root, "lnd");
+    let many = root.join("lnd/data/main/many");
+    fs::create_dir_all(&many).unwrap();
+    for i in 0..200 {
+        fs::write(many.join(format!("{i:03}")), [i as u8; 64]).unwrap();
+    }
+    let o = cli(&[
+        "--root",
+        root.to_str().unwrap(),
+        "--json",
+        "--method",
+        "clone",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let reports: Vec<_> = json_lines(&o)
+        .into_iter()
+        .filter(|l| l["event"] == "progress" && l["progress"]["totals_known"] == true)
+        .map(|l| l["progress"].clone())
+        .collect();
+    assert!(!reports.is_empty(), "{}", stdout(&o));
+    for p in &reports {
+        for what in ["bytes", "extents", "entries"] {
+            let (done, total) = (&p[format!("{what}_done")], &p[format!("{what}_total")]);
+            assert!(
+                done.as_u64() <= total.as_u64(),
+                "{what} past its total: {p}"
+            );
+        }
+    }
+    let last = reports.last().unwrap();
+    assert_eq!(last["phase"], "done", "{last}");
+    assert_eq!(last["entries_done"], last["entries_total"], "{last}");
+}
