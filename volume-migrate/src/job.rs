@@ -256,12 +256,7 @@ impl Job<'_, '_> {
                     failpoint("migrate.chunk")?;
                 }
                 CopyEvent::Entry { rel } => {
-                    // The top's own event (an empty path, the last) is no
-                    // entry of the scan's total, which leaves the top out:
-                    // counted, every clone ended one entry past its total.
-                    if !rel.as_os_str().is_empty() {
-                        tracker.entry_done();
-                    }
+                    tracker.entry_copied(rel);
                     failpoint("migrate.entry")?;
                 }
             }
