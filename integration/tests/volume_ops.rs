@@ -514,7 +514,11 @@ fn ext4_falls_back_to_plain_directories() {
     let names = root_names(&root);
     match store.snapshot(&app).expect("snapshot") {
         SnapshotOutcome::Skipped { reason } => {
-            assert!(reason.contains("not on btrfs"), "reason: {reason}")
+            // Why, naming the root and what it is on.
+            let canon = root.canonicalize().unwrap();
+            let why = format!("the volumes root {} is on ext4, not btrfs", canon.display());
+            assert_eq!(reason, why);
+            assert_eq!(store.why_not_btrfs(), Some(why));
         }
         other => panic!("expected Skipped on ext4, got {other:?}"),
     }

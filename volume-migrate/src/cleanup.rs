@@ -69,7 +69,7 @@ impl Migrator {
             tracing::warn!(error = %e, "deleting the shared cuts left");
         }
         let (cut, cloned): (Vec<PackageId>, Vec<PackageId>) =
-            self.packages()?.into_iter().partition(|pkg| {
+            self.listing()?.0.into_iter().partition(|pkg| {
                 // A record that cannot be read is for remove_old to report.
                 Names::new(pkg).is_ok_and(|names| {
                     !matches!(

@@ -601,7 +601,7 @@ impl Migrator {
         };
         let old: PathBuf = volumes_path.iter().collect();
         let mut all = true;
-        for other in self.packages()? {
+        for other in self.listing()?.0 {
             if &other == pkg {
                 continue;
             }

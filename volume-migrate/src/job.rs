@@ -255,8 +255,8 @@ impl Job<'_, '_> {
                     tracker.file_data(src, size, done, cloned);
                     failpoint("migrate.chunk")?;
                 }
-                CopyEvent::Entry { .. } => {
-                    tracker.entry_done();
+                CopyEvent::Entry { rel } => {
+                    tracker.entry_copied(rel);
                     failpoint("migrate.entry")?;
                 }
             }

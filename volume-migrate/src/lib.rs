@@ -138,7 +138,7 @@ pub use options::{
 #[cfg(target_os = "linux")]
 pub use pool::{Converted, DESCRIPTORS_EACH, WORKERS};
 #[cfg(target_os = "linux")]
-pub use report::{Outcome, PackageReport, Planned, ReportError, ShareUse};
+pub use report::{Outcome, PackageReport, Planned, ReportError, ShareUse, Skipped};
 #[cfg(target_os = "linux")]
 pub use split::{HEAVY_US, LIGHT_US, ORDER_US, PARENT_SNAPSHOTS_MAX, SPLIT_DIR, SPLIT_MIN, Share};
 

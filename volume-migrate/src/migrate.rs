@@ -17,6 +17,7 @@ use volume::lock::PackageLock;
 use volume::sys;
 
 use crate::options::{MetadataRoom, MigrateOptions};
+use crate::report::Skipped;
 use crate::state::Kind;
 
 /// Converts the plain directories under one volumes root. Open it with
@@ -77,6 +78,12 @@ impl Migrator {
         self.root.is_btrfs()
     }
 
+    /// Why there is nothing to convert off btrfs, naming the root and its
+    /// filesystem (see [`volume::Root::why_not_btrfs`]); `None` on btrfs.
+    pub fn why_not_btrfs(&self) -> Option<String> {
+        self.root.why_not_btrfs()
+    }
+
     pub(crate) fn root_fd(&self) -> BorrowedFd<'_> {
         self.root.fd()
     }
@@ -84,10 +91,32 @@ impl Migrator {
     /// Packages with anything for the conversion to do, sorted: `<pkg>` a
     /// plain directory, or a `<pkg>.migrate`, `<pkg>.migrate-parent`,
     /// `<pkg>.migrate-old` or `<pkg>.migrate-rest` left by an interrupted
-    /// run. Empty off btrfs.
+    /// run. Empty off btrfs. Each entry under a package's name that is no
+    /// package volume ([`Migrator::skipped`]) is passed over with a
+    /// warning, once a call: the run, the plan and the cleanup list the
+    /// packages again without one, so that a caller calls this (or
+    /// [`Migrator::skipped`]) once and each entry is said once.
     pub fn packages(&self) -> Result<Vec<PackageId>, Error> {
+        let (packages, skipped) = self.listing()?;
+        for s in &skipped {
+            tracing::warn!("skipped {}: {}", s.path.display(), s.why);
+        }
+        Ok(packages)
+    }
+
+    /// The entries under the root that [`Migrator::packages`] passes over,
+    /// sorted by name, each with why: named as a package but no directory
+    /// (a file, a symlink, a FIFO), or a name no package id fits. Nothing
+    /// converts them and nothing touches them. Empty off btrfs. Reads only.
+    pub fn skipped(&self) -> Result<Vec<Skipped>, Error> {
+        Ok(self.listing()?.1)
+    }
+
+    /// [`Migrator::packages`] without the warnings, and what it passes
+    /// over.
+    pub(crate) fn listing(&self) -> Result<(Vec<PackageId>, Vec<Skipped>), Error> {
         if !self.root.is_btrfs() {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), Vec::new()));
         }
         let entries = sys::read_dir_names(self.root_fd()).with_ctx(|_| {
             (
@@ -96,16 +125,21 @@ impl Migrator {
             )
         })?;
         let mut out = Vec::new();
+        let mut skipped = Vec::new();
+        let mut skip = |name: &std::ffi::OsStr, why: String| {
+            skipped.push(Skipped {
+                name: name.to_string_lossy().into_owned(),
+                path: self.root.path().join(name),
+                why,
+            })
+        };
         for (name, _, _) in entries {
             let pkg = match package_of(&name) {
                 Some(Ok(pkg)) => pkg,
                 // No package's, whatever it holds: reported, left alone,
                 // and no reason to stop the others.
                 Some(Err(e)) => {
-                    tracing::warn!(
-                        "skipped {}: not a package volume: {e}",
-                        self.root.path().join(&name).display()
-                    );
+                    skip(&name, format!("not a package volume: {e}"));
                     continue;
                 }
                 None => continue,
@@ -119,10 +153,7 @@ impl Migrator {
                     Kind::Other => {
                         // Not a volume, whatever its name: nothing to
                         // convert, and no reason to stop the others.
-                        tracing::warn!(
-                            "skipped {}: not a directory, so not a package volume",
-                            self.root.path().join(&name).display()
-                        );
+                        skip(&name, "not a directory, so not a package volume".to_owned());
                         false
                     }
                     Kind::Subvolume | Kind::Absent => false,
@@ -143,7 +174,8 @@ impl Migrator {
         }
         out.sort();
         out.dedup();
-        Ok(out)
+        skipped.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok((out, skipped))
     }
 
     pub(crate) fn lock(&self, pkg: &PackageId) -> Result<PackageLock, Error> {

@@ -49,7 +49,9 @@ impl Migrator {
     /// package of [`Migrator::packages`], with each plain directory also
     /// scanned whole ([`Planned::estimate`]), in the order a run takes
     /// them. Changes nothing (it commits the filesystem, so that data still
-    /// in the page cache has its extents; nothing anyone can see).
+    /// in the page cache has its extents; nothing anyone can see). Like
+    /// [`Migrator::run`], it does not warn of the entries it passes over
+    /// ([`Migrator::skipped`]).
     pub fn plan(&self) -> Result<Vec<Planned>, Error> {
         self.plan_with(&MigrateOptions::default())
     }
@@ -61,7 +63,7 @@ impl Migrator {
     /// ([`MigrateOptions::remove_old`]: without, a package with only old
     /// trees left is left out, as the run leaves it).
     pub fn plan_with(&self, opts: &MigrateOptions) -> Result<Vec<Planned>, Error> {
-        let mut planned = self.schedule_for(&self.packages()?, opts, true, false)?;
+        let mut planned = self.schedule_for(&self.listing()?.0, opts, true, false)?;
         for p in &mut planned {
             if opts.method == Method::SnapshotParent && p.decision.is_some() {
                 self.check_forced(p)?;

@@ -49,6 +49,19 @@ impl From<&Error> for ReportError {
     }
 }
 
+/// An entry under the volumes root that a run passes over
+/// ([`crate::Migrator::skipped`]): left as it is, converted by nothing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Skipped {
+    /// Its name in the root (lossy where it is not UTF-8): the package it
+    /// is named as, or a name no package id fits.
+    pub name: String,
+    /// Its path.
+    pub path: std::path::PathBuf,
+    /// Why it is no package volume.
+    pub why: String,
+}
+
 /// Where the snapshot of a package placed below a share was taken
 /// ([`PackageReport::share`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

@@ -19,7 +19,9 @@ impl Migrator {
     /// that package is done (so its service can start), then, with
     /// `opts.remove_old`, removes the old trees. A failing package does not
     /// stop the others: its report says why. Fails only if the root cannot
-    /// be read or the schedule cannot be made.
+    /// be read or the schedule cannot be made. The entries it passes over
+    /// are not warned of here: the caller says them once
+    /// ([`Migrator::packages`] or [`Migrator::skipped`]).
     pub fn run(
         &self,
         opts: &MigrateOptions,
@@ -27,7 +29,7 @@ impl Migrator {
         on_done: &mut dyn FnMut(&PackageReport),
     ) -> Result<Vec<PackageReport>, Error> {
         let mut reports = Vec::new();
-        for planned in self.schedule_for(&self.packages()?, opts, false, !opts.dry_run)? {
+        for planned in self.schedule_for(&self.listing()?.0, opts, false, !opts.dry_run)? {
             let started = Instant::now();
             let report = self
                 .convert_planned(&planned, opts, sink)

@@ -130,7 +130,14 @@ impl<'s> Tracker<'s> {
         }
     }
 
-    pub(crate) fn entry_done(&mut self) {
+    /// The entry `rel` of the copy is complete. The copied tree's top
+    /// itself (an empty `rel`, the copy's last event) is not counted: the
+    /// scan's total leaves it out, and counted, every clone ended one entry
+    /// past its total.
+    pub(crate) fn entry_copied(&mut self, rel: &std::path::Path) {
+        if rel.as_os_str().is_empty() {
+            return;
+        }
         self.p.entries_done += 1;
         self.maybe_send();
     }

@@ -43,9 +43,30 @@ fn bad_input_is_one_line_and_nonzero() {
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert_eq!(stderr(&o).lines().count(), 1, "{}", stderr(&o));
     assert!(stderr(&o).contains("/nonexistent/volumes"));
-    let o = cli(&["--no-such-flag"]);
-    assert_eq!(o.status.code(), Some(2));
-    assert_eq!(stderr(&o).lines().count(), 1, "{}", stderr(&o));
+    // Usage errors: one line naming what was wrong, exit 2.
+    for (args, needle) in [
+        (&["--no-such-flag"][..], "'--no-such-flag'"),
+        (
+            &["--method", "x"],
+            "possible values: auto, clone, snapshot-parent",
+        ),
+        (&["--root"], "'--root <ROOT>'"),
+    ] {
+        let o = cli(args);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert!(
+            err.starts_with("volume-migrate: ") && err.contains(needle),
+            "{args:?}: must name {needle}: {err}"
+        );
+        assert_eq!(stdout(&o), "", "{args:?}");
+    }
+    for flag in ["--help", "--version"] {
+        let o = cli(&[flag]);
+        assert_eq!(o.status.code(), Some(0), "{flag}: {o:?}");
+        assert!(stdout(&o).contains("volume-migrate"), "{flag}: {o:?}");
+    }
 }
 
 #[test]
@@ -55,9 +76,12 @@ fn off_btrfs_does_nothing_and_says_so() {
     make_volume(&root, "lnd");
     let o = cli(&["--root", root.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(0));
-    assert!(stdout(&o).contains("not on btrfs"), "{}", stdout(&o));
+    let why = format!("the volumes root {} is on ext4, not btrfs", root.display());
+    assert_eq!(stdout(&o), format!("nothing to convert: {why}\n"));
     let o = cli(&["--root", root.to_str().unwrap(), "--json"]);
-    assert_eq!(json_lines(&o)[0]["event"], "not-btrfs");
+    let event = &json_lines(&o)[0];
+    assert_eq!(event["event"], "not-btrfs");
+    assert_eq!(event["why"], why, "{event}");
 }
 
 #[test]
@@ -266,4 +290,164 @@ fn off_a_terminal_progress_is_plain_marked_lines_at_a_bounded_rate() {
     }
     assert!(stdout(&o).contains("converted electrs: "), "{}", stdout(&o));
     assert!(!stdout(&o).contains("progress"), "{}", stdout(&o));
+}
+
+/// With `--json`, a failure that ends the run is an `error` event on
+/// stdout (the error, its kind and code) beside its one line on stderr.
+#[test]
+fn with_json_a_failed_run_says_why_on_stdout() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
+    let file = fs.path("a-file");
+    fs::write(&file, b"not a directory").unwrap();
+    let f = file.to_str().unwrap();
+    for args in [
+        &["--json", "--root", "/nonexistent/volumes"][..],
+        &["--json", "--dry-run", "--root", "/nonexistent/volumes"],
+        &["--json", "--root", f],
+    ] {
+        let o = cli(args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert_eq!(stderr(&o).lines().count(), 1, "{args:?}: {}", stderr(&o));
+        let lines = json_lines(&o);
+        assert_eq!(lines.len(), 1, "{args:?}: {lines:?}");
+        let e = &lines[0];
+        assert_eq!(e["event"], "error", "{e}");
+        assert!(e["kind"].is_string() && e["code"].is_i64(), "{e}");
+        let said = e["error"].as_str().unwrap_or_default();
+        assert!(said.contains(args[args.len() - 1]), "{e}");
+        assert!(stderr(&o).contains(said), "{e} vs {}", stderr(&o));
+    }
+    assert_eq!(fs::read(&file).unwrap(), b"not a directory");
+}
+
+/// A package volume holding a NOCOW file, for a clone to release in place.
+fn make_nocow_volume(root: &Path, pkg: &str) {
+    let main = root.join(pkg).join("data/main");
+    fs::create_dir_all(&main).unwrap();
+    let db = main.join("db");
+    fs::write(&db, b"").unwrap();
+    let chattr = Command::new("chattr").arg("+C").arg(&db).status().unwrap();
+    assert!(chattr.success(), "chattr +C {}", db.display());
+    fs::write(&db, vec![7u8; 300_000]).unwrap();
+}
+
+/// Entries named as packages that are no package volume: a file, a
+/// symlink, a FIFO, by name, sorted; beside two packages with NOCOW files
+/// (a clone of each releases them in place, listing the root again).
+fn root_with_strays(fs: &LoopFs) -> (std::path::PathBuf, [&'static str; 3]) {
+    let root = fs.path("volumes");
+    fs::create_dir_all(&root).unwrap();
+    fs::write(root.join("notes"), b"the operator's notes").unwrap();
+    std::os::unix::fs::symlink("/etc", root.join("link")).unwrap();
+    let fifo = Command::new("mkfifo")
+        .arg(root.join("pipe"))
+        .status()
+        .unwrap();
+    assert!(fifo.success());
+    make_nocow_volume(&root, "db1");
+    make_nocow_volume(&root, "db2");
+    (root, ["link", "notes", "pipe"])
+}
+
+/// Each entry the run passes over is warned of once, however many clones
+/// release their NOCOW files (each of which lists the root again).
+#[test]
+fn each_skipped_entry_is_warned_of_once() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
+    let (root, strays) = root_with_strays(&fs);
+    let o = cli(&["--root", root.to_str().unwrap(), "--method", "clone"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stdout(&o).contains("converted db2"), "{}", stdout(&o));
+    let err = stderr(&o);
+    for stray in strays {
+        let said = err
+            .lines()
+            .filter(|l| l.contains("skipped") && l.contains(&format!("/{stray}:")))
+            .count();
+        assert_eq!(said, 1, "{stray} said {said} times: {err}");
+    }
+    assert_eq!(
+        fs::read(root.join("notes")).unwrap(),
+        b"the operator's notes"
+    );
+}
+
+/// With `--json`, each entry passed over is a `skipped` event on stdout
+/// (its name, path and why), once, and no warning on stderr: in the dry
+/// run and in the run.
+#[test]
+fn with_json_skipped_entries_are_events() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
+    let (root, strays) = root_with_strays(&fs);
+    let r = root.to_str().unwrap();
+    for args in [
+        &["--root", r, "--json", "--dry-run"][..],
+        &["--root", r, "--json", "--method", "clone"],
+    ] {
+        let o = cli(args);
+        assert_eq!(o.status.code(), Some(0), "{args:?}: {}", stderr(&o));
+        assert!(
+            !stderr(&o).contains("skipped"),
+            "{args:?}: events, not warnings: {}",
+            stderr(&o)
+        );
+        let skipped: Vec<_> = json_lines(&o)
+            .into_iter()
+            .filter(|l| l["event"] == "skipped")
+            .collect();
+        let names: Vec<_> = skipped.iter().map(|l| l["package"].clone()).collect();
+        assert_eq!(names, strays, "{args:?}: {skipped:?}");
+        for l in &skipped {
+            assert!(
+                l["why"]
+                    .as_str()
+                    .is_some_and(|w| w.contains("not a directory")),
+                "{l}"
+            );
+            let name = l["package"].as_str().unwrap();
+            assert_eq!(l["path"], format!("{r}/{name}"), "{l}");
+        }
+    }
+    assert!(!root.join("db1.migrate-old").exists(), "db1 converted");
+}
+
+/// With `--json`, no progress report counts past its total once the totals
+/// are known: the clone's entries end at the scan's count, the top of the
+/// volume not among them.
+#[test]
+fn progress_never_counts_past_its_total() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
+    let root = fs.path("volumes");
+    make_volume(&root, "lnd");
+    let many = root.join("lnd/data/main/many");
+    fs::create_dir_all(&many).unwrap();
+    for i in 0..200 {
+        fs::write(many.join(format!("{i:03}")), [i as u8; 64]).unwrap();
+    }
+    let o = cli(&[
+        "--root",
+        root.to_str().unwrap(),
+        "--json",
+        "--method",
+        "clone",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let reports: Vec<_> = json_lines(&o)
+        .into_iter()
+        .filter(|l| l["event"] == "progress" && l["progress"]["totals_known"] == true)
+        .map(|l| l["progress"].clone())
+        .collect();
+    assert!(!reports.is_empty(), "{}", stdout(&o));
+    for p in &reports {
+        for what in ["bytes", "extents", "entries"] {
+            let (done, total) = (&p[format!("{what}_done")], &p[format!("{what}_total")]);
+            assert!(
+                done.as_u64() <= total.as_u64(),
+                "{what} past its total: {p}"
+            );
+        }
+    }
+    let last = reports.last().unwrap();
+    assert_eq!(last["phase"], "done", "{last}");
+    assert_eq!(last["entries_done"], last["entries_total"], "{last}");
 }

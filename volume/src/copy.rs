@@ -132,7 +132,8 @@ pub enum CopyEvent<'a> {
         /// increase was found in place by a resumed copy).
         cloned: u64,
     },
-    /// An entry (of any type) is complete, metadata included.
+    /// An entry (of any type) is complete, metadata included; last of
+    /// all, the copied tree's top itself, with an empty `rel`.
     Entry {
         /// Path relative to the copied tree's top.
         rel: &'a Path,

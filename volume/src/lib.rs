@@ -19,8 +19,9 @@
 //! [`usage`] (space accounting from the b-tree), [`walk`] (the tree walker),
 //! [`purge`] (emptying the trash in a background thread),
 //! [`errors`] (the I/O errors that change what a failed step does next)
-//! and [`failpoint`] (the crash sites the tests name). Everything else is
-//! internal.
+//! and [`failpoint`] (the crash sites the tests name); with the `cli`
+//! feature, `cli` (what the two command-line tools share in how they
+//! answer). Everything else is internal.
 
 use std::path::{Path, PathBuf};
 
@@ -34,6 +35,9 @@ pub use models::{Error, ErrorKind, PackageId, VolumeId};
 
 // Work over a list spread across threads, results in the list's order.
 pub mod at_once;
+// How the command-line tools answer: one-line usage errors, JSON failures.
+#[cfg(feature = "cli")]
+pub mod cli;
 // The lossless reflink copy and the tree removal the conversion uses.
 #[cfg(target_os = "linux")]
 pub mod copy;
@@ -83,8 +87,8 @@ pub use failpoint::FAILPOINT_ENV;
 pub use layout::INSTALL_BACKUP_SUFFIX;
 // What the store's operations report.
 pub use outcome::{
-    DeleteOutcome, HeldTree, Holder, Recovery, RestoreOutcome, SnapshotOutcome, VolumeInfo,
-    VolumeKind,
+    CreateOutcome, DeleteOutcome, HeldTree, Holder, Recovery, RestoreOutcome, SnapshotOutcome,
+    VolumeInfo, VolumeKind,
 };
 // The volumes root, open.
 #[cfg(target_os = "linux")]

@@ -392,6 +392,22 @@ pub fn mount_points_below(path: &Path) -> io::Result<Vec<PathBuf>> {
         .collect())
 }
 
+/// The filesystem type (`ext4`, `xfs`, ...) of the mount `id` (statx's
+/// mount id, mountinfo's first field) in the mount table `text`: the field
+/// after the ` - ` that ends the optional fields. `None` if no line has
+/// that id.
+pub(crate) fn fs_type_of_mount(text: &[u8], id: u64) -> Option<String> {
+    let id = id.to_string();
+    text.split(|b| *b == b'\n').find_map(|line| {
+        let mut fields = line.split(|b| *b == b' ');
+        if fields.next()? != id.as_bytes() {
+            return None;
+        }
+        let fs_type = fields.skip_while(|f| *f != b"-").nth(1)?;
+        Some(String::from_utf8_lossy(fs_type).into_owned())
+    })
+}
+
 /// Formats mount uses for a one-line error.
 pub fn describe(uses: &[MountUse]) -> String {
     uses.iter()
@@ -421,6 +437,16 @@ mod tests {
 91 90 0:45 /package-data/volumes/lnd/data/main /data rw - btrfs /dev/loop0 rw
 92 90 0:45 /package-data/volumes/electrs/data/main /electrs rw - btrfs /dev/loop0 rw
 ";
+
+    #[test]
+    fn names_a_mount_s_filesystem_type_by_its_id() {
+        let text = SAMPLE.as_bytes();
+        assert_eq!(fs_type_of_mount(text, 22).as_deref(), Some("ext4"));
+        assert_eq!(fs_type_of_mount(text, 43).as_deref(), Some("tmpfs"));
+        assert_eq!(fs_type_of_mount(text, 4), None, "no prefix of an id");
+        let tagged = b"7 1 0:30 / /x rw shared:1 master:2 - xfs /dev/sdb rw\n";
+        assert_eq!(fs_type_of_mount(tagged, 7).as_deref(), Some("xfs"));
+    }
 
     #[test]
     fn finds_bind_mounts_from_inside_and_mounts_on_top() {

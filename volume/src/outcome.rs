@@ -16,6 +16,16 @@ pub enum VolumeKind {
     Directory,
 }
 
+/// What `VolumeStore::create_outcome` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct CreateOutcome {
+    /// How the volume is stored.
+    pub kind: VolumeKind,
+    /// Whether it was there already (kept as it was, given only the volume
+    /// directories it lacked), rather than made now.
+    pub existed: bool,
+}
+
 /// What `VolumeStore::snapshot` did.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case", tag = "outcome")]

@@ -20,14 +20,15 @@ use crate::sys;
 /// The volumes root, open.
 ///
 /// Invariants: `path` is canonical as of the open, `dir` is a directory
-/// opened from it without following a symlink, and `dev` and `btrfs`
+/// opened from it without following a symlink, and `dev` and `magic`
 /// describe that directory (not whatever the path names later).
 #[derive(Debug)]
 pub struct Root {
     path: PathBuf,
     dir: OwnedFd,
     dev: u64,
-    btrfs: bool,
+    /// statfs's `f_type` of the directory.
+    magic: i64,
 }
 
 impl Root {
@@ -64,7 +65,7 @@ impl Root {
                 format!("volumes root {}", canonical.display()),
             )
         })?;
-        let btrfs = sys::is_btrfs(dir.as_fd()).with_ctx(|_| {
+        let magic = sys::fs_magic(dir.as_fd()).with_ctx(|_| {
             (
                 ErrorKind::Filesystem,
                 format!("statfs of the volumes root {}", canonical.display()),
@@ -74,7 +75,7 @@ impl Root {
             path: canonical,
             dir,
             dev: st.dev,
-            btrfs,
+            magic,
         })
     }
 
@@ -109,6 +110,32 @@ impl Root {
     /// Whether the root is on btrfs. If not, volumes are plain directories
     /// and nothing converts.
     pub fn is_btrfs(&self) -> bool {
-        self.btrfs
+        self.magic == sys::fs_magic_btrfs()
+    }
+
+    /// The type of the filesystem the root is on, for messages: as its
+    /// mount table entry names it (`ext4`), else from statfs's magic number
+    /// (`ext2/ext3/ext4`, or the number). Reads the mount table: best
+    /// effort, never an error.
+    pub fn filesystem(&self) -> String {
+        let from_table = || -> Option<String> {
+            let id = sys::mount_id(self.fd()).ok()??;
+            let (_, table) = sys::own_mount_table().ok()?;
+            crate::mounts::fs_type_of_mount(&table, id)
+        };
+        from_table().unwrap_or_else(|| sys::fs_name_of_magic(self.magic))
+    }
+
+    /// Why volumes under this root fall back to plain directories and
+    /// get no snapshots: `the volumes root <path> is on <type>, not btrfs`
+    /// ([`Root::filesystem`]); `None` on btrfs.
+    pub fn why_not_btrfs(&self) -> Option<String> {
+        (!self.is_btrfs()).then(|| {
+            format!(
+                "the volumes root {} is on {}, not btrfs",
+                self.path.display(),
+                self.filesystem()
+            )
+        })
     }
 }

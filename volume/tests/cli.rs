@@ -136,7 +136,24 @@ fn every_subcommand_in_text_and_json() {
     let v = ok_json(&root, &["create", "db", "main"]);
     assert_eq!(
         v,
-        json!({"package": "db", "volume": "subvolume", "path": canon.join("db")})
+        json!({"package": "db", "volume": "subvolume", "path": canon.join("db"), "existed": false})
+    );
+    // Again: it already existed, and says so; the volume dirs it lacked
+    // are made.
+    let out = ok(&root, &["create", "app", "main", "more"]);
+    assert_eq!(
+        out,
+        format!(
+            "already existed: {} (subvolume)\n",
+            canon.join("app").display()
+        )
+    );
+    assert!(root.join("app/data/more").is_dir());
+    fs::remove_dir(root.join("app/data/more")).unwrap();
+    let v = ok_json(&root, &["create", "db", "main"]);
+    assert_eq!(
+        v,
+        json!({"package": "db", "volume": "subvolume", "path": canon.join("db"), "existed": true})
     );
     fs::write(root.join("app/data/main/state"), b"v1").unwrap();
     fs::write(root.join("db/data/main/state"), b"v1").unwrap();
@@ -311,23 +328,31 @@ fn every_subcommand_in_text_and_json() {
 fn snapshot_on_ext4_reports_the_skip() {
     let fs = fs_or_skip!(LoopFs::ext4(64 << 20));
     let root = volumes_root(&fs);
+    let canon = root.canonicalize().unwrap();
+    // Each fallback says why: the root, and what it is on.
+    let why = format!("the volumes root {} is on ext4, not btrfs", canon.display());
+    let v = ok_json(&root, &["create", "app", "main"]);
+    assert_eq!(v["volume"], json!("directory"), "{v}");
+    assert_eq!(v["why"], json!(why), "{v}");
     assert_eq!(
-        ok_json(&root, &["create", "app", "main"])["volume"],
-        json!("directory")
+        ok(&root, &["create", "web", "main"]),
+        format!(
+            "created {} (directory: {why})\n",
+            canon.join("web").display()
+        )
     );
     let out = startos_volume(root.as_os_str(), &["--json", "snapshot", "app"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let v: Value = serde_json::from_slice(&out.stdout).expect("snapshot --json");
     assert_eq!(v["created"], json!(false), "{v}");
     assert_eq!(v["backup"]["outcome"], json!("skipped"), "{v}");
-    assert!(
-        v["backup"]["reason"]
-            .as_str()
-            .is_some_and(|r| r.contains("not on btrfs")),
-        "{v}"
-    );
-    // The skip is also a warning on stderr, naming the package.
-    assert!(text(&out.stderr).contains("app"), "{}", text(&out.stderr));
+    assert_eq!(v["backup"]["reason"], json!(why), "{v}");
+    assert_eq!(v["why"], json!(why), "{v}");
+    // The skip is also a warning on stderr, naming the package and why.
+    let warned = text(&out.stderr);
+    assert!(warned.contains("app") && warned.contains(&why), "{warned}");
+    let out = startos_volume(root.as_os_str(), &["snapshot", "web"]);
+    assert_eq!(text(&out.stdout), format!("no backup for web: {why}\n"));
     assert!(!root.join("app.install-backup").exists());
 
     // Space accounting reads btrfs trees: off btrfs it says so, in one line,
@@ -341,6 +366,36 @@ fn snapshot_on_ext4_reports_the_skip() {
                 == ["app", "directory", "-", "-", "-", "-"]),
         "{out}"
     );
+}
+
+/// On btrfs, a volume still a plain directory (made before the conversion)
+/// is backed up by a reflink copy, not a snapshot: the line and the JSON
+/// say so, and why.
+#[test]
+fn a_reflink_copy_in_place_of_a_snapshot_says_why() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
+    let root = volumes_root(&fs);
+    let canon = root.canonicalize().unwrap();
+    fs::create_dir_all(root.join("app/data/main")).unwrap();
+    fs::write(root.join("app/data/main/state"), b"v1").unwrap();
+    let why = "the volume is a plain directory, not yet converted to a subvolume \
+               (volume-migrate converts it)";
+    let v = ok_json(&root, &["create", "app", "main"]);
+    assert_eq!(v["volume"], json!("directory"), "{v}");
+    assert_eq!(v["existed"], json!(true), "{v}");
+    assert_eq!(v["why"], json!(why), "{v}");
+    let out = ok(&root, &["snapshot", "app"]);
+    assert_eq!(
+        out,
+        format!(
+            "reflink copy {} (1 extents), not a snapshot: {why}\n",
+            canon.join("app.install-backup").display()
+        )
+    );
+    ok(&root, &["drop", "app"]);
+    let v = ok_json(&root, &["snapshot", "app"]);
+    assert_eq!(v["backup"]["outcome"], json!("reflink-copy"), "{v}");
+    assert_eq!(v["why"], json!(why), "{v}");
 }
 
 #[test]
@@ -450,4 +505,87 @@ fn an_existing_backup_fails_with_one_line_and_a_mount_keeps_the_replaced_tree() 
     let recovered = startos_volume(root.as_os_str(), &["recover"]);
     assert!(recovered.status.success(), "recover: {recovered:?}");
     assert!(!root.join("app.held").exists(), "reclaimed once unmounted");
+}
+
+/// A usage error (an unknown flag, a missing argument, a bad value) is one
+/// line on stderr naming what was wrong, exit 2, before anything is
+/// opened; `--help` and `--version` print as usual and exit 0.
+#[test]
+fn usage_errors_are_one_line_and_help_still_works() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
+    let root = volumes_root(&fs);
+    ok(&root, &["create", "app", "main"]);
+    let before = digest(&root);
+    for (args, needle) in [
+        (&["--bogus", "list"][..], "'--bogus'"),
+        (&["create"], "<PKG>"),
+        (&["--lock-wait", "soon", "list"], "'soon'"),
+        (&["frobnicate"], "'frobnicate'"),
+    ] {
+        let out = startos_volume(root.as_os_str(), args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: one line: {stderr:?}");
+        assert!(
+            stderr.starts_with("startos-volume: ") && stderr.contains(needle),
+            "{args:?}: must name {needle}: {stderr:?}"
+        );
+        assert_eq!(text(&out.stdout), "", "{args:?}");
+    }
+    assert_unchanged(&before, &root, "usage errors");
+    for flag in ["--help", "--version"] {
+        let out = startos_volume(root.as_os_str(), &[flag]);
+        assert_eq!(out.status.code(), Some(0), "{flag}: {out:?}");
+        assert!(
+            text(&out.stdout).contains("startos-volume"),
+            "{flag}: {out:?}"
+        );
+    }
+    assert!(text(&startos_volume(root.as_os_str(), &["--help"]).stdout).contains("Usage:"));
+}
+
+/// A package whose lock another process holds is reported busy by
+/// `recover`, by name (a `Timeout`, not `Incoherent`: nothing is wrong
+/// with it), and with `--json` the one document is the list, that
+/// package's entry marked busy.
+#[test]
+fn recover_reports_a_busy_package_as_busy() {
+    let fs = fs_or_skip!(LoopFs::btrfs(512 << 20));
+    let root = volumes_root(&fs);
+    ok(&root, &["create", "app", "main"]);
+    ok(&root, &["create", "web", "main"]);
+    let dir = fs::File::open(&root).unwrap();
+    let locks = volume::lock::LockDir::for_root(std::os::fd::AsFd::as_fd(&dir)).unwrap();
+    let app: volume::PackageId = "app".parse().unwrap();
+    let held = locks.lock(&app).unwrap();
+
+    let wait = ["--lock-wait", "0.2"];
+    let out = startos_volume(root.as_os_str(), &[&wait[..], &["recover"]].concat());
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = text(&out.stderr);
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("startos-volume: Timeout Error: package app is busy: "),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("Incoherent"), "{stderr}");
+
+    let out = startos_volume(
+        root.as_os_str(),
+        &[&wait[..], &["--json", "recover"]].concat(),
+    );
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stdout = text(&out.stdout);
+    assert_eq!(stdout.lines().count(), 1, "one JSON document: {stdout}");
+    let v: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v[0]["package"], "app", "{v}");
+    assert_eq!(v[0]["busy"], true, "{v}");
+    assert_eq!(v.as_array().map(Vec::len), Some(1), "web recovered: {v}");
+
+    // One package named: its own busy error.
+    let out = startos_volume(root.as_os_str(), &[&wait[..], &["recover", "app"]].concat());
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("package app: busy"), "{stderr}");
+    drop(held);
+    assert_eq!(ok(&root, &["recover"]), "");
 }

@@ -7,7 +7,9 @@
 //! still converted); 2 on bad input (one line on stderr).
 //! Progress goes to stderr: a bar (indicatif) on a terminal, plain lines at a
 //! bounded rate elsewhere; with `--json` every event is one JSON object per
-//! line on stdout.
+//! line on stdout, a failure that ends the run included (an `error` event
+//! with the error's kind and code), and each entry of the root the run
+//! passes over (a `skipped` event, else a warning on stderr).
 
 #[cfg(target_os = "linux")]
 use std::io::Write;
@@ -61,22 +63,9 @@ fn main() -> ExitCode {
     // What the library warns of (an entry it passed over, say) goes to
     // stderr, one line each, as startos-volume's.
     volume::init_command_line_log();
-    let cli = match Cli::try_parse() {
+    let cli = match volume::cli::parse_args::<Cli>("volume-migrate") {
         Ok(c) => c,
-        Err(e) if !e.use_stderr() => {
-            let _ = e.print();
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            let text = e.to_string();
-            eprintln!(
-                "{}",
-                text.lines()
-                    .next()
-                    .unwrap_or("volume-migrate: bad arguments")
-            );
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     #[cfg(target_os = "linux")]
     {
@@ -95,6 +84,40 @@ fn json_line(value: serde_json::Value) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{value}");
     let _ = out.flush();
+}
+
+/// A failure that ends the run: its one line on stderr, and with `--json`
+/// an `error` event on stdout too (startos-volume's error object, as an
+/// event), so that a caller reading stdout learns the run failed and why;
+/// then `code`.
+#[cfg(target_os = "linux")]
+fn fail(json: bool, e: &models::Error, code: u8) -> ExitCode {
+    if json {
+        let mut event = volume::cli::error_json(e);
+        event["event"] = "error".into();
+        json_line(event);
+    }
+    eprintln!("volume-migrate: {e}");
+    ExitCode::from(code)
+}
+
+/// The entries under the root no run touches, each said once: a warning
+/// on stderr, or with `--json` a `skipped` event on stdout.
+#[cfg(target_os = "linux")]
+fn report_skipped(migrator: &volume_migrate::Migrator, json: bool) -> Result<(), models::Error> {
+    for s in migrator.skipped()? {
+        if json {
+            json_line(serde_json::json!({
+                "event": "skipped",
+                "package": s.name,
+                "path": s.path,
+                "why": s.why,
+            }));
+        } else {
+            tracing::warn!("skipped {}: {}", s.path.display(), s.why);
+        }
+    }
+    Ok(())
 }
 
 #[cfg(target_os = "linux")]
@@ -118,24 +141,24 @@ fn run(cli: Cli) -> ExitCode {
 
     let migrator = match Migrator::open(&cli.root) {
         Ok(m) => m,
-        Err(e) => {
-            eprintln!("volume-migrate: {e}");
-            return ExitCode::from(2);
-        }
+        Err(e) => return fail(cli.json, &e, 2),
     };
-    if !migrator.is_btrfs() {
-        let msg = format!(
-            "{} is not on btrfs: nothing to convert",
-            migrator.root().display()
-        );
+    if let Some(why) = migrator.why_not_btrfs() {
+        let msg = format!("nothing to convert: {why}");
         if cli.json {
-            json_line(
-                serde_json::json!({"event": "not-btrfs", "root": migrator.root(), "message": msg}),
-            );
+            json_line(serde_json::json!({
+                "event": "not-btrfs",
+                "root": migrator.root(),
+                "message": msg,
+                "why": why,
+            }));
         } else {
             println!("{msg}");
         }
         return ExitCode::SUCCESS;
+    }
+    if let Err(e) = report_skipped(&migrator, cli.json) {
+        return fail(cli.json, &e, 1);
     }
     if cli.dry_run {
         dry_run::run(&migrator, method, cli.keep_old, cli.json)
@@ -155,7 +178,7 @@ mod dry_run {
     use volume_migrate::cost::Cost;
     use volume_migrate::{Decision, Method, MigrateOptions, Migrator, Planned};
 
-    use super::json_line;
+    use super::{fail, json_line};
 
     pub(super) fn run(migrator: &Migrator, method: Method, keep_old: bool, json: bool) -> ExitCode {
         let plan = match migrator.plan_with(&MigrateOptions {
@@ -164,10 +187,7 @@ mod dry_run {
             ..MigrateOptions::default()
         }) {
             Ok(p) => p,
-            Err(e) => {
-                eprintln!("volume-migrate: {e}");
-                return ExitCode::from(1);
-            }
+            Err(e) => return fail(json, &e, 1),
         };
         for entry in &plan {
             if json {
@@ -185,10 +205,7 @@ mod dry_run {
             .sum();
         let room = match migrator.metadata_room(&MigrateOptions::default()) {
             Ok(room) => room,
-            Err(e) => {
-                eprintln!("volume-migrate: {e}");
-                return ExitCode::from(1);
-            }
+            Err(e) => return fail(json, &e, 1),
         };
         let (free, reserve) = (room.map(|r| r.free), room.map_or(0, |r| r.reserve));
         let short = free.is_some_and(|f| f < needed.saturating_add(reserve));
@@ -319,7 +336,7 @@ mod convert {
         Method, MigrateOptions, Migrator, Outcome, PackageReport, Phase, Progress,
     };
 
-    use super::json_line;
+    use super::{fail, json_line};
 
     pub(super) fn run(migrator: &Migrator, method: Method, keep_old: bool, json: bool) -> ExitCode {
         let mut progress = ProgressOut::new(json);
@@ -345,10 +362,7 @@ mod convert {
         }
         match result {
             Ok(reports) => summary(&reports, json, &done.printed_failures),
-            Err(e) => {
-                eprintln!("volume-migrate: {e}");
-                ExitCode::from(1)
-            }
+            Err(e) => fail(json, &e, 1),
         }
     }
 

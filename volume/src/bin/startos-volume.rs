@@ -2,7 +2,9 @@
 //!
 //! Exit 0 on success. On any error, one line on stderr naming the package,
 //! path and cause, exit 1, and nothing changed on disk beyond what recovery of
-//! an earlier crash had to finish.
+//! an earlier crash had to finish; with `--json`, that error is also an
+//! object on stdout unless the command printed its result first. Bad usage
+//! (an unknown flag, a missing argument): one line on stderr, exit 2.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -32,7 +34,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Create PKG's volume (a subvolume on btrfs) with the given volume dirs.
+    /// Create PKG's volume (a subvolume on btrfs) with the given volume dirs
+    /// (one that exists is kept, given the dirs it lacks).
     Create {
         /// Package id.
         pkg: String,
@@ -300,14 +303,35 @@ mod run {
         p: PackageId,
         volumes: &[VolumeId],
     ) -> Result<(), Error> {
-        let k = store.create(&p, volumes)?;
+        let done = store.create_outcome(&p, volumes)?;
+        let k = done.kind;
         let path = store.volume_path(&p);
-        emit(
-            json,
-            json!({"package": p, "volume": k, "path": path}),
-            format!("created {} ({})", path.display(), kind(Some(k))),
-        );
+        let why = (k == VolumeKind::Directory).then(|| why_directory(store));
+        let mut value = json!({"package": p, "volume": k, "path": path, "existed": done.existed});
+        if let Some(why) = &why {
+            value["why"] = json!(why);
+        }
+        let how = match &why {
+            Some(why) => format!("{}: {why}", kind(Some(k))),
+            None => kind(Some(k)).to_owned(),
+        };
+        let human = match done.existed {
+            true => format!("already existed: {} ({how})", path.display()),
+            false => format!("created {} ({how})", path.display()),
+        };
+        emit(json, value, human);
         Ok(())
+    }
+
+    /// Why a volume is a plain directory, not a subvolume: the root is not
+    /// on btrfs (naming its filesystem), or the volume was made before it
+    /// was converted.
+    fn why_directory(store: &VolumeStore) -> String {
+        store.why_not_btrfs().unwrap_or_else(|| {
+            "the volume is a plain directory, not yet converted to a subvolume \
+             (volume-migrate converts it)"
+                .to_owned()
+        })
     }
 
     fn snapshot(store: &VolumeStore, json: bool, p: PackageId) -> Result<(), Error> {
@@ -318,17 +342,21 @@ mod run {
                 format!("snapshot {}", store.backup_path(&p).display())
             }
             SnapshotOutcome::ReflinkCopy { extents } => format!(
-                "reflink copy {} ({extents} extents)",
-                store.backup_path(&p).display()
+                "reflink copy {} ({extents} extents), not a snapshot: {}",
+                store.backup_path(&p).display(),
+                why_directory(store)
             ),
             SnapshotOutcome::Skipped { reason } => format!("no backup for {p}: {reason}"),
             SnapshotOutcome::NoVolume => format!("no volume for {p}: nothing to back up"),
         };
-        emit(
-            json,
-            json!({"package": p, "backup": outcome, "created": outcome.created()}),
-            human,
-        );
+        let mut value = json!({"package": p, "backup": outcome, "created": outcome.created()});
+        // Why it fell back from a snapshot, beside what it did instead.
+        match &outcome {
+            SnapshotOutcome::ReflinkCopy { .. } => value["why"] = json!(why_directory(store)),
+            SnapshotOutcome::Skipped { reason } => value["why"] = json!(reason),
+            SnapshotOutcome::Snapshot | SnapshotOutcome::NoVolume => {}
+        }
+        emit(json, value, human);
         Ok(())
     }
 
@@ -490,6 +518,9 @@ mod run {
         };
 
         if json {
+            // Each package's entry says whether it failed or was busy: no
+            // error object after it (see `main`).
+            EMITTED.store(true, std::sync::atomic::Ordering::Relaxed);
             println!("{}", json!(done));
         } else {
             for r in &done {
@@ -498,27 +529,61 @@ mod run {
                 }
             }
         }
-        let failed: Vec<&str> = done
-            .iter()
-            .filter(|r| r.error.is_some())
-            .map(|r| r.package.as_str())
-            .collect();
-        if !failed.is_empty() {
-            return Err(Error::new(
-                color_eyre::eyre::eyre!(
+        recover_failed(&done)
+    }
+
+    /// The error a full `recover` ends with, if a package's recovery failed
+    /// or was not done because another process held its lock (busy: a
+    /// `Timeout` naming those packages, nothing wrong with them; any other
+    /// failure: `Incoherent`, naming the busy ones too).
+    fn recover_failed(done: &[volume::Recovery]) -> Result<(), Error> {
+        let names = |busy: bool| -> Vec<&str> {
+            done.iter()
+                .filter(|r| r.error.is_some() && r.busy == busy)
+                .map(|r| r.package.as_str())
+                .collect()
+        };
+        let (failed, busy) = (names(false), names(true));
+        let busy_line = |busy: &[&str]| match busy {
+            [one] => format!(
+                "package {one} is busy: another process holds its lock (an operation on it \
+                 is under way); not recovered, try again once it is done"
+            ),
+            _ => format!(
+                "packages {} are busy: other processes hold their locks (operations on them \
+                 are under way); not recovered, try again once they are done",
+                busy.join(", ")
+            ),
+        };
+        let (why, kind) = match (failed.is_empty(), busy.is_empty()) {
+            (true, true) => return Ok(()),
+            (true, false) => (busy_line(&busy), volume::ErrorKind::Timeout),
+            (false, true) => (
+                format!(
                     "recovery failed for {}; see the log above",
                     failed.join(", ")
                 ),
                 volume::ErrorKind::Incoherent,
-            ));
-        }
-        Ok(())
+            ),
+            (false, false) => (
+                format!(
+                    "recovery failed for {}; see the log above; {}",
+                    failed.join(", "),
+                    busy_line(&busy)
+                ),
+                volume::ErrorKind::Incoherent,
+            ),
+        };
+        Err(Error::new(color_eyre::eyre::eyre!(why), kind))
     }
 }
 
 fn main() -> ExitCode {
     volume::init_command_line_log();
-    let cli = Cli::parse();
+    let cli = match volume::cli::parse_args::<Cli>("startos-volume") {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
     #[cfg(target_os = "linux")]
     {
         let json = cli.json;
@@ -529,12 +594,7 @@ fn main() -> ExitCode {
                 // caller reading it never gets nothing; the line on stderr
                 // stays the one line a person reads.
                 if json && !run::EMITTED.load(std::sync::atomic::Ordering::Relaxed) {
-                    let kind = e.kind.as_str();
-                    let code = e.kind.code();
-                    println!(
-                        "{}",
-                        serde_json::json!({"error": e.to_string(), "kind": kind, "code": code})
-                    );
+                    println!("{}", volume::cli::error_json(&e));
                 }
                 eprintln!("startos-volume: {e}");
                 ExitCode::FAILURE

@@ -15,7 +15,7 @@ use models::{Error, ErrorKind, PackageId, ResultExt, VolumeId};
 use super::{VolumeStore, with_cleanup};
 use crate::failpoint::failpoint;
 use crate::layout::Names;
-use crate::outcome::VolumeKind;
+use crate::outcome::{CreateOutcome, VolumeKind};
 use crate::sys;
 
 /// Why making a volume's directories failed.
@@ -166,11 +166,24 @@ impl VolumeStore {
     /// an existing volume, each missing directory is one `mkdir`: a failure
     /// part-way leaves some of them made, which a rerun completes.
     pub fn create(&self, pkg: &PackageId, volumes: &[VolumeId]) -> Result<VolumeKind, Error> {
+        self.create_outcome(pkg, volumes).map(|o| o.kind)
+    }
+
+    /// [`VolumeStore::create`], saying also whether the volume was there
+    /// already (decided under the package's lock).
+    pub fn create_outcome(
+        &self,
+        pkg: &PackageId,
+        volumes: &[VolumeId],
+    ) -> Result<CreateOutcome, Error> {
         let held = self.hold_recovered(pkg, Names::new(pkg)?)?;
         let names = &held.names;
         if let Some(kind) = self.tree(pkg, &names.live)? {
             self.make_volume_dirs(pkg, &names.live, volumes)?;
-            return Ok(kind);
+            return Ok(CreateOutcome {
+                kind,
+                existed: true,
+            });
         }
         let kind = self.make_tree(pkg, &names.create)?;
         let made = self
@@ -191,7 +204,10 @@ impl VolumeStore {
             return Err(with_cleanup(e, cleanup, "removing the new volume"));
         }
         tracing::info!(package = %pkg, ?kind, "volume ready");
-        Ok(kind)
+        Ok(CreateOutcome {
+            kind,
+            existed: false,
+        })
     }
 
     /// Makes `data/<volume>` for each of `volumes` in the tree `name` of the

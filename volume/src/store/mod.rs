@@ -274,6 +274,13 @@ impl VolumeStore {
         self.root.is_btrfs()
     }
 
+    /// Why volumes here are plain directories with no snapshots, naming
+    /// the root and its filesystem (see [`crate::Root::why_not_btrfs`]);
+    /// `None` on btrfs.
+    pub fn why_not_btrfs(&self) -> Option<String> {
+        self.root.why_not_btrfs()
+    }
+
     /// `<root>/<pkg>`, the package's volume.
     pub fn volume_path(&self, pkg: &PackageId) -> PathBuf {
         self.root.path().join(pkg.as_str())

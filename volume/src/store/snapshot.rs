@@ -33,10 +33,11 @@ impl VolumeStore {
     /// qgroup joins the volume's groups as it is created (see
     /// [`crate::quota`]); without, the one check costs one search.
     ///
-    /// Fallbacks, each with a warning naming the package: not btrfs, no
-    /// backup; a plain directory on btrfs, a reflink copy if its extent count
-    /// is within the configured bound (nested subvolumes copied as
-    /// subvolumes, read-only ones kept read-only), else no backup.
+    /// Fallbacks, each logged naming the package: not btrfs, no backup
+    /// (a warning, the reason naming the root and its filesystem); a plain
+    /// directory on btrfs, a reflink copy if its extent count is within the
+    /// configured bound (nested subvolumes copied as subvolumes, read-only
+    /// ones kept read-only), else no backup (a warning).
     ///
     /// Fails with `Incoherent` if a backup already exists: it belongs to an
     /// unfinished install that must be restored or dropped first, and
@@ -69,8 +70,7 @@ impl VolumeStore {
                 ),
             ));
         }
-        if !self.root.is_btrfs() {
-            let reason = "the volumes root is not on btrfs".to_owned();
+        if let Some(reason) = self.root.why_not_btrfs() {
             tracing::warn!(package = %pkg, "no install backup: {reason}");
             return Ok(SnapshotOutcome::Skipped { reason });
         }

@@ -272,10 +272,39 @@ pub fn write_all(fd: BorrowedFd<'_>, mut data: &[u8]) -> io::Result<()> {
 
 /// Whether `fd` lives on a btrfs filesystem.
 pub fn is_btrfs(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    Ok(fs_magic(fd)? == BTRFS_SUPER_MAGIC)
+}
+
+/// The magic number of the filesystem `fd` lives on (statfs's `f_type`,
+/// `linux/magic.h`): what tells btrfs, and names another filesystem where
+/// its mount table entry cannot be read ([`fs_name_of_magic`]).
+pub(crate) fn fs_magic(fd: BorrowedFd<'_>) -> io::Result<i64> {
     super::fault::check("fstatfs")?;
     let st = rustix::fs::fstatfs(fd)?;
     #[allow(clippy::unnecessary_cast)] // f_type's width differs between libcs
-    Ok(st.f_type as i64 == BTRFS_SUPER_MAGIC)
+    Ok(st.f_type as i64)
+}
+
+/// btrfs's magic number, as [`fs_magic`] reads it.
+pub(crate) fn fs_magic_btrfs() -> i64 {
+    BTRFS_SUPER_MAGIC
+}
+
+/// A filesystem's name from its magic number ([`fs_magic`]), for messages:
+/// those a volumes root is likely on, else the number. ext2, ext3 and ext4
+/// share one number, and are named together.
+pub(crate) fn fs_name_of_magic(magic: i64) -> String {
+    match magic {
+        BTRFS_SUPER_MAGIC => "btrfs".to_owned(),
+        0xef53 => "ext2/ext3/ext4".to_owned(),
+        0x5846_5342 => "xfs".to_owned(),
+        0x0102_1994 => "tmpfs".to_owned(),
+        0x794c_7630 => "overlayfs".to_owned(),
+        0x2fc1_2fc1 => "zfs".to_owned(),
+        0xf2f5_2010 => "f2fs".to_owned(),
+        0x6969 => "nfs".to_owned(),
+        other => format!("a filesystem of type {other:#x}"),
+    }
 }
 
 /// Creates the symlink `name` in `dir` pointing at `target`, never

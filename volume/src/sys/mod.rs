@@ -88,10 +88,11 @@ pub use subvolume_info::{Nested, SUBVOLUME_ROOT_INO, SubvolumeInfo, subvolume_in
 pub(crate) use clone::ficlone;
 pub(crate) use fs::{
     block_size, canonicalize, chmod, chmod_at, chown, chown_at, create_dir_all, create_file_at,
-    effective_ids, link_at, lock_exclusive, lock_shared, major_minor, mkdir_if_missing,
-    mkdir_path_if_missing, mknod_at, mount_id, mount_id_at, open_read_at, open_write_at,
-    read_link_at, require_mount_id, set_times_at, stat_existing_at, symlink_at, syncfs, touch_at,
-    truncate, try_lock_exclusive, unlink_at, unlink_if_exists, unlock,
+    effective_ids, fs_magic, fs_magic_btrfs, fs_name_of_magic, link_at, lock_exclusive,
+    lock_shared, major_minor, mkdir_if_missing, mkdir_path_if_missing, mknod_at, mount_id,
+    mount_id_at, open_read_at, open_write_at, read_link_at, require_mount_id, set_times_at,
+    stat_existing_at, symlink_at, syncfs, touch_at, truncate, try_lock_exclusive, unlink_at,
+    unlink_if_exists, unlock,
 };
 #[cfg(all(feature = "failpoints", startos_failpoints))]
 pub(crate) use fs::{kill_self, stop_self};
