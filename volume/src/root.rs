@@ -114,14 +114,13 @@ impl Root {
     }
 
     /// The type of the filesystem the root is on, for messages: as its
-    /// mount table entry names it (`ext4`), else from statfs's magic number
-    /// (`ext2/ext3/ext4`, or the number). Reads the mount table: best
-    /// effort, never an error.
+    /// mount table entry names it (`ext4`), else statfs's magic number.
+    /// Reads the mount table: best effort, never an error.
     pub fn filesystem(&self) -> String {
         let from_table = || -> Option<String> {
             let id = sys::mount_id(self.fd()).ok()??;
-            let (_, table) = sys::own_mount_table().ok()?;
-            crate::mounts::fs_type_of_mount(&table, id)
+            let own = sys::own_mount_table().ok()?;
+            crate::mounts::fs_type_of_mount(&own.mountinfo, id)
         };
         from_table().unwrap_or_else(|| sys::fs_name_of_magic(self.magic))
     }
