@@ -13,10 +13,9 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::{FileTypeExt, symlink};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 
 use common::cli::*;
 use common::*;
@@ -1012,58 +1011,6 @@ fn nested_subvolumes_keep_their_kind_and_read_only_flag_through_backup_and_resto
 
 // ---------------------------------------------------------------- mount namespaces
 
-/// A process in a mount namespace of its own, holding a bind mount of
-/// `source` at `target`, as a container holds a dependency's volume. Killed
-/// on drop.
-struct Holder {
-    child: Child,
-}
-
-impl Holder {
-    fn bind(source: &Path, target: &Path) -> Holder {
-        fs::create_dir_all(target).unwrap();
-        let script = format!(
-            "mount --bind '{}' '{}' && echo ready && exec sleep 600",
-            source.display(),
-            target.display()
-        );
-        let mut child = Command::new("unshare")
-            .args(["--mount", "--propagation", "private", "sh", "-c", &script])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("unshare");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert_eq!(line.trim(), "ready", "the holder could not mount");
-        // "ready" comes before the exec: wait for the process to be the
-        // `sleep` that messages name.
-        let comm = format!("/proc/{}/comm", child.id());
-        let start = std::time::Instant::now();
-        while fs::read_to_string(&comm).unwrap_or_default().trim() != "sleep" {
-            assert!(
-                start.elapsed().as_secs() < 10,
-                "the holder never became sleep"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-        Holder { child }
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-}
-
-impl Drop for Holder {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// A bind mount of the volume that only another mount namespace holds
 /// never stops a restore or a delete: each goes on, keeps the tree the
 /// mount shows under `app.held` while it is mounted, and names the process
@@ -1075,7 +1022,7 @@ fn a_bind_mount_held_in_another_mount_namespace_never_blocks_restore_or_delete()
     let root = volumes_root(&fs);
     app_with_backup(&root);
     let target = fs.path("container-root/data");
-    let holder = Holder::bind(&root.join("app/data/main"), &target);
+    let holder = NsHolder::bind(&root.join("app/data/main"), &target);
     assert!(
         !integration::is_mounted(&target).unwrap(),
         "the mount must be invisible in this namespace"
@@ -1092,7 +1039,7 @@ fn a_bind_mount_held_in_another_mount_namespace_never_blocks_restore_or_delete()
     // A mount point with a newline in its name (a package can mount
     // inside its own namespace) still makes one line.
     let odd = fs.path("odd\nname");
-    let second = Holder::bind(&root.join("app/data/main"), &odd);
+    let second = NsHolder::bind(&root.join("app/data/main"), &odd);
     let replaced = digest(&root.join("app"));
     let out = volume_cli(&root, &["restore", "app"], &[]);
     must_succeed(&out, "restore under the mounts");
@@ -1110,7 +1057,7 @@ fn a_bind_mount_held_in_another_mount_namespace_never_blocks_restore_or_delete()
     let restored = digest(&root.join("app"));
     drop(second);
     // The restored volume, mounted again by the container, then deleted.
-    let again = Holder::bind(&root.join("app/data/main"), &fs.path("container-2/data"));
+    let again = NsHolder::bind(&root.join("app/data/main"), &fs.path("container-2/data"));
     let out = volume_cli(&root, &["delete", "app"], &[]);
     must_succeed(&out, "delete under the mount");
     assert!(text(&out.stderr).contains(&format!("pid {}", again.pid())));

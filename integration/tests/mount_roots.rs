@@ -207,41 +207,6 @@ impl Drop for Container {
     }
 }
 
-/// A process in a mount namespace of its own with our root, holding a
-/// bind mount of `source` at `target`, as a dependent's container holds a
-/// volume in `mount_held.rs`. Killed on drop.
-struct Dependent(Child);
-
-impl Dependent {
-    fn bind(source: &Path, target: &Path) -> Dependent {
-        fs::create_dir_all(target).unwrap();
-        let script = format!(
-            "mount --bind '{}' '{}' && echo ready && exec sleep 600",
-            source.display(),
-            target.display()
-        );
-        let mut child = Command::new("unshare")
-            .args(["--mount", "--propagation", "private", "sh", "-c", &script])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("unshare");
-        let stdout = child.stdout.take().unwrap();
-        let dependent = Dependent(child);
-        let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line).unwrap();
-        assert_eq!(line.trim(), "ready", "the dependent could not mount");
-        dependent
-    }
-}
-
-impl Drop for Dependent {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// `app`, a volume with `state` in it and a backup of it.
 fn app(root: &Path) -> VolumeStore {
     let store = VolumeStore::open(root).unwrap();
@@ -292,7 +257,7 @@ fn a_mount_at_a_held_trees_path_in_a_containers_own_root_keeps_it_no_longer() {
     let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
     let root = volumes_root(&fs);
     let store = app(&root);
-    let holder = Dependent::bind(&root.join("app/data/main"), &fs.path("lxc/dep/data"));
+    let holder = NsHolder::bind(&root.join("app/data/main"), &fs.path("lxc/dep/data"));
     let deleted = store.delete_outcome(&pkg("app")).expect("delete");
     assert!(deleted.held.is_some(), "the dependent holds it");
     assert!(root.join("app.held/1/data/main/state").exists());

@@ -465,7 +465,17 @@ fn drop_survives_a_crash_at_every_step() {
             Case {
                 failpoint: "drop.renamed",
                 expect: Expect::After,
-                why: "the backup was moved to the trash, which recovery empties",
+                why: "the backup was renamed to .drop, read-only, which recovery moves to the trash",
+            },
+            Case {
+                failpoint: "trash.writable",
+                expect: Expect::After,
+                why: "the backup was .drop, made writable, which recovery moves to the trash",
+            },
+            Case {
+                failpoint: "trash.moved",
+                expect: Expect::After,
+                why: "the backup was in the trash, not yet committed, which recovery empties",
             },
             Case {
                 failpoint: "delete-entry.writable",

@@ -1499,3 +1499,22 @@ fn info_never_fails_on_a_held_tree_reclaimed_meanwhile() {
         "{reclaims} reclaims, {reads} reads"
     );
 }
+
+/// A stray that is no tree in `<pkg>.held` (nothing the store puts there,
+/// but a crash or a hand may) goes as a held tree does once unmounted,
+/// never keeping the directory, and every recovery's warning, for ever.
+#[test]
+fn a_stray_file_in_the_held_directory_is_reclaimed() {
+    let fs = fs_or_skip!(LoopFs::btrfs(BTRFS_SIZE));
+    let root = volumes_root(&fs);
+    let store = open(&root);
+    let app = pkg("app");
+    store.create(&app, &[vol("main")]).expect("create");
+    fs::create_dir_all(root.join("app.held")).unwrap();
+    fs::write(root.join("app.held/1"), b"stray").unwrap();
+    symlink("/etc", root.join("app.held/2")).unwrap();
+    let rec = store.recover(&app).expect("recover");
+    assert_eq!(rec.actions.len(), 2, "{:?}", rec.actions);
+    assert_eq!(root_names(&root), ["app"]);
+    assert!(Path::new("/etc/passwd").exists(), "never followed");
+}

@@ -28,8 +28,8 @@ pub const INSTALL_BACKUP_SUFFIX: &str = ".install-backup";
 pub const CREATE_SUFFIX: &str = ".create";
 /// A backup being built; only renamed to the backup name once complete.
 pub const BACKUP_TMP_SUFFIX: &str = ".install-backup.tmp";
-/// A backup an earlier version was dropping (a drop now moves the backup
-/// into the trash); whatever is left of it is garbage.
+/// A backup being dropped, on its way to the trash ([`TRASH_DIR`]):
+/// garbage, read-only or not; recovery moves it there.
 pub const BACKUP_DROP_SUFFIX: &str = ".install-backup.drop";
 /// Record: which subvolumes nested in the backup were read-only in the
 /// volume (the backup freezes them all). Written before the backup gets its
@@ -60,10 +60,11 @@ pub const DELETE_SUFFIX: &str = ".delete";
 /// name in the root, and [`package_of`] and [`MAX_ID_LEN`] are unchanged.
 ///
 /// An entry is garbage once no mount in any namespace holds it: every
-/// operation's recovery, and so the boot's, deletes those, and the
-/// directory once it is empty. A crash leaves the directory empty (garbage)
-/// or a tree in it whole (the move in is one rename) or part-deleted
-/// (garbage, being unmounted). Nothing inside a held tree decides anything;
+/// operation's recovery, and so the boot's, moves those to the trash, and
+/// removes the directory once it is empty. A crash leaves the directory
+/// empty (garbage) or a tree in it whole (each move is one rename); out of
+/// metadata space, where nothing can be moved, an entry is deleted in
+/// place, and a crash leaves it part-deleted (garbage, unmounted). Nothing inside a held tree decides anything;
 /// only the entry names in this directory, which only the store makes.
 pub const HELD_SUFFIX: &str = ".held";
 /// The store's trash: a directory of the volumes root (not a package's:
@@ -73,9 +74,11 @@ pub const HELD_SUFFIX: &str = ".held";
 /// `<pkg>.<n>`, waiting to be deleted.
 ///
 /// Deleting a subvolume evicts its cached inodes and pages in the calling
-/// thread (about 4 s for a million cached files), so a restore or a delete
-/// moves the tree it no longer uses here under the package's lock (one
-/// rename and one commit: milliseconds at any size) and it is deleted from
+/// thread (about 4 s for a million cached files), and a plain directory
+/// (a reflink backup) goes entry by entry, so a restore, a delete, a drop
+/// of a backup and a recovery reclaiming a held tree move the tree they no
+/// longer use here under the package's lock (one rename and one commit:
+/// milliseconds at any size) and it is deleted from
 /// here after the lock is released, by [`crate::VolumeStore::empty_trash`]
 /// (inline, or in a background thread with [`crate::purge`]). A tree a
 /// mount still holds never comes here (it is kept in [`HELD_SUFFIX`]).

@@ -78,7 +78,8 @@ pub struct Holder {
 /// A tree a restore replaced, or a delete removed, that a mount still held:
 /// kept under the package's `<pkg>.held` (`volume::layout::HELD_SUFFIX`)
 /// rather than deleted, until no mount holds it; then the package's next
-/// operation, or the boot's recovery, deletes it.
+/// operation, or the boot's recovery, moves it to the trash, where it is
+/// deleted.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct HeldTree {
     /// Where it is kept now (`<root>/<pkg>.held/<n>`).

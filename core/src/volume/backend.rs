@@ -10,7 +10,8 @@ use volume::VolumeStore;
 
 /// The store as the drop-in's calls use it: every wait for a package's
 /// lock bounded by [`super::LOCK_PATIENCE`]; its trash (a restore's
-/// replaced volume, a deleted one, what recovery moved there) emptied
+/// replaced volume, a deleted one, a dropped backup, a held tree no longer
+/// mounted, what recovery moved there) emptied
 /// once it is dropped, in `volume::purge`'s thread: no call waits for
 /// it (seconds for a million cached files), nor does any other
 /// operation of the package.
@@ -187,6 +188,11 @@ pub(super) fn boot(
         }
     }
     sweep(&store, installed, all, &mut failed)?;
+    // What recovery and the sweep moved to the trash (a dropped backup, a
+    // reflink copy's every file) frees its space while the conversions
+    // run, whose room checks count what is free: not after them, when the
+    // store is dropped.
+    volume::purge::in_background(root);
     let migrator = volume_migrate::Migrator::open(root)?;
     let listed = migrator.packages()?;
     let installed_listed: Vec<PackageId> = listed

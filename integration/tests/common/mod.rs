@@ -9,6 +9,7 @@ pub mod rich;
 pub mod sweep;
 
 use std::fs::{self, File, OpenOptions};
+use std::io::BufRead;
 use std::os::unix::fs::{FileExt, symlink};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -390,4 +391,56 @@ pub fn converted<'a>(
         .filter(|p| is_subvolume(&root.join(p)))
         .map(|p| (p.clone(), uuid_of(&root.join(p))))
         .collect()
+}
+
+/// A process in a mount namespace of its own, holding a bind mount of
+/// `source` at `target`, as a container holds a dependency's volume. Killed
+/// on drop.
+pub struct NsHolder {
+    child: std::process::Child,
+}
+
+impl NsHolder {
+    pub fn bind(source: &Path, target: &Path) -> NsHolder {
+        fs::create_dir_all(target).unwrap();
+        let script = format!(
+            "mount --bind '{}' '{}' && echo ready && exec sleep 600",
+            source.display(),
+            target.display()
+        );
+        let mut child = Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("unshare");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), "ready", "the holder could not mount");
+        // "ready" comes before the exec: wait for the process to be the
+        // `sleep` that messages name.
+        let comm = format!("/proc/{}/comm", child.id());
+        let start = std::time::Instant::now();
+        while fs::read_to_string(&comm).unwrap_or_default().trim() != "sleep" {
+            assert!(
+                start.elapsed().as_secs() < 10,
+                "the holder never became sleep"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        NsHolder { child }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for NsHolder {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

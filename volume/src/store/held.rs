@@ -2,8 +2,9 @@
 //! took off the package's name, that a mount in some mount namespace still
 //! holds (a dependent's bind mount of its `data_dir`, say) is moved into
 //! `<pkg>.held/<n>` instead of being deleted, so nothing written through
-//! that mount is deleted while it is mounted; recovery deletes it once no
-//! mount holds it (see [`crate::layout::HELD_SUFFIX`]).
+//! that mount is deleted while it is mounted; recovery moves it to the
+//! trash, to be deleted off the lock, once no mount holds it (see
+//! [`crate::layout::HELD_SUFFIX`]).
 //!
 //! A mount never makes a restore or a delete fail: the operation goes on,
 //! and the holders are named in a warning and in its outcome, for the
@@ -228,12 +229,12 @@ impl VolumeStore {
                 }
                 match self.trash_garbage(pkg, dir.as_fd(), name) {
                     Ok(()) => actions.push(format!(
-                        "deleted {}, kept while it was mounted, now that no mount holds it",
+                        "deleted {} (into the trash), kept while it was mounted, now that no mount holds it",
                         path.display()
                     )),
                     Err(e) => {
                         kept += 1;
-                        tracing::warn!(package = %pkg, "could not delete {} (no longer mounted): {e}; the next recovery tries again", path.display());
+                        tracing::warn!(package = %pkg, "could not move {} (no longer mounted) to the trash: {e}; the next recovery tries again", path.display());
                     }
                 }
             }

@@ -36,9 +36,9 @@
 //!   `<pkg>.rollback` has the recorded identity is the restored volume:
 //!   `<pkg>` means the exchange happened (finish), `.rollback` that it did
 //!   not (exchange, then finish).
-//! - **drop**: the backup is moved into the trash, in one rename and one
-//!   commit (an earlier version renamed it to `.install-backup.drop`,
-//!   garbage that recovery moves there).
+//! - **drop**: the backup is renamed to `.install-backup.drop`, garbage,
+//!   made writable and moved into the trash, then committed; recovery
+//!   moves a `.drop` a crash left into the trash.
 //! - **delete**: `<pkg>` is renamed to `<pkg>.delete`, the commit point;
 //!   while `.delete` exists the delete is under way, so recovery drops the
 //!   backup, then deletes `.delete`, last.

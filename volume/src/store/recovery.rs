@@ -173,7 +173,12 @@ impl VolumeStore {
         match self.entry(&names.backup).with_ctx(io_ctx)? {
             Entry::Absent => self.exists_at(&names.backup_ro).with_ctx(io_ctx),
             Entry::Tree(VolumeKind::Subvolume) => {
-                let backup = sys::open_dir_at(self.root_fd(), &names.backup).with_ctx(io_ctx)?;
+                let backup = match sys::open_dir_at(self.root_fd(), &names.backup) {
+                    // Moved since the look (a drop, lock-free here): the
+                    // lock and recovery decide.
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(true),
+                    backup => backup.with_ctx(io_ctx)?,
+                };
                 Ok(!sys::is_read_only(backup.as_fd()).with_ctx(io_ctx)?)
             }
             Entry::Tree(VolumeKind::Directory) => Ok(false),
@@ -207,10 +212,10 @@ impl VolumeStore {
             actions.push(action.to_owned());
         }
         // A drop renamed the backup to `.drop` and died before moving it
-        // into the trash.
+        // into the trash (it may be writable by then).
         if self.tree(pkg, &names.backup_drop)?.is_some() {
             self.trash_garbage(pkg, self.root_fd(), &names.backup_drop)
-                .with_ctx(io_ctx("deleting a dropped backup"))?;
+                .with_ctx(io_ctx("moving a dropped backup to the trash"))?;
             actions.push("finished dropping the install backup".to_owned());
         }
         if self.tree(pkg, &names.backup)?.is_none() && self.tree(pkg, &names.backup_ro)?.is_some() {

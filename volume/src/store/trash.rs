@@ -152,11 +152,10 @@ const TRASH_TRIES: usize = 16;
 /// (its link count then 0) is made again.
 fn trash_held(root: BorrowedFd<'_>) -> io::Result<OwnedFd> {
     for _ in 0..TRASH_TRIES {
-        let made = match sys::mkdir_at(root, OsStr::new(TRASH_DIR), 0o700) {
-            Ok(()) => true,
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => false,
-            Err(e) => return Err(e),
-        };
+        match sys::mkdir_at(root, OsStr::new(TRASH_DIR), 0o700) {
+            Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err(e),
+            _ => {}
+        }
         let dir = match sys::open_dir_at(root, OsStr::new(TRASH_DIR)) {
             Ok(d) => d,
             Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
@@ -166,9 +165,10 @@ fn trash_held(root: BorrowedFd<'_>) -> io::Result<OwnedFd> {
         if sys::stat(dir.as_fd())?.nlink == 0 {
             continue;
         }
-        if made {
-            sys::fsync(root)?;
-        }
+        // Its making is not synced here: the move into it commits (off
+        // btrfs, syncs the root) once it renamed, which makes both durable
+        // at once; a crash before leaves an empty trash or none, garbage
+        // either way.
         return Ok(dir);
     }
     Err(io::Error::new(
@@ -213,7 +213,7 @@ impl VolumeStore {
     /// trash, durably (one rename, one commit): for `pkg`, whose lock the
     /// caller holds. A crash leaves it under `name` or in the trash.
     pub(super) fn trash(&self, pkg: &PackageId, name: &OsStr) -> Result<(), Error> {
-        let moved = match self.move_to_trash(pkg, self.root_fd(), name) {
+        let moved = match self.move_into_trash(pkg, self.root_fd(), name) {
             // Out of metadata space, the trash cannot be made nor the tree
             // moved; deleting the tree is what frees space, and a subvolume
             // with nothing nested goes in one step, under its own name.
@@ -223,7 +223,7 @@ impl VolumeStore {
                 Ok(false) => Err(e),
                 Err(other) => Err(other),
             },
-            r => r,
+            r => r.and_then(|()| self.commit_trash()),
         };
         moved.with_ctx(|_| {
             (
@@ -237,42 +237,60 @@ impl VolumeStore {
         })
     }
 
-    /// Moves the tree `name` of `from` (the root, or `<pkg>.held`), under
+    /// Moves the entry `name` of `from` (the root, or `<pkg>.held`), under
     /// a name that says it is garbage (`.install-backup.drop`, a held tree
     /// no longer mounted), into the trash, durably. Out of metadata space,
-    /// where nothing can be moved, deletes it in place: a crash part-way
-    /// leaves less of the same garbage, under the same name.
+    /// where it cannot be moved, deletes it in place: a crash part-way
+    /// leaves less of the same garbage, under the same name. A failure
+    /// once it moved (its commit) is returned as it is.
     pub(super) fn trash_garbage(
         &self,
         pkg: &PackageId,
         from: BorrowedFd<'_>,
         name: &OsStr,
     ) -> io::Result<()> {
-        match self.move_to_trash(pkg, from, name) {
+        match self.move_into_trash(pkg, from, name) {
             Err(e) if is_enospc(&e) => delete_tree_at(from, name).and_then(|()| sys::fsync(from)),
-            r => r,
+            r => r.and_then(|()| self.commit_trash()),
         }
     }
 
-    /// Moves the entry `name` of `from` (the root, or a directory of the
+    /// Renames the entry `name` of `from` (the root, or a directory of the
     /// store's own under it) into the trash under `pkg`'s next number
-    /// there, then commits: the caller holds `pkg`'s lock, and `name` is
-    /// garbage, so a read-only subvolume there (a dropped backup) is made
-    /// writable first: moving a directory to another parent rewrites its
-    /// `..`, which a read-only subvolume refuses (EROFS). A crash leaves it
-    /// under `name` (writable or not) or in the trash, whole either way.
-    fn move_to_trash(&self, pkg: &PackageId, from: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
-        let top = sys::open_dir_at(from, name)?;
-        if sys::is_subvolume(top.as_fd())? && sys::is_read_only(top.as_fd())? {
-            sys::set_read_only(top.as_fd(), false)?;
+    /// there; the caller holds `pkg`'s lock, and commits after
+    /// ([`VolumeStore::commit_trash`]). `name` is garbage, so a read-only
+    /// subvolume there (a dropped backup) is made writable first: moving a
+    /// directory to another parent rewrites its `..`, which a read-only
+    /// subvolume refuses (EROFS). An entry that is no directory (a stray
+    /// in `<pkg>.held`) moves as it is. A crash leaves it under `name`
+    /// (writable or not) or in the trash, whole either way.
+    fn move_into_trash(
+        &self,
+        pkg: &PackageId,
+        from: BorrowedFd<'_>,
+        name: &OsStr,
+    ) -> io::Result<()> {
+        match sys::open_dir_at(from, name) {
+            Ok(top) => {
+                if sys::is_subvolume(top.as_fd())? && sys::is_read_only(top.as_fd())? {
+                    sys::set_read_only(top.as_fd(), false)?;
+                    failpoint("trash.writable")?;
+                }
+            }
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP)) => {}
+            Err(e) => return Err(e),
         }
-        drop(top);
         // Held shared until the rename is done: no emptying removes it
         // meanwhile (see `trash_held`).
         let dir = trash_held(self.root_fd())?;
         // Only `pkg`'s operations, under its lock, make its names.
         let to = super::next_numbered(dir.as_fd(), &format!("{pkg}."))?;
-        sys::rename_at(from, name, dir.as_fd(), &to)?;
+        sys::rename_at(from, name, dir.as_fd(), &to)
+    }
+
+    /// Makes a move into the trash durable, and the trash's making with
+    /// it: the root's commit ([`VolumeStore::commit_root`]).
+    fn commit_trash(&self) -> io::Result<()> {
         failpoint("trash.moved")?;
         self.commit_root()
     }

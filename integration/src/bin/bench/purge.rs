@@ -239,7 +239,7 @@ pub fn print(r: &Report) {
         if let Some(inline) = inline {
             println!(
                 "drop of a reflink backup of {} files: the call {} deferred against {} inline \
-                 (as it was, deleted in the call): {:.3}x",
+                 (the delete waited on in the call, as every caller's drop did before): {:.3}x",
                 fmt_count(deferred.files),
                 fmt_duration(Duration::from_secs_f64(deferred.call)),
                 fmt_duration(Duration::from_secs_f64(inline.call)),
