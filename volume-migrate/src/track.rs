@@ -82,6 +82,15 @@ impl<'s> Tracker<'s> {
         if self.p.phase == Phase::Clone && phase == Phase::Sync && self.p.totals_known {
             self.p.extents_done = self.p.extents_total;
         }
+        // A phase that does the work over from nothing (a clone after a
+        // cut that failed part-way, a cut after a clone that could not
+        // finish, the old tree's removal) counts from nothing: carried
+        // over, the first's count ran on past the total, or the second's
+        // absolute count (`entries`) went back below it.
+        if phase != self.p.phase && matches!(phase, Phase::Clone | Phase::Carve | Phase::RemoveOld)
+        {
+            self.restart();
+        }
         self.p.phase = phase;
         if phase == Phase::Done {
             self.p.eta = Some(Duration::ZERO);
@@ -148,6 +157,17 @@ impl<'s> Tracker<'s> {
         self.maybe_send();
     }
 
+    /// Nothing done yet, the totals kept: the work starts over.
+    fn restart(&mut self) {
+        self.p.bytes_done = 0;
+        self.p.extents_done = 0;
+        self.p.entries_done = 0;
+        self.work_at_start = None;
+        self.reused_work = 0;
+        self.current_bytes = None;
+        self.current_extents = None;
+    }
+
     fn maybe_send(&mut self) {
         if self
             .last_sent
@@ -158,6 +178,12 @@ impl<'s> Tracker<'s> {
     }
 
     fn send(&mut self) {
+        // Once the totals are known, never past them (a file that grew
+        // while it was cloned, an entry made meanwhile).
+        if self.p.totals_known {
+            self.p.bytes_done = self.p.bytes_done.min(self.p.bytes_total);
+            self.p.entries_done = self.p.entries_done.min(self.p.entries_total);
+        }
         let done = self.p.work_done().saturating_sub(self.reused_work);
         let start = *self.work_at_start.get_or_insert(done);
         let elapsed = self.started.elapsed();
@@ -172,5 +198,61 @@ impl<'s> Tracker<'s> {
         }
         self.last_sent = Some(Instant::now());
         self.sink.progress(&self.p);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cut that fails part-way, then the clone instead, then a clone
+    /// that fails and a carve after it: each report within its totals,
+    /// and each work phase counting from nothing.
+    #[test]
+    fn a_fallback_counts_its_work_from_nothing_and_never_past_the_total() {
+        let mut seen: Vec<Progress> = Vec::new();
+        let mut sink = |p: &Progress| seen.push(p.clone());
+        let est = Estimate {
+            entries: 10,
+            files: 10,
+            bytes: 100,
+            extents: 10,
+            nested_subvolumes: 0,
+        };
+        {
+            let pkg: PackageId = "app".parse().expect("an id");
+            let mut t = Tracker::new(pkg, est, &mut sink);
+            t.scanned(est, ExtentsByInode::default());
+            t.phase(Phase::Carve);
+            t.entries(7);
+            t.phase(Phase::Scan);
+            t.phase(Phase::Clone);
+            for i in 0..12u64 {
+                t.file_data((1, i), 10, 10, 10);
+                t.entry_copied(std::path::Path::new("f"));
+                t.send();
+            }
+            t.phase(Phase::Carve);
+            t.entries(3);
+            t.send();
+        }
+        for p in &seen {
+            assert!(p.entries_done <= p.entries_total, "{p:?}");
+            assert!(p.bytes_done <= p.bytes_total, "{p:?}");
+            assert!(p.extents_done <= p.extents_total, "{p:?}");
+        }
+        let carve = seen
+            .iter()
+            .rev()
+            .find(|p| p.phase == Phase::Carve)
+            .expect("a carve");
+        assert_eq!(carve.entries_done, 3, "{carve:?}");
+        let clone = seen
+            .iter()
+            .filter(|p| p.phase == Phase::Clone)
+            .map(|p| p.entries_done)
+            .collect::<Vec<_>>();
+        assert!(clone.windows(2).all(|w| w[0] <= w[1]), "{clone:?}");
+        assert_eq!(clone.last(), Some(&10), "{clone:?}");
     }
 }
