@@ -76,8 +76,8 @@ pub(super) enum Purge {
 /// (whose path, for messages, is `path`), then the trash itself if it is
 /// empty. Takes no lock: see [`TRASH_DIR`]. Returns how many
 /// trees it deleted. A tree it cannot delete is left for the next
-/// emptying, with a warning; the first such error is returned once the
-/// others were tried.
+/// emptying: the first such error is returned once the others were tried,
+/// each other one a warning.
 pub fn empty_trash_at(root: BorrowedFd<'_>, path: &Path) -> Result<usize, Error> {
     let trash = path.join(TRASH_DIR);
     let ctx = |what: String| move |_: &io::Error| (ErrorKind::DiskManagement, what);
@@ -98,16 +98,18 @@ pub fn empty_trash_at(root: BorrowedFd<'_>, path: &Path) -> Result<usize, Error>
             Ok(()) => deleted += 1,
             // Another purge deleted it first.
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            // The first is returned, for the caller to tell; each other
+            // one is a warning here, so each failure is told once.
+            Err(e) if first_error.is_some() => tracing::warn!(
+                "could not delete {}: {e}; the next purge tries again",
+                trash.join(name).display()
+            ),
             Err(e) => {
-                tracing::warn!(
-                    "could not delete {}: {e}; the next purge tries again",
-                    trash.join(name).display()
-                );
-                first_error.get_or_insert_with(|| {
+                first_error = Some(
                     Err::<(), _>(e)
                         .with_ctx(ctx(format!("deleting {}", trash.join(name).display())))
-                        .unwrap_err()
-                });
+                        .unwrap_err(),
+                );
             }
         }
     }
@@ -205,7 +207,7 @@ impl VolumeStore {
         if self.purge == Purge::Inline
             && let Err(e) = self.empty_trash()
         {
-            tracing::warn!("{e}");
+            tracing::warn!("{e}; the next purge, or the boot's recovery, tries again");
         }
     }
 
