@@ -451,3 +451,36 @@ fn progress_never_counts_past_its_total() {
     assert_eq!(last["phase"], "done", "{last}");
     assert_eq!(last["entries_done"], last["entries_total"], "{last}");
 }
+
+/// A root whose path is not UTF-8, with a stray in it, on btrfs and off
+/// it: every `--json` line is JSON naming it lossily (serde refuses such a
+/// path, and the event was built with `json!`, which panicked).
+#[test]
+fn a_root_whose_name_is_not_utf8_is_reported_in_json() {
+    use std::os::unix::ffi::OsStrExt;
+    for fs in [LoopFs::btrfs(512 << 20), LoopFs::ext4(64 << 20)] {
+        let fs = fs_or_skip!(fs);
+        let root = fs
+            .path("")
+            .join(std::ffi::OsStr::from_bytes(b"vol\xffumes"));
+        make_volume(&root, "lnd");
+        fs::write(root.join("stray"), b"not a volume").unwrap();
+        let o = Command::new(env!("CARGO_BIN_EXE_volume-migrate"))
+            .arg("--root")
+            .arg(&root)
+            .args(["--json", "--dry-run"])
+            .env_remove("STARTOS_VOLUME_FAILPOINT")
+            .output()
+            .expect("running volume-migrate");
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let lines = json_lines(&o);
+        let lossy = root.to_string_lossy();
+        assert!(
+            lines.iter().any(
+                |l| l["path"].as_str().is_some_and(|p| p.starts_with(&*lossy))
+                    || l["root"] == *lossy
+            ),
+            "{lines:?}"
+        );
+    }
+}

@@ -107,14 +107,16 @@ fn fail(json: bool, e: &models::Error, code: u8) -> ExitCode {
 fn report_skipped(migrator: &volume_migrate::Migrator, json: bool) -> Result<(), models::Error> {
     for s in migrator.skipped()? {
         if json {
+            // A name need not be UTF-8: serde refuses such a path (and
+            // `json!` would panic), so it goes as lossy text.
             json_line(serde_json::json!({
                 "event": "skipped",
                 "package": s.name,
-                "path": s.path,
+                "path": s.path.to_string_lossy(),
                 "why": s.why,
             }));
         } else {
-            tracing::warn!("skipped {}: {}", s.path.display(), s.why);
+            tracing::warn!("skipped {}: {}", volume::walk::printable(&s.path), s.why);
         }
     }
     Ok(())
@@ -148,7 +150,7 @@ fn run(cli: Cli) -> ExitCode {
         if cli.json {
             json_line(serde_json::json!({
                 "event": "not-btrfs",
-                "root": migrator.root(),
+                "root": migrator.root().to_string_lossy(),
                 "message": msg,
                 "why": why,
             }));
