@@ -182,10 +182,13 @@ fn finalization() {
             );
         }
         // Every error the system call's failure surfaced as names the
-        // package it happened to; but for the background purge's removal
-        // of the shared trash directory, which is no package's (its
-        // entries, `<pkg>.<n>`, name theirs).
-        let shared_trash = |l: &str| l.contains("could not remove ") && l.contains("/.trash: ");
+        // package it happened to; but for the background purge's work on
+        // the shared trash (opening the root, removing the directory),
+        // which is no package's (its entries, `<pkg>.<n>`, name theirs).
+        let shared_trash = |l: &str| {
+            (l.contains("could not remove ") && l.contains("/.trash: "))
+                || (l.contains("volume::purge") && l.contains("emptying the trash of "))
+        };
         for line in out
             .stderr
             .lines()
