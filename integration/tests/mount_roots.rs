@@ -216,6 +216,18 @@ fn app(root: &Path) -> VolumeStore {
     store
 }
 
+/// app deleted, nothing of it kept under `app.held`: no spoof held it.
+fn deleted_holding_nothing(store: &VolumeStore, root: &Path) {
+    let deleted = store.delete_outcome(&pkg("app")).expect("delete");
+    assert!(deleted.deleted);
+    assert!(
+        deleted.held.is_none(),
+        "the container's own tmpfs held app's deleted volume: {:?}",
+        deleted.held
+    );
+    assert!(!root.join("app.held").exists());
+}
+
 /// Today a tmpfs a package mounts in its own container at `app.delete`
 /// (or `app.replaced`) keeps app's deleted (replaced) volume under
 /// `app.held`, for as long as that container runs.
@@ -237,14 +249,7 @@ fn a_mount_at_a_removed_volumes_path_in_a_containers_own_root_holds_nothing() {
         "the container's own tmpfs held app's replaced volume: {:?}",
         restored.held
     );
-    let deleted = store.delete_outcome(&pkg("app")).expect("delete");
-    assert!(deleted.deleted);
-    assert!(
-        deleted.held.is_none(),
-        "the container's own tmpfs held app's deleted volume: {:?}",
-        deleted.held
-    );
-    assert!(!root.join("app.held").exists());
+    deleted_holding_nothing(&store, &root);
     assert!(!root.join("app").exists());
     drop(spoof);
 }
@@ -286,14 +291,7 @@ fn a_mount_at_a_deleted_volumes_path_in_a_containers_fuse_root_holds_nothing() {
     let root = volumes_root(&fs);
     let store = app(&root);
     let spoof = Container::on_fuse(&fs.path("lxc/evil"), &[root.join("app.delete")]);
-    let deleted = store.delete_outcome(&pkg("app")).expect("delete");
-    assert!(deleted.deleted);
-    assert!(
-        deleted.held.is_none(),
-        "the container's own tmpfs held app's deleted volume: {:?}",
-        deleted.held
-    );
-    assert!(!root.join("app.held").exists());
+    deleted_holding_nothing(&store, &root);
     drop(spoof);
 }
 
