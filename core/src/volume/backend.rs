@@ -11,10 +11,9 @@ use volume::VolumeStore;
 /// The store as the drop-in's calls use it: every wait for a package's
 /// lock bounded by [`super::LOCK_PATIENCE`]; its trash (a restore's
 /// replaced volume, a deleted one, a dropped backup, a held tree no longer
-/// mounted, what recovery moved there) emptied
-/// once it is dropped, in `volume::purge`'s thread: no call waits for
-/// it (seconds for a million cached files), nor does any other
-/// operation of the package.
+/// mounted, what recovery moved there) emptied once it is dropped, in
+/// `volume::purge`'s thread: no call waits for it (seconds for a million
+/// cached files), nor does any other operation of the package.
 struct Store(VolumeStore);
 
 impl std::ops::Deref for Store {

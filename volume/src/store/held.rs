@@ -190,10 +190,11 @@ impl VolumeStore {
     /// Moves each tree of `<pkg>.held` that no mount in any namespace
     /// holds any more into the trash (`trash_garbage`: deleted once the
     /// lock is released, as every tree the store no longer uses), then
-    /// removes the directory once empty; one action line per tree. Never fails for a held tree: one still mounted is
-    /// kept, and a failure to read the mount tables or to delete one is a
-    /// warning (the next recovery tries again), so no operation of the
-    /// package ever fails because a dependent still holds an old volume.
+    /// removes the directory once empty; one action line per tree. Never
+    /// fails for a held tree: one still mounted is kept, and a failure to
+    /// read the mount tables or to move one is a warning (the next
+    /// recovery tries again), so no operation of the package ever fails
+    /// because a dependent still holds an old volume.
     pub(super) fn reclaim_held(
         &self,
         pkg: &PackageId,

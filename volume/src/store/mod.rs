@@ -53,7 +53,8 @@
 //!   a deleted one (`.delete`), that a mount still holds is moved into
 //!   `<pkg>.held/<n>` in one rename rather than deleted; an entry there is
 //!   garbage once no mount holds it, moved to the trash by recovery, then
-//!   the empty directory removed. No mount ever makes a restore or a delete fail.
+//!   the empty directory removed. No mount ever makes a restore or a
+//!   delete fail.
 //!
 //! ## Where each operation lives
 //!

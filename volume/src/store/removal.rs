@@ -39,10 +39,9 @@ impl VolumeStore {
     /// `<pkg>.install-backup.drop`, made writable (which commits) and
     /// moved into the trash, then committed: a crash leaves the backup
     /// whole under its name, or garbage (`.drop`, which recovery moves on,
-    /// or in the trash). It is deleted
-    /// after the lock is released, by this call or, with
-    /// [`VolumeStore::with_deferred_purge`], by the caller (see
-    /// [`crate::layout::TRASH_DIR`]).
+    /// or in the trash). It is deleted after the lock is released, by this
+    /// call or, with [`VolumeStore::with_deferred_purge`], by the caller
+    /// (see [`crate::layout::TRASH_DIR`]).
     pub fn drop_backup(&self, pkg: &PackageId) -> Result<bool, Error> {
         let Some(names) = self.present(pkg)? else {
             return Ok(false);

@@ -25,11 +25,11 @@
 //! `recover_all`); another operation whose recovery moves a crash's
 //! leftover or a held tree no longer mounted there (a create after a
 //! crashed delete, say) leaves it for the next of those, the boot's
-//! included: garbage either way. A dropped backup went the same way as the
-//! rest: deleted under the lock, a reflink backup of 100k files held the
-//! install that start-core finishes for 1.6 s, and a snapshot backup cost
-//! a commit per nested subvolume. So did a held tree once unmounted (0.5 s
-//! for 200k cached files).
+//! included: garbage either way. A dropped backup and a held tree once
+//! unmounted come here too: deleted under the lock, as they were, a
+//! reflink backup of 100k files held the install that start-core finishes
+//! for 1.6 s (a snapshot backup, a commit per nested subvolume), and a held
+//! tree of 200k cached files its package's next operation for 0.5 s.
 //!
 //! No package's lock guards the trash: only a package's own operations,
 //! under that package's lock, put entries in (named after the package,
